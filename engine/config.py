@@ -1,0 +1,154 @@
+"""Typed, validated engine configuration: one frozen dataclass per concern."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+SchedulerPolicy = Literal["continuous", "static"]
+PreemptionMode = Literal["auto", "recompute", "swap"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a user-facing dtype name to a torch dtype (float32, bfloat16, float64)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float64")
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float64"
+        ) from None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache shape and size.
+
+    Exactly one of `num_kv_blocks` / `kv_cache_memory_bytes` sizes the device
+    pool; when neither is given the pool is sized from `kv_cache_memory_bytes`'s
+    default budget. The swap pool (CPU side, for swap preemption) is sized by
+    `num_swap_blocks` or, if that is None, by `swap_space_bytes`.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_swap_blocks: int | None = None
+    swap_space_bytes: int = 256 * 1024**2
+
+    DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory_bytes, not both")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
+            raise ValueError("num_swap_blocks must be >= 0")
+        if self.swap_space_bytes < 0:
+            raise ValueError("swap_space_bytes must be >= 0")
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """Number of device blocks, from the explicit count or the memory budget."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        budget = self.kv_cache_memory_bytes or self.DEFAULT_KV_CACHE_MEMORY_BYTES
+        num_blocks = budget // bytes_per_block
+        if num_blocks <= 0:
+            raise ValueError(
+                f"kv cache budget of {budget} bytes holds no block of {bytes_per_block} bytes"
+            )
+        return num_blocks
+
+    def resolve_num_swap_blocks(self, bytes_per_block: int) -> int:
+        if self.num_swap_blocks is not None:
+            return self.num_swap_blocks
+        return self.swap_space_bytes // bytes_per_block
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token-budget, iteration-level scheduling limits and policies.
+
+    - `max_num_batched_tokens`: tokens (decode tokens + prefill chunk tokens)
+      run in one forward pass.
+    - `max_num_seqs`: sequences in one forward pass.
+    - `policy`: "continuous" (iteration-level) or "static" (fill a batch of up
+      to max_num_seqs, run it to completion, then admit the next batch).
+    - `preemption_mode`: "auto" picks recompute or swap per sequence by
+      estimated cost; "recompute" / "swap" force one kind (swap falls back to
+      recompute when the swap pool is full).
+    - `priority_aging_steps`: a waiting request's effective priority improves
+      by one for every this many steps it waits, so low priority cannot starve.
+    - `admission_reserve_steps`: admitting a request requires free blocks for
+      its next chunk plus this many decode steps of growth, so a newcomer is not
+      preempted right away.
+    - `long_prefill_token_threshold`: cap on one request's chunk per step
+      (0 = only the step budget limits it), so one long prompt cannot take a
+      whole step from the others.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: SchedulerPolicy = "continuous"
+    preemption_mode: PreemptionMode = "auto"
+    priority_aging_steps: int = 64
+    admission_reserve_steps: int = 4
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"scheduler_policy must be 'continuous' or 'static', got {self.policy!r}")
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'auto', 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.priority_aging_steps <= 0:
+            raise ValueError("priority_aging_steps must be positive")
+        if self.admission_reserve_steps < 0:
+            raise ValueError("admission_reserve_steps must be >= 0")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from."""
+
+    model: str = "smollm2-135m"
+    dtype: torch.dtype = torch.float32
+    max_model_len: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None
+    attention_backend: str = "torch"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError("num_threads must be positive")

@@ -1,0 +1,220 @@
+"""LLMEngine: the step-level API (add_request / step / abort) the workers drive."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.block_pool import KVCacheManager, cdiv
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, detokenize
+from engine.kv_cache import KVCache, KVLayout
+from engine.model.loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput, StepOutput
+from engine.preemption import PreemptionCostModel
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerStats
+
+
+class LLMEngine:
+    """One model, one paged KV cache, one scheduler; advanced one step at a time.
+
+    Not thread-safe: one thread calls add_request / abort_request / step (the
+    workers run it on a dedicated thread, off the event loop).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if loaded is None:
+            loaded = load_model(
+                config.model, config.dtype, config.max_model_len, config.attention_backend
+            )
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.max_model_len = loaded.max_model_len
+        arch = loaded.arch
+        self.vocab_size = arch.vocab_size
+        block_size = config.cache.block_size
+        self.kv_layout = KVLayout(
+            num_layers=arch.num_layers,
+            block_size=block_size,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            dtype=config.dtype,
+        )
+        bytes_per_block = self.kv_layout.bytes_per_block
+        num_blocks = config.cache.resolve_num_blocks(bytes_per_block)
+        num_swap_blocks = config.cache.resolve_num_swap_blocks(bytes_per_block)
+        self.kv_manager = KVCacheManager(
+            num_blocks=num_blocks,
+            num_swap_blocks=num_swap_blocks,
+            block_size=block_size,
+            max_blocks_per_seq=cdiv(self.max_model_len, block_size),
+            initial_rows=min(config.scheduler.max_num_seqs, 1024),
+        )
+        self.kv_cache = KVCache(self.kv_layout, num_blocks, num_swap_blocks)
+        self.cost_model = PreemptionCostModel(bytes_per_block)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, self.cost_model, self.max_model_len
+        )
+        self.runner = ModelRunner(
+            loaded.model,
+            self.kv_cache,
+            self.kv_manager,
+            num_heads=arch.num_heads,
+            seed=config.seed,
+        )
+        self._request_counter = itertools.count()
+        self._aborted_outputs: list[RequestOutput] = []
+
+    # --------------------------------------------------------------- requests
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt token ids")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Queue a request; it joins the batch at the next step. Raises ValueError on bad input."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab_size = self.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+        if request_id is None:
+            request_id = f"req-{next(self._request_counter)}"
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            eos_token_ids=self.eos_token_ids,
+        )
+        if params.stop and self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request in any state and free all it holds; reported in the next step's outputs."""
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return False
+        self._aborted_outputs.append(self._final_output(request, []))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted_outputs)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.scheduler.requests.get(request_id)
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> StepOutput:
+        """Schedule, run one forward pass, sample, and report each request's new tokens."""
+        started = time.perf_counter()
+        scheduler = self.scheduler
+        sched_out = scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        finished = scheduler.update_from_output(
+            sched_out, runner_out.requests, runner_out.token_ids
+        )
+        finished_ids = {request.request_id for request in finished}
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        sampler_out = runner_out.sampler_output
+        for index, (request, token_id) in enumerate(zip(runner_out.requests, runner_out.token_ids)):
+            new_logprobs = None
+            if request.logprobs is not None and sampler_out is not None and sampler_out.logprobs:
+                entry = sampler_out.logprobs[index]
+                request.logprobs.append(entry)
+                new_logprobs = [entry]
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            if request.detokenizer is not None and not request.is_finished:
+                request.detokenizer.append([token_id])
+                if request.detokenizer.stop_matched is not None:
+                    request.stop_reason = request.detokenizer.stop_matched
+                    scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                    finished_ids.add(request.request_id)
+            if request.request_id in finished_ids:
+                outputs.append(self._final_output(request, [token_id], new_logprobs))
+            else:
+                outputs.append(
+                    RequestOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[token_id],
+                        finished=False,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_output_tokens=request.num_output_tokens,
+                        new_logprobs=new_logprobs,
+                    )
+                )
+        seconds = time.perf_counter() - started
+        if sched_out.total_num_scheduled_tokens >= 64:
+            self.cost_model.observe_prefill(sched_out.total_num_scheduled_tokens, seconds)
+        if runner_out.swap_bytes:
+            self.cost_model.observe_swap(runner_out.swap_bytes, runner_out.swap_seconds)
+        return StepOutput(
+            outputs=outputs,
+            num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
+            num_scheduled_seqs=len(sched_out.requests),
+            num_preempted=len(sched_out.preempted),
+            step_seconds=seconds,
+        )
+
+    def _final_output(
+        self, request: Request, new_token_ids: list[int], new_logprobs: list | None = None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finished=True,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            text=self.output_text(request),
+            new_logprobs=new_logprobs,
+        )
+
+    def output_text(self, request: Request) -> str | None:
+        """The request's output text so far (whole, truncated at a stop string)."""
+        if self.tokenizer is None:
+            return None
+        if request.detokenizer is not None:
+            if request.detokenizer.stop_matched is None and request.is_finished:
+                request.detokenizer.flush()
+            return request.detokenizer.text
+        return detokenize(
+            self.tokenizer,
+            request.output_token_ids,
+            skip_special_tokens=request.sampling_params.skip_special_tokens,
+        )
+
+    # ---------------------------------------------------------------- metrics
+    def get_metrics(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

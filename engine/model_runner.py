@@ -1,0 +1,101 @@
+"""Runs one step: swaps, the forward pass over a flattened batch, sampling."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_pool import KVCacheManager
+from engine.forward_batch import prepare_forward_batch
+from engine.kv_cache import KVCache
+from engine.request import Request
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """The tokens sampled in one step, one per request that caught up."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    sampler_output: SamplerOutput | None
+    swap_bytes: int = 0
+    swap_seconds: float = 0.0
+
+
+class ModelRunner:
+    """Owns the model, its KV tensors and the sampler; runs one step at a time."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        kv_manager: KVCacheManager,
+        num_heads: int,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv_manager = kv_manager
+        layout = kv_cache.layout
+        self.block_size = layout.block_size
+        self.num_heads = num_heads
+        self.num_kv_heads = layout.num_kv_heads
+        self.head_dim = layout.head_dim
+        self.dtype = layout.dtype
+        self.device = kv_cache.layers[0][0].device
+        self.backend = model.attention_backend
+        self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
+
+    # -------------------------------------------------------------- execution
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Swap, run the forward pass over the scheduled tokens, sample."""
+        swap_bytes = 0
+        swap_started = time.perf_counter()
+        if out.swap_out:
+            swap_bytes += self.kv_cache.swap_out(out.swap_out)
+        if out.swap_in:
+            swap_bytes += self.kv_cache.swap_in(out.swap_in)
+        swap_seconds = time.perf_counter() - swap_started if swap_bytes else 0.0
+        if not out.requests:
+            return ModelRunnerOutput([], [], None, swap_bytes, swap_seconds)
+        batch = prepare_forward_batch(out, self.kv_manager, self.device)
+        metadata = self.backend.build_metadata(
+            batch.attn,
+            block_size=self.block_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+        )
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn, metadata
+        )  # [N, hidden]
+        if not batch.sample_requests:
+            return ModelRunnerOutput([], [], None, swap_bytes, swap_seconds)
+        logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab]
+        sampling = self._sampling_batch(batch.sample_requests)
+        sampled = self.sampler(logits, sampling)
+        return ModelRunnerOutput(
+            batch.sample_requests, sampled.token_ids, sampled, swap_bytes, swap_seconds
+        )
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        params = [r.sampling_params for r in requests]
+        generators = [r.generator for r in requests]
+        histories = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            histories = [r.all_token_ids for r in requests]
+        banned = None
+        if any(p.min_tokens for p in params):
+            banned = [
+                list(r.eos_token_ids) + list(p.stop_token_ids)
+                if r.num_output_tokens < p.min_tokens
+                else []
+                for r, p in zip(requests, params)
+            ]
+        return SamplingBatch.build(params, generators, histories, banned_token_ids=banned)

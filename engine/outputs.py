@@ -1,0 +1,45 @@
+"""Records the engine hands back: per-step progress and whole completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's progress in one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    text: str | None = None  # the whole output text, on the finishing step when a tokenizer exists
+    new_logprobs: list | None = None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one engine step did."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    num_scheduled_seqs: int = 0
+    num_preempted: int = 0
+    step_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """A finished request, as `LLM.generate` returns it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list | None = None
+    queue_time: float | None = None
+    num_preemptions: int = 0

@@ -1,0 +1,58 @@
+"""Choosing how to preempt a sequence: recompute its KV later, or swap it to CPU."""
+
+from __future__ import annotations
+
+import enum
+
+
+class PreemptionKind(enum.Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+class PreemptionCostModel:
+    """Estimates both costs of preempting one sequence, from measured rates.
+
+    - recompute ~ prefill time of the tokens whose KV is dropped
+      (`num_tokens * prefill_seconds_per_token`);
+    - swap ~ bytes moved out now and back in later
+      (`2 * num_blocks * bytes_per_block / swap_bytes_per_second`).
+
+    The engine feeds both rates back as it measures them (exponential moving
+    averages), so the choice follows the hardware: on a GPU, swapping a long
+    sequence over PCIe beats re-running its prefill; a short one is cheaper to
+    recompute.
+    """
+
+    def __init__(
+        self,
+        bytes_per_block: int,
+        prefill_seconds_per_token: float = 2e-4,
+        swap_bytes_per_second: float = 4e9,
+        smoothing: float = 0.2,
+    ) -> None:
+        self.bytes_per_block = bytes_per_block
+        self.prefill_seconds_per_token = prefill_seconds_per_token
+        self.swap_bytes_per_second = swap_bytes_per_second
+        self._smoothing = smoothing
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens * self.prefill_seconds_per_token
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second
+
+    def choose(self, num_computed_tokens: int, num_blocks: int) -> PreemptionKind:
+        if self.swap_seconds(num_blocks) < self.recompute_seconds(num_computed_tokens):
+            return PreemptionKind.SWAP
+        return PreemptionKind.RECOMPUTE
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0 and seconds > 0:
+            rate = seconds / num_tokens
+            self.prefill_seconds_per_token += self._smoothing * (rate - self.prefill_seconds_per_token)
+
+    def observe_swap(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes > 0 and seconds > 0:
+            rate = num_bytes / seconds
+            self.swap_bytes_per_second += self._smoothing * (rate - self.swap_bytes_per_second)

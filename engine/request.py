@@ -1,0 +1,143 @@
+"""The request record: one generation request as the scheduler and runner see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # queued, holds no blocks (new, or preempted by recompute)
+    RUNNING = 1  # holds device blocks, scheduled every step it has work
+    SWAPPED = 2  # preempted by swap: its KV lives in the CPU swap pool
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """A request's tokens and progress.
+
+    The one progress counter is `num_computed_tokens`: how many of
+    `all_token_ids` have KV in the cache. Each step the scheduler gives the
+    request up to `num_tokens - num_computed_tokens` tokens of work (a prefill
+    chunk, or one decode token); when it catches up, the runner samples the
+    next token. Preemption by recompute sets it back to 0.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "all_token_ids",
+        "sampling_params",
+        "priority",
+        "arrival_time",
+        "arrival_step",
+        "arrival_index",
+        "status",
+        "num_computed_tokens",
+        "generator",
+        "detokenizer",
+        "eos_token_ids",
+        "sort_key",
+        "first_scheduled_time",
+        "first_token_time",
+        "finished_time",
+        "num_preemptions",
+        "stop_reason",
+        "logprobs",
+        "swap_block_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        priority: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_step: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_step = arrival_step
+        self.arrival_index = 0  # order of arrival at the scheduler, for ties
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
+        # Running-queue order: (effective priority at admission, admission sequence number).
+        self.sort_key: tuple[int, int] = (priority, 0)
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        self.swap_block_ids: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to the first step that ran any of its tokens."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,464 @@
+"""Token-budget, iteration-level scheduler with chunked prefill and preemption.
+
+One loop, no prefill/decode phases: each step every request's
+`num_computed_tokens` catches up with its `num_tokens` as far as the step's
+token budget allows. Order of service within a step:
+
+    1. RUNNING requests, highest priority first: one token when decoding, a
+       chunk when prefilling. A request whose table cannot grow preempts the
+       lowest-priority, most recently admitted running request (possibly
+       itself) by recompute or swap, whichever the cost model finds cheaper.
+    2. SWAPPED requests come back if nothing was preempted this step.
+    3. WAITING requests are admitted by priority with aging, if nothing was
+       preempted this step and their whole prompt plus a few decode steps of
+       growth fits in the free blocks.
+
+The "static" policy runs the same loop but admits a new batch only when every
+member of the previous one has finished.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockCopy, KVCacheManager, cdiv
+from engine.config import SchedulerConfig
+from engine.preemption import PreemptionCostModel, PreemptionKind
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What to run in one step.
+
+    `requests[i]` gets `num_scheduled_tokens[i]` tokens of work, starting at its
+    `num_computed_tokens`. The runner runs `swap_out` copies, then `swap_in`
+    copies, then the forward pass (freed blocks may be reused in the same step).
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    swap_out: list[BlockCopy] = field(default_factory=list)
+    swap_in: list[BlockCopy] = field(default_factory=list)
+    preempted: list[tuple[Request, PreemptionKind]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests and not self.swap_out and not self.swap_in
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's counters (see Scheduler.stats)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_swap_blocks_total: int
+    num_swap_blocks_used: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_swapped_blocks_out: int
+    num_steps: int
+    num_tokens_last_step: int
+    num_tokens_scheduled_total: int
+    mean_tokens_per_step: float
+    mean_seqs_per_step: float
+    kv_memory_efficiency: float
+    num_finished: int
+    mean_queue_time: float
+    queue_times: tuple[float, ...]
+
+
+class Scheduler:
+    """Owns the request queues and decides each step's work."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        cost_model: PreemptionCostModel,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.cost_model = cost_model
+        self.max_model_len = max_model_len
+        self.block_size = kv.block_size
+        self.requests: dict[str, Request] = {}
+        # Heap of (aging key, arrival sequence, request). Aging makes a request's
+        # effective priority `priority - waited_steps / aging_steps`; ordering by
+        # `priority * aging_steps + arrival_step` is the same order at every step.
+        self._waiting: list[tuple[int, int, Request]] = []
+        self.running: list[Request] = []  # sorted by Request.sort_key
+        self.swapped: list[Request] = []  # sorted by Request.sort_key
+        self._num_arrivals = 0
+        self._num_admissions = 0
+        self.step_index = 0
+        self._is_static = config.policy == "static"
+        self._static_batch: set[str] = set()
+        self._static_requeue: list[Request] = []  # batch members preempted by recompute
+        # Counters.
+        self.num_preemptions = {PreemptionKind.RECOMPUTE: 0, PreemptionKind.SWAP: 0}
+        self.num_swapped_blocks_out = 0
+        self.num_tokens_last_step = 0
+        self.num_tokens_total = 0
+        self._num_seqs_total = 0
+        self._kv_efficiency_total = 0.0
+        self._num_finished = 0
+        self._queue_time_total = 0.0
+        self.queue_times: list[float] = []
+
+    # ------------------------------------------------------------- requests
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._static_requeue)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError for a request that could never run here."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}"
+            )
+        peak_tokens = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        if cdiv(peak_tokens, self.block_size) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"request needs up to {cdiv(peak_tokens, self.block_size)} KV blocks; "
+                f"the cache has {self.kv.pool.num_blocks}"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        request.arrival_step = self.step_index
+        request.arrival_index = self._num_arrivals
+        self._num_arrivals += 1
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        key = request.priority * self.config.priority_aging_steps + request.arrival_step
+        heapq.heappush(self._waiting, (key, request.arrival_index, request))
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request in any state and free everything it holds."""
+        assert status.is_finished
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.kv.free(request.request_id)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.kv.free_swapped(request.request_id)
+        elif request in self._static_requeue:
+            self._static_requeue.remove(request)
+        else:
+            self._waiting = [entry for entry in self._waiting if entry[2] is not request]
+            heapq.heapify(self._waiting)
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.requests.pop(request.request_id, None)
+        self._static_batch.discard(request.request_id)
+        self._num_finished += 1
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        config = self.config
+        budget = config.max_num_batched_tokens
+        chunk_cap = config.long_prefill_token_threshold or budget
+        kv = self.kv
+        running = self.running
+        requests = out.requests
+        num_scheduled = out.num_scheduled_tokens
+
+        # 1. Running requests, highest priority first.
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            if num_new > chunk_cap:
+                num_new = chunk_cap
+            if num_new <= 0:
+                i += 1
+                continue
+            while not kv.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            ):
+                victim = running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                requests.append(request)
+                num_scheduled.append(num_new)
+                budget -= num_new
+                i += 1
+
+        if not out.preempted:
+            now = time.monotonic()
+            budget = self._schedule_swapped(out, budget, chunk_cap)
+            if self._is_static:
+                budget = self._admit_static(out, budget, chunk_cap, now)
+            else:
+                budget = self._admit_waiting(out, budget, chunk_cap, now)
+
+        out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
+        kv = self.kv
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, chunk_cap)
+            num_blocks = cdiv(request.num_computed_tokens + num_new, self.block_size)
+            if num_blocks + self._growth_reserve() > kv.num_free_blocks:
+                break
+            copies = kv.swap_in(request.request_id)
+            assert copies is not None
+            out.swap_in.extend(copies)
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=_sort_key)
+            budget = self._schedule_admitted(out, request, num_new, budget)
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
+        waiting = self._waiting
+        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = waiting[0][2]
+            if not self._can_admit(request):
+                break  # head-of-line: lower-priority requests do not jump ahead
+            heapq.heappop(waiting)
+            budget = self._admit(out, request, budget, chunk_cap, now)
+        return budget
+
+    def _admit_static(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
+        """Static batching: members preempted by recompute come back; a new batch forms only when the last is done."""
+        requeue = self._static_requeue
+        while requeue and len(self.running) < self.config.max_num_seqs:
+            if not self._can_admit(requeue[0]):
+                return budget
+            budget = self._admit(out, requeue.pop(0), budget, chunk_cap, now)
+        if self._static_batch:
+            return budget
+        waiting = self._waiting
+        while waiting and len(self.running) < self.config.max_num_seqs:
+            request = waiting[0][2]
+            if not self._can_admit(request):
+                break
+            heapq.heappop(waiting)
+            self._static_batch.add(request.request_id)
+            budget = self._admit(out, request, budget, chunk_cap, now)
+        return budget
+
+    def _growth_reserve(self) -> int:
+        """Blocks kept free so the running batch can grow for a few decode steps."""
+        return cdiv(len(self.running) * self.config.admission_reserve_steps, self.block_size)
+
+    def _can_admit(self, request: Request) -> bool:
+        num_blocks = cdiv(request.num_tokens, self.block_size)
+        if not self.running and not self.swapped:
+            return num_blocks <= self.kv.num_free_blocks
+        reserve = cdiv(
+            (len(self.running) + 1) * self.config.admission_reserve_steps, self.block_size
+        )
+        return num_blocks + reserve <= self.kv.num_free_blocks
+
+    def _admit(
+        self, out: SchedulerOutput, request: Request, budget: int, chunk_cap: int, now: float
+    ) -> int:
+        assert request.num_computed_tokens == 0
+        request.status = RequestStatus.RUNNING
+        effective_priority = (
+            request.priority
+            - (self.step_index - request.arrival_step) // self.config.priority_aging_steps
+        )
+        request.sort_key = (effective_priority, self._num_admissions)
+        self._num_admissions += 1
+        bisect.insort(self.running, request, key=_sort_key)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            self.queue_times.append(now - request.arrival_time)
+            self._queue_time_total += now - request.arrival_time
+        num_new = min(request.num_tokens, budget, chunk_cap)
+        if num_new == 0:  # static batching admits past the token budget
+            ok = self.kv.allocate_slots(request.request_id, 0)
+            assert ok
+            return budget
+        return self._schedule_admitted(out, request, num_new, budget)
+
+    def _schedule_admitted(
+        self, out: SchedulerOutput, request: Request, num_new: int, budget: int
+    ) -> int:
+        ok = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+        assert ok, "admission checked the free blocks"
+        out.requests.append(request)
+        out.num_scheduled_tokens.append(num_new)
+        return budget - num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        mode = self.config.preemption_mode
+        kv = self.kv
+        request_id = request.request_id
+        kind = PreemptionKind.RECOMPUTE
+        if mode != "recompute" and kv.can_swap_out(request_id):
+            if mode == "swap":
+                kind = PreemptionKind.SWAP
+            else:
+                kind = self.cost_model.choose(
+                    request.num_computed_tokens, len(kv.get_block_ids(request_id))
+                )
+        self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions[kind] += 1
+        out.preempted.append((request, kind))
+        if kind is PreemptionKind.SWAP:
+            copies = kv.swap_out(request_id)
+            out.swap_out.extend(copies)
+            self.num_swapped_blocks_out += len(copies)
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=_sort_key)
+        else:
+            kv.free(request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            if self._is_static:
+                bisect.insort(self._static_requeue, request, key=_sort_key)
+            else:
+                self._push_waiting(request)
+
+    # ---------------------------------------------------------------- update
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled_requests: list[Request],
+        sampled_token_ids: list[int],
+    ) -> list[Request]:
+        """Advance progress by the step's work, append sampled tokens, finish what stopped.
+
+        Returns the requests that finished in this step.
+        """
+        for request, num_new in zip(out.requests, out.num_scheduled_tokens):
+            request.num_computed_tokens += num_new
+        finished: list[Request] = []
+        max_model_len = self.max_model_len
+        for request, token_id in zip(sampled_requests, sampled_token_ids):
+            token_ids = request.all_token_ids
+            token_ids.append(token_id)
+            params = request.sampling_params
+            num_output = len(token_ids) - len(request.prompt_token_ids)
+            status = None
+            if num_output >= params.min_tokens and (
+                token_id in request.eos_token_ids or token_id in params.stop_token_ids
+            ):
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+            elif num_output >= params.max_tokens or len(token_ids) >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.finish_request(request, status)
+                finished.append(request)
+        self._record_step(out)
+        return finished
+
+    def _record_step(self, out: SchedulerOutput) -> None:
+        self.step_index += 1
+        self.num_tokens_last_step = out.total_num_scheduled_tokens
+        self.num_tokens_total += out.total_num_scheduled_tokens
+        self._num_seqs_total += len(out.requests)
+        used = self.kv.num_used_blocks
+        if used:
+            held = sum(request.num_computed_tokens for request in self.running)
+            self._kv_efficiency_total += held / (used * self.block_size)
+        else:
+            self._kv_efficiency_total += 1.0
+
+    def stats(self) -> SchedulerStats:
+        steps = max(self.step_index, 1)
+        kv = self.kv
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            num_swapped=len(self.swapped),
+            num_kv_blocks_total=kv.pool.num_blocks,
+            num_kv_blocks_used=kv.num_used_blocks,
+            num_kv_blocks_free=kv.num_free_blocks,
+            num_swap_blocks_total=kv.swap_pool.num_blocks,
+            num_swap_blocks_used=kv.swap_pool.num_used,
+            num_preemptions_recompute=self.num_preemptions[PreemptionKind.RECOMPUTE],
+            num_preemptions_swap=self.num_preemptions[PreemptionKind.SWAP],
+            num_swapped_blocks_out=self.num_swapped_blocks_out,
+            num_steps=self.step_index,
+            num_tokens_last_step=self.num_tokens_last_step,
+            num_tokens_scheduled_total=self.num_tokens_total,
+            mean_tokens_per_step=self.num_tokens_total / steps,
+            mean_seqs_per_step=self._num_seqs_total / steps,
+            kv_memory_efficiency=self._kv_efficiency_total / steps,
+            num_finished=self._num_finished,
+            mean_queue_time=self._queue_time_total / max(len(self.queue_times), 1),
+            queue_times=tuple(self.queue_times),
+        )
+
+    # ------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Each live request is in exactly one queue, and holds exactly the blocks its state allows."""
+        self.kv.check_integrity()
+        waiting = [entry[2] for entry in self._waiting] + self._static_requeue
+        queues = {
+            RequestStatus.WAITING: waiting,
+            RequestStatus.RUNNING: self.running,
+            RequestStatus.SWAPPED: self.swapped,
+        }
+        seen: set[str] = set()
+        for status, queue in queues.items():
+            for request in queue:
+                if request.status != status:
+                    raise AssertionError(f"{request} is in the {status.name} queue")
+                if request.request_id in seen:
+                    raise AssertionError(f"{request} is queued twice")
+                seen.add(request.request_id)
+        if seen != set(self.requests):
+            raise AssertionError("queues and the request table disagree")
+        holders = self.kv.holders()
+        for request in self.running:
+            if request.request_id not in holders or self.kv.has_blocks(request.request_id) is False:
+                raise AssertionError(f"running {request} holds no blocks")
+            covered = len(self.kv.get_block_ids(request.request_id)) * self.block_size
+            if covered < request.num_computed_tokens:
+                raise AssertionError(f"{request} has computed tokens outside its blocks")
+        for request in waiting:
+            if request.request_id in holders or request.num_computed_tokens != 0:
+                raise AssertionError(f"waiting {request} holds KV")
+        running_ids = {request.request_id for request in self.running}
+        swapped_ids = {request.request_id for request in self.swapped}
+        if holders != running_ids | swapped_ids:
+            raise AssertionError("block holders are not exactly the running and swapped requests")
+        if self.running != sorted(self.running, key=_sort_key):
+            raise AssertionError("running queue out of priority order")
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError("more running sequences than max_num_seqs")
+
+
+def _sort_key(request: Request) -> tuple[int, int]:
+    return request.sort_key

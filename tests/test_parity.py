@@ -1,0 +1,159 @@
+"""Greedy parity with Hugging Face transformers, under chunking, mixed batches and preemption.
+
+The engine runs with block size 4, a small token budget (prompts span several
+chunks), many concurrent sequences of mixed lengths, and a KV pool small
+enough that sequences are preempted both by recompute and by swap. The tokens
+must still equal `model.generate(do_sample=False)` on the same weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from tests.tiny_models import hf_greedy, make_tiny_model
+
+# (architecture, num_heads, num_kv_heads, head_dim, tied, extra config)
+TINY_CONFIGS = {
+    "llama-mha-hd16-tied": ("llama", 4, 4, 16, True, {}),
+    "llama-gqa-hd32-untied-bias": ("llama", 4, 2, 32, False, {"attention_bias": True}),
+    "llama3-rope-gqa-hd16": (
+        "llama",
+        4,
+        1,
+        16,
+        False,
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "qwen2-gqa-hd32-qkv-bias": ("qwen2", 4, 2, 32, True, {}),
+    "mistral-gqa-hd16": ("mistral", 4, 2, 16, False, {"sliding_window": None}),
+}
+
+
+def mixed_workload(vocab_size: int, num_prompts: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 48, (num_prompts,), generator=g).tolist()
+    prompts = [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
+    max_tokens = torch.randint(4, 24, (num_prompts,), generator=g).tolist()
+    return prompts, max_tokens
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_greedy_parity_tiny_models_float64(name, tmp_path):
+    arch, heads, kv_heads, head_dim, tied, extra = TINY_CONFIGS[name]
+    hf_model, model_dir = make_tiny_model(
+        tmp_path, arch, heads, kv_heads, head_dim, tied, dtype=torch.float64, **extra
+    )
+    prompts, max_tokens = mixed_workload(hf_model.config.vocab_size, num_prompts=20, seed=len(name))
+    expected = [hf_greedy(hf_model, p, n) for p, n in zip(prompts, max_tokens)]
+
+    llm = LLM(
+        model_dir,
+        dtype="float64",
+        block_size=4,
+        max_num_batched_tokens=24,  # prompts of up to 47 tokens span several chunks
+        max_num_seqs=20,
+        num_kv_blocks=28,  # 112 token slots for 20 sequences of up to ~70 tokens
+        # Swap while the small swap pool has room, recompute when it is full: both kinds happen.
+        num_swap_blocks=6,
+        preemption_mode="swap",
+        admission_reserve_steps=0,
+    )
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate(prompts, params)
+
+    for prompt, out, want in zip(prompts, outputs, expected):
+        assert out.token_ids == want, f"prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == "length"
+    stats = llm.get_metrics()
+    assert stats.num_preemptions_recompute > 0, "the pool should force recompute preemption"
+    assert stats.num_preemptions_swap > 0, "the pool should force swap preemption"
+    assert stats.mean_seqs_per_step > 2
+    assert stats.num_kv_blocks_used == 0 and stats.num_swap_blocks_used == 0
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("policy,mode", [("static", "recompute"), ("continuous", "auto")])
+def test_greedy_parity_static_and_forced_modes(policy, mode, tmp_path):
+    hf_model, model_dir = make_tiny_model(tmp_path, "llama", 4, 2, 16, True, dtype=torch.float64)
+    prompts, max_tokens = mixed_workload(hf_model.config.vocab_size, num_prompts=10, seed=7)
+    expected = [hf_greedy(hf_model, p, n) for p, n in zip(prompts, max_tokens)]
+    llm = LLM(
+        model_dir,
+        dtype="float64",
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=6,
+        num_kv_blocks=24,
+        num_swap_blocks=64,
+        scheduler_policy=policy,
+        preemption_mode=mode,
+        admission_reserve_steps=0,
+    )
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.get_metrics()
+    assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
+    if mode == "recompute":
+        assert stats.num_preemptions_swap == 0
+
+
+SMOLLM2_CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Explain in one sentence what a CPU does.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+@pytest.mark.slow
+def test_greedy_parity_smollm2_float32(smollm2_hf):
+    hf_model, tokenizer = smollm2_hf
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
+        for c in SMOLLM2_CHATS
+    ]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    max_tokens = 24
+    expected = [hf_greedy(hf_model, p, max_tokens, stop_at_eos=True) for p in prompts]
+
+    from engine.model.loader import load_from_hf_model
+
+    loaded = load_from_hf_model(hf_model, tokenizer, torch.float32, "smollm2-135m")
+    llm = LLM(
+        "smollm2-135m",
+        dtype="float32",
+        block_size=4,
+        max_num_batched_tokens=32,
+        max_num_seqs=6,
+        num_kv_blocks=60,
+        num_swap_blocks=16,
+        admission_reserve_steps=0,
+        loaded_model=loaded,
+    )
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    for chat, out, want in zip(SMOLLM2_CHATS, outputs, expected):
+        assert out.token_ids == want, chat
+        assert out.text == tokenizer.decode(want, skip_special_tokens=True)
+    stats = llm.get_metrics()
+    assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
+    assert stats.num_kv_blocks_used == 0
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="llama"):
+        LLM(str(tmp_path), dtype="float32")
