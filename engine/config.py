@@ -50,7 +50,7 @@ class CacheConfig:
     num_swap_blocks: int | None = None
     swap_space_bytes: int = 256 * 1024**2
 
-    DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
+    DEFAULT_KV_CACHE_MEMORY_BYTES = 1024**3
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -1,0 +1,254 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+Numerically this follows transformers' eager modules op for op (RMSNorm in
+float32, RoPE tables computed in float32 then cast), so float64 logits match
+Hugging Face to ~1e-12. The only fusions are ones that leave each output
+element's arithmetic unchanged: one q/k/v matmul, one gate/up matmul, and RoPE
+applied to q and k together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from engine.attention.base import AttentionBackend, AttentionBatch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Shape and options of a Llama-family model, read from its Hugging Face config."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias
+    o_proj_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    sliding_window: int | None = None  # Mistral's window; attention here is always full
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(_unsupported_message(self.model_type))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelArch:
+        """Read a transformers config; ValueError for anything this model cannot run exactly."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(_unsupported_message(model_type))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only silu")
+        if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
+            raise ValueError("qwen2 with use_sliding_window=True is not supported")
+        rope_parameters = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope_parameters.get("rope_type", "default")
+        if rope_type in _DYNAMIC_ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} changes with sequence length; not supported")
+
+        num_heads = config.num_attention_heads
+        is_llama = model_type == "llama"
+        return cls(
+            model_type=model_type,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or (is_llama and bool(config.attention_bias)),
+            o_proj_bias=is_llama and bool(config.attention_bias),
+            mlp_bias=is_llama and bool(getattr(config, "mlp_bias", False)),
+            max_position_embeddings=config.max_position_embeddings,
+            sliding_window=getattr(config, "sliding_window", None) if model_type == "mistral" else None,
+        )
+
+
+def _unsupported_message(model_type: object) -> str:
+    return (
+        f"unsupported model_type {model_type!r}; supported architectures: "
+        + ", ".join(SUPPORTED_MODEL_TYPES)
+    )
+
+
+def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    """An nn.Linear with uninitialised storage: the loader assigns the real weights."""
+    return skip_init(nn.Linear, in_features, out_features, bias=bias)
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.eps)
+        return self.weight * hidden.to(input_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """transformers' rotary embedding as cos/sin tables for positions 0..max_positions-1.
+
+    `inv_freq` and `attention_scaling` come from the HF model's rotary module,
+    so every static rope type (default, linear, llama3, yarn, ...) is exact.
+    Tables are computed in float32 and then cast, as HF does per forward.
+    """
+
+    def __init__(
+        self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.to(torch.float32)[None, :]  # [P, Dh / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]
+        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos.shape[0]
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` [N], each [N, 1, Dh] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb on x [N, heads, Dh] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        qkv_size = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        self.qkv_proj = _linear(arch.hidden_size, qkv_size, arch.attention_bias)
+        self.o_proj = _linear(arch.num_heads * arch.head_dim, arch.hidden_size, arch.o_proj_bias)
+        self.scale = arch.head_dim**-0.5
+        self.backend = backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [N, hidden]
+        cos: torch.Tensor,  # [N, 1, Dh]
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: object,
+    ) -> torch.Tensor:  # [N, hidden]
+        num_tokens = hidden.shape[0]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)  # [N, H + KvH, Dh]
+        query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        value = qkv[:, num_qk_heads:]  # [N, KvH, Dh]
+        out = self.backend.forward(query, key, value, *kv_cache, attn_metadata, self.scale)
+        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_up_proj = _linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
+        self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden]
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)  # [N, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(self, hidden, cos, sin, kv_cache, attn_metadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack over a flattened, unpadded token batch and a paged KV cache.
+
+    Parameters are created uninitialised; `engine.model.loader` assigns the
+    weights (state-dict keys: `embed_tokens.weight`, `norm.weight`,
+    `lm_head.weight` when untied, and per layer `layers.{i}.` +
+    `input_layernorm.weight`, `self_attn.qkv_proj.{weight,bias}` (q, k, v rows
+    concatenated), `self_attn.o_proj.*`, `post_attention_layernorm.weight`,
+    `mlp.gate_up_proj.*` (gate rows then up rows), `mlp.down_proj.*`).
+    """
+
+    def __init__(
+        self, arch: ModelArch, rotary: RotaryEmbedding, attention_backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.attention_backend = attention_backend
+        self.rotary = rotary
+        self.embed_tokens = skip_init(nn.Embedding, arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, attention_backend) for _ in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = (
+            None if arch.tie_word_embeddings else _linear(arch.hidden_size, arch.vocab_size, False)
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N] int64
+        positions: torch.Tensor,  # [N] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [num_blocks, block_size, KvH, Dh]
+        attn_batch: AttentionBatch,
+        attn_metadata: object,  # attention_backend.build_metadata(attn_batch, ...)
+    ) -> torch.Tensor:  # [N, hidden], final norm applied
+        """Run the decoder over N tokens, writing their K/V into `kv_caches` at attn_batch's slots."""
+        assert input_ids.shape == positions.shape == (attn_batch.num_tokens,)
+        assert len(kv_caches) == len(self.layers)
+        cos, sin = self.rotary.lookup(positions)
+        hidden = self.embed_tokens(input_ids)  # [N, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return self.norm(hidden)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

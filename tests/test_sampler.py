@@ -1,0 +1,323 @@
+"""Sampler and SamplingParams: support of each truncation, greedy parity,
+HF repetition penalty parity, seeded reproducibility across batches, logprobs."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import sampler as sampler_module
+from engine.sampler import Sampler, SamplingBatch, apply_repetition_penalty, make_generator
+from engine.sampling_params import SamplingParams
+
+# Probabilities with no top-p / min-p boundary near a float tie; placed at
+# shuffled token ids so that id order says nothing about rank.
+PROBS = [0.30, 0.20, 0.15, 0.10, 0.08, 0.06, 0.04, 0.03, 0.02, 0.01, 0.006, 0.004]
+PERM = [7, 2, 11, 0, 5, 9, 3, 10, 1, 8, 6, 4]
+
+
+def designed_logits() -> torch.Tensor:
+    logits = torch.empty(len(PROBS), dtype=torch.float64)
+    logits[PERM] = torch.tensor(PROBS, dtype=torch.float64).log()
+    return logits.float()  # [V]
+
+
+def reference_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Hugging Face warper order in float64: temperature, top-k, top-p, min-p."""
+    x = logits.double() / params.temperature
+    if params.top_k > 0:
+        kth = x.sort(descending=True).values[min(params.top_k, len(x)) - 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1:
+        probs = x.softmax(-1)
+        sorted_probs, order = probs.sort(descending=True)
+        exclusive = sorted_probs.cumsum(-1) - sorted_probs
+        assert (exclusive - params.top_p).abs().min() > 1e-6, "ambiguous test case"
+        removed = order[exclusive >= params.top_p]
+        x[removed] = float("-inf")
+    if params.min_p > 0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return x.softmax(-1)
+
+
+def sample_many(
+    logits_row: torch.Tensor, params: SamplingParams, num_samples: int, seed: int = 0, seeded: bool = False
+) -> torch.Tensor:
+    """num_samples draws of one row, as a batch of identical rows; with
+    `seeded` every row has its own generator (the full-vocab race)."""
+    logits = logits_row.expand(num_samples, -1).contiguous()
+    generators = [make_generator(seed + i) for i in range(num_samples)] if seeded else None
+    batch = SamplingBatch.build([params] * num_samples, generators)
+    out = Sampler(torch.Generator().manual_seed(seed))(logits, batch)
+    return torch.tensor(out.token_ids)
+
+
+@pytest.fixture(params=[4, 256], ids=["candidates4", "candidates256"])
+def num_candidates(request, monkeypatch):
+    """4 candidates of 12 forces the full-vocab race and the sorted top-p fallback."""
+    monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", request.param)
+    return request.param
+
+
+TRUNCATIONS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7),
+    SamplingParams(top_k=3),
+    SamplingParams(top_k=100),  # larger than the vocab: off
+    SamplingParams(top_k=-1),
+    SamplingParams(top_p=0.55),
+    SamplingParams(top_p=0.7),
+    SamplingParams(top_p=0.9),  # wider than 4 candidates: the sorted fallback
+    SamplingParams(top_p=1.0),
+    SamplingParams(min_p=0.3),
+    SamplingParams(min_p=1.0),  # only the most likely token
+    SamplingParams(top_k=5, top_p=0.7),
+    SamplingParams(temperature=0.5, top_p=0.7),
+    SamplingParams(temperature=1.5, top_k=6, top_p=0.9, min_p=0.1),
+]
+
+
+@pytest.mark.parametrize("params", TRUNCATIONS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+def test_truncation_support_and_frequencies(params, num_candidates, seeded):
+    logits = designed_logits()
+    expected = reference_distribution(logits, params)  # [V]
+    samples = sample_many(logits, params, num_samples=4000, seeded=seeded)
+    counts = torch.bincount(samples, minlength=len(PROBS)).double()
+    allowed = expected > 0
+    assert set(samples.tolist()) == set(allowed.nonzero()[:, 0].tolist())
+    # Frequencies within 5 sigma of the reference distribution.
+    sigma = (expected * (1 - expected) / 4000).sqrt()
+    assert ((counts / 4000 - expected).abs() <= 5 * sigma + 1e-9).all(), (counts / 4000, expected)
+
+
+def test_wide_nucleus_on_a_large_vocab():
+    """A flat distribution whose nucleus is far wider than the candidates."""
+    logits = torch.zeros(2000)
+    logits[:1000] = 1.0  # mass of the first 1000 ids: e / (e + 1) ~ 0.73
+    samples = sample_many(logits, SamplingParams(top_p=0.7), num_samples=200)
+    assert samples.max() < 1000 and len(set(samples.tolist())) > 150
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_rows=st.integers(1, 6),
+    vocab_size=st.integers(2, 300),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_greedy_is_argmax(num_rows, vocab_size, dtype, seed):
+    logits = torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    batch = SamplingBatch.build([SamplingParams(temperature=0.0)] * num_rows)
+    out = Sampler(torch.Generator())(logits, batch)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs is None
+
+
+def test_greedy_rows_in_a_mixed_batch_are_argmax(num_candidates):
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, top_p=0.8) for i in range(6)]
+    before = logits.clone()
+    out = Sampler(torch.Generator())(logits, SamplingBatch.build(params))
+    assert [out.token_ids[i] for i in (1, 3, 5)] == logits[[1, 3, 5]].argmax(-1).tolist()
+    assert torch.equal(logits, before), "the sampler must not edit the caller's logits"
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    rng = random.Random(0)
+    vocab_size = 40
+    logits = torch.randn(4, vocab_size, generator=torch.Generator().manual_seed(0)) * 3
+    penalties = [1.3, 1.0, 0.7, 2.0]
+    histories = [[rng.randrange(vocab_size) for _ in range(n)] for n in (10, 5, 25, 1)]
+    expected = logits.clone()
+    for i, (penalty, history) in enumerate(zip(penalties, histories)):
+        processor = RepetitionPenaltyLogitsProcessor(penalty=penalty)
+        expected[i] = processor(torch.tensor([history]), logits[i : i + 1].clone())[0]
+
+    actual = logits.clone()
+    apply_repetition_penalty(actual, histories, torch.tensor(penalties))
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+    params = [SamplingParams(temperature=0.0, repetition_penalty=p) for p in penalties]
+    out = Sampler(torch.Generator())(logits, SamplingBatch.build(params, token_histories=histories))
+    assert out.token_ids == expected.argmax(-1).tolist()
+
+
+def test_repetition_penalty_changes_the_greedy_choice():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.2)]
+    out = Sampler(torch.Generator())(logits, SamplingBatch.build(params, token_histories=[[0]]))
+    assert out.token_ids == [1]
+
+
+SEEDED = [
+    SamplingParams(seed=11, temperature=0.9),
+    SamplingParams(seed=12, temperature=0.8, top_p=0.9),
+    SamplingParams(seed=13, top_k=20, top_p=0.8),
+    SamplingParams(seed=14, temperature=1.2, min_p=0.05),
+    SamplingParams(seed=15, temperature=0.7, top_k=5, repetition_penalty=1.2),
+]
+COMPANIONS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(top_p=0.95),
+    SamplingParams(temperature=0.6, top_k=3000),
+    SamplingParams(seed=99, top_p=0.5),
+    SamplingParams(min_p=0.2, repetition_penalty=1.1),
+]
+
+
+def step_logits(request_index: int, step: int, vocab_size: int) -> torch.Tensor:
+    """Deterministic logits [V] for one request at one step."""
+    generator = torch.Generator().manual_seed(1000 * request_index + step)
+    return torch.randn(vocab_size, generator=generator) * 3
+
+
+@pytest.mark.parametrize("num_candidates", [8, 256], indirect=True)
+def test_seeded_rows_do_not_depend_on_the_batch(num_candidates):
+    vocab_size, num_steps = 2000, 6
+    rows = SEEDED + COMPANIONS
+
+    def run(layouts: list[list[int]]) -> dict[int, list[int]]:
+        """layouts[step] lists the request indices in row order for that step."""
+        generators = {i: make_generator(p.seed) if p.seed is not None else None for i, p in enumerate(rows)}
+        outputs: dict[int, list[int]] = {i: [] for i in range(len(rows))}
+        sampler = Sampler(torch.Generator().manual_seed(0))
+        for step, layout in enumerate(layouts):
+            logits = torch.stack([step_logits(i, step, vocab_size) for i in layout])
+            batch = SamplingBatch.build(
+                [rows[i] for i in layout],
+                [generators[i] for i in layout],
+                token_histories=[[i, step] + outputs[i] for i in layout],
+            )
+            for i, token_id in zip(layout, sampler(logits, batch).token_ids):
+                outputs[i].append(token_id)
+        return outputs
+
+    alone = {i: run([[i]] * num_steps)[i] for i in range(len(SEEDED))}
+    rng = random.Random(0)
+    for _ in range(3):
+        layouts = [rng.sample(range(len(rows)), len(rows)) for _ in range(num_steps)]
+        together = run(layouts)
+        for i in range(len(SEEDED)):
+            assert together[i] == alone[i], (i, layouts)
+    assert len({tuple(tokens) for tokens in alone.values()}) == len(SEEDED)
+
+
+def test_seed_changes_the_sample():
+    logits = torch.zeros(1, 1000)
+    firsts = set()
+    for seed in range(5):
+        batch = SamplingBatch.build([SamplingParams(seed=seed)], [make_generator(seed)])
+        firsts.add(Sampler(torch.Generator())(logits, batch).token_ids[0])
+    assert len(firsts) > 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), num_logprobs=st.lists(st.sampled_from([None, 0, 1, 5, 20]), min_size=1, max_size=5))
+def test_logprobs_are_raw_log_softmax(seed, num_logprobs):
+    num_rows, vocab_size = len(num_logprobs), 64
+    logits = torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(seed)) * 2
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.7, top_k=10, logprobs=n)
+        for i, n in enumerate(num_logprobs)
+    ]
+    out = Sampler(torch.Generator().manual_seed(seed))(logits, SamplingBatch.build(params))
+    reference = logits.log_softmax(-1)
+    if all(n is None for n in num_logprobs):
+        assert out.logprobs is None
+        return
+    for i, n in enumerate(num_logprobs):
+        entry = out.logprobs[i]
+        if n is None:
+            assert entry is None
+            continue
+        assert entry.token_id == out.token_ids[i]
+        assert entry.logprob == pytest.approx(reference[i, entry.token_id].item(), abs=1e-5)
+        assert len(entry.top_logprobs) == n
+        values = [lp for _, lp in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        for token_id, lp in entry.top_logprobs:
+            assert lp == pytest.approx(reference[i, token_id].item(), abs=1e-5)
+        if n:
+            assert entry.top_logprobs[0][0] == reference[i].argmax().item()
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), temperature=st.sampled_from([0.0, 0.5, 1.0, 3.0]))
+def test_banned_ids_are_never_sampled(seed, temperature):
+    num_rows, vocab_size = 64, 30
+    logits = torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(seed))
+    logits[:, 0] = 50.0  # the banned id would win every draw
+    banned = [[0, 1] if i % 2 == 0 else [] for i in range(num_rows)]
+    params = [SamplingParams(temperature=temperature)] * num_rows
+    out = Sampler(torch.Generator().manual_seed(seed))(logits, SamplingBatch.build(params, banned_token_ids=banned))
+    for i, token_id in enumerate(out.token_ids):
+        if banned[i]:
+            assert token_id not in (0, 1)
+        else:
+            assert token_id == 0
+
+
+def test_float64_logits_are_supported():
+    logits = torch.randn(3, 100, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0), SamplingParams(top_p=0.5), SamplingParams(seed=3, min_p=0.1)]
+    out = Sampler(torch.Generator())(logits, SamplingBatch.build(params, [None, None, make_generator(3)]))
+    assert out.token_ids[0] == logits[0].argmax().item()
+
+
+def test_batch_build_flags():
+    batch = SamplingBatch.build([SamplingParams(temperature=0)] * 3)
+    assert batch.all_greedy and batch.random_rows is None and batch.max_num_logprobs is None
+    batch = SamplingBatch.build([SamplingParams(temperature=0, top_p=0.5), SamplingParams(top_k=4, logprobs=3)])
+    assert not batch.all_greedy and not batch.any_top_p and batch.any_top_k
+    assert batch.greedy_rows.tolist() == [0] and batch.random_rows.tolist() == [1]
+    assert batch.max_num_logprobs == 3
+    with pytest.raises(ValueError, match="token_histories"):
+        SamplingBatch.build([SamplingParams(repetition_penalty=1.5)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.1}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["ok", 3]}, "stop"),
+        ({"stop": 3}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"seed": "x"}, "seed"),
+    ],
+)
+def test_sampling_params_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalization():
+    params = SamplingParams(temperature=1e-7, top_k=-1, stop="###", stop_token_ids=[5, 7])
+    assert params.is_greedy and params.top_k == 0
+    assert params.stop == ("###",) and params.stop_token_ids == (5, 7)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams().stop == () and not SamplingParams().is_greedy
+    assert pickle.loads(pickle.dumps(params)) == params
