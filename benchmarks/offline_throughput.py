@@ -336,7 +336,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="model name for Baton's LLM")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list from {', '.join(ALL_SYSTEMS)}")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="Baton's sequence cap per step")
+    p.add_argument("--max-num-seqs", type=int, default=32,
+                   help="Baton's sequence cap per step; also baton-static's batch size, "
+                        "so the default matches hf-static's batches of 32")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget per step (Baton and hf-continuous)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="Baton KV blocks (default: engine's budget)")

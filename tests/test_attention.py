@@ -35,16 +35,16 @@ def dense_attention(query, keys, values, num_cached, scale):
     return (scores.softmax(-1) @ v).transpose(0, 1)  # [q, H, Dh]
 
 
-def make_step(num_heads, num_kv_heads, dtype, seed=0):
+def make_step(num_heads, num_kv_heads, dtype, seed=0, decodes=DECODES, prefills=PREFILLS, num_blocks=NUM_BLOCKS):
     """Random sequences with their prefixes already in a fresh cache, plus this step's inputs."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
     key_cache = torch.randn(shape, generator=gen).to(dtype)  # garbage outside written slots
     value_cache = torch.randn(shape, generator=gen).to(dtype)
-    free_blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
 
     sequences = []
-    for num_cached, num_new in DECODES + PREFILLS:
+    for num_cached, num_new in list(decodes) + list(prefills):
         context_len = num_cached + num_new
         num_blocks = -(-context_len // BLOCK_SIZE)
         block_ids = [free_blocks.pop() for _ in range(num_blocks)]
@@ -58,7 +58,7 @@ def make_step(num_heads, num_kv_heads, dtype, seed=0):
         sequences.append((SequenceSpan(block_ids, num_cached, num_new), query, keys, values))
 
     spans = [seq[0] for seq in sequences]
-    batch = build_attention_batch(spans[: len(DECODES)], spans[len(DECODES) :], BLOCK_SIZE)
+    batch = build_attention_batch(spans[: len(decodes)], spans[len(decodes) :], BLOCK_SIZE)
     query = torch.cat([seq[1] for seq in sequences])
     key = torch.cat([seq[2][seq[0].num_cached_tokens :] for seq in sequences])
     value = torch.cat([seq[3][seq[0].num_cached_tokens :] for seq in sequences])
@@ -94,6 +94,28 @@ def test_torch_backend_matches_dense_reference(dtype, num_heads, num_kv_heads):
     flat_keys = key_cache.view(-1, num_kv_heads, HEAD_DIM)
     assert torch.equal(flat_keys[batch.slot_mapping], key)
     assert torch.equal(value_cache.view(-1, num_kv_heads, HEAD_DIM)[batch.slot_mapping], value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_many_decodes_and_long_chunks(dtype):
+    """More decodes than one length group holds, and chunks longer than one query tile."""
+    decodes = [(n, 1) for n in (0, 90, 3, 41, 7, 66, 12, 5, 130, 1, 29, 18, 77, 2, 54, 9, 33, 101, 4, 60)]
+    prefills = [(37, 600), (0, 300), (250, 257)]
+    num_blocks = sum(-(-(c + n) // BLOCK_SIZE) for c, n in decodes + prefills) + 8
+    batch, sequences, query, key, value, key_cache, value_cache = make_step(
+        8, 2, dtype, seed=3, decodes=decodes, prefills=prefills, num_blocks=num_blocks
+    )
+    backend = get_attention_backend("torch")
+    metadata = backend.build_metadata(batch, BLOCK_SIZE, 8, 2, HEAD_DIM, dtype)
+    assert len(metadata.decode_groups) > 1 and max(len(p.tiles) for p in metadata.prefills) > 1
+    scale = HEAD_DIM**-0.5
+    out = backend.forward(query, key, value, key_cache, value_cache, metadata, scale)
+    start = 0
+    for span, seq_query, seq_keys, seq_values in sequences:
+        end = start + span.num_new_tokens
+        expected = dense_attention(seq_query, seq_keys, seq_values, span.num_cached_tokens, scale)
+        torch.testing.assert_close(out[start:end].double(), expected, atol=TOLERANCES[dtype], rtol=0)
+        start = end
 
 
 def test_strided_qkv_views_are_accepted():

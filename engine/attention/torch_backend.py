@@ -1,13 +1,18 @@
-"""Plain-torch paged attention (CPU reference and fallback).
+"""Plain-torch paged attention (the CPU backend, and the reference for others).
 
-Per layer the work is a handful of ops, independent of the number of decode
-sequences: one index_copy_ per cache for the writes, one gather and one
-scaled_dot_product_attention for the whole decode group, and per prefill chunk
-(few, large) one gather and one scaled_dot_product_attention.
+Per layer: one index_copy_ per cache writes the step's K/V; then
 
-Gathers copy whole blocks into two scratch buffers allocated once per forward
-and reused by every layer: on CPU a fresh multi-MB tensor per gather costs as
-much again in page faults as the copy itself.
+- decodes, in groups of sequences of similar length (sorted once per step),
+  one gather + one scaled_dot_product_attention per group. Sorting keeps the
+  padding of each group's gathered K/V small, and the query layout below keeps
+  SDPA on its fused CPU kernel;
+- each prefill chunk, in query tiles: two batched matmuls and a softmax, with
+  an additive causal mask offset by the cached prefix. A tile only reads the
+  keys up to its last query position. On CPU this beats SDPA for chunks (its
+  fused kernel does not take GQA and falls back to a slow path).
+
+GQA without repeating K/V: the G query heads that share a KV head are laid
+out as G query rows of that head (`[KvH, G * q, Dh]`), so one call covers them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,30 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionBatch
 
+# Decode sequences per gather/SDPA call once the group is split by length.
+DECODE_GROUP_SIZE = 8
+# Query rows per prefill tile: bounds the [KvH, G * rows, C] score tensor.
+PREFILL_TILE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Decode sequences attended together (rows of the decode group, by length)."""
+
+    rows: torch.Tensor | None  # [d] int64 rows of the decode group; None = all, in order
+    block_ids: torch.Tensor  # [d * MB] int64, their block tables cut to MB columns
+    mask: torch.Tensor  # [d, 1, 1, MB * block_size] bool, True = position < seq_len
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTile:
+    """Query rows [row_start, row_end) of a chunk, attending to keys [0, num_keys)."""
+
+    row_start: int
+    row_end: int
+    num_keys: int
+    bias: torch.Tensor  # [rows, num_keys] additive mask: 0 = attend, -inf = future
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillPlan:
@@ -31,13 +60,7 @@ class PrefillPlan:
     # [num_blocks] int64, the chunk's blocks; None when nothing was cached before
     # the chunk, so it attends over its own new K/V without a gather.
     block_ids: torch.Tensor | None
-    # [q, context_len] bool, True = attend; None when no mask is needed
-    # (q == 1 sees the whole context; a chunk without prefix uses is_causal).
-    mask: torch.Tensor | None
-
-    @property
-    def is_causal(self) -> bool:
-        return self.block_ids is None and self.token_end - self.token_start > 1
+    tiles: tuple[PrefillTile, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,21 +69,17 @@ class TorchAttentionMetadata:
 
     slot_mapping: torch.Tensor  # [N] int64
     num_decode_tokens: int  # D
-    decode_block_ids: torch.Tensor  # [D * MB] int64, row-major block table cut to MB columns
-    decode_mask: torch.Tensor  # [D, 1, 1, MB * block_size] bool, True = position < seq_len
+    decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillPlan, ...]
-    # [max blocks gathered at once, block_size * KvH * Dh] each: gather destinations
+    # [max blocks gathered at once, block_size * KvH * Dh] each: gather destinations,
+    # allocated once per forward (fresh multi-MB tensors per layer cost page faults).
     key_scratch: torch.Tensor
     value_scratch: torch.Tensor
+    score_dtype: torch.dtype  # softmax precision: float32 for bfloat16, else the model dtype
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Paged attention with torch ops; exact in float64, float32 softmax for bfloat16.
-
-    GQA without repeating K/V: for a decode, the G query heads that share a KV
-    head are laid out as G query rows of that head, so one sdpa call over
-    [D, KvH, G, Dh] x [D, KvH, L, Dh] covers the whole group.
-    """
+    """Paged attention with torch ops; exact in float64, float32 softmax for bfloat16."""
 
     name = "torch"
 
@@ -74,22 +93,13 @@ class TorchAttentionBackend(AttentionBackend):
         dtype: torch.dtype,
     ) -> TorchAttentionMetadata:
         device = batch.slot_mapping.device
-        num_decodes = batch.num_decode_tokens
-        max_blocks = math.ceil(batch.decode_max_seq_len / block_size)
-        decode_block_ids = batch.decode_block_tables[:, :max_blocks].reshape(-1)
-        positions = torch.arange(max_blocks * block_size, device=device)
-        decode_mask = positions[None, :] < batch.decode_seq_lens[:, None]  # [D, L]
-        decode_mask = decode_mask.view(num_decodes, 1, 1, max_blocks * block_size)
+        score_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+        groups = _decode_groups(batch, block_size)
+        max_gathered_blocks = max((g.block_ids.shape[0] for g in groups), default=0)
 
         plans = []
-        max_gathered_blocks = decode_block_ids.shape[0]
         for chunk in batch.prefills:
             num_cached = chunk.context_len - chunk.num_tokens
-            mask = None
-            if num_cached and chunk.num_tokens > 1:
-                key_positions = torch.arange(chunk.context_len, device=device)
-                query_positions = torch.arange(num_cached, chunk.context_len, device=device)
-                mask = key_positions[None, :] <= query_positions[:, None]  # [q, C]
             if num_cached:
                 max_gathered_blocks = max(max_gathered_blocks, chunk.block_ids.shape[0])
             plans.append(
@@ -98,18 +108,18 @@ class TorchAttentionBackend(AttentionBackend):
                     token_end=chunk.token_start + chunk.num_tokens,
                     context_len=chunk.context_len,
                     block_ids=chunk.block_ids if num_cached else None,
-                    mask=mask,
+                    tiles=_prefill_tiles(chunk.num_tokens, num_cached, score_dtype, device),
                 )
             )
         scratch_shape = (max_gathered_blocks, block_size * num_kv_heads * head_dim)
         return TorchAttentionMetadata(
             slot_mapping=batch.slot_mapping,
-            num_decode_tokens=num_decodes,
-            decode_block_ids=decode_block_ids,
-            decode_mask=decode_mask,
+            num_decode_tokens=batch.num_decode_tokens,
+            decode_groups=groups,
             prefills=tuple(plans),
             key_scratch=torch.empty(scratch_shape, dtype=dtype, device=device),
             value_scratch=torch.empty(scratch_shape, dtype=dtype, device=device),
+            score_dtype=score_dtype,
         )
 
     def forward(
@@ -126,16 +136,14 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
 
-        outputs = []
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
         # NOTE: each attention call below finishes reading the scratch buffers
         # before the next gather overwrites them.
         if metadata.num_decode_tokens:
-            outputs.append(self._decode(query, key_cache, value_cache, metadata, scale))
+            self._decode(query, key_cache, value_cache, metadata, scale, out)
         for plan in metadata.prefills:
-            outputs.append(
-                self._prefill(query, key, value, key_cache, value_cache, metadata, plan, scale)
-            )
-        return outputs[0].contiguous() if len(outputs) == 1 else torch.cat(outputs)
+            self._prefill(query, key, value, key_cache, value_cache, metadata, plan, scale, out)
+        return out
 
     @staticmethod
     def _decode(
@@ -144,20 +152,31 @@ class TorchAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:  # [D, H, Dh]
+        out: torch.Tensor,  # [N, H, Dh], rows [0, D) written here
+    ) -> None:
         num_decodes = metadata.num_decode_tokens
         _, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
-        group = num_heads // num_kv_heads
-        keys = _gather(key_cache, metadata.decode_block_ids, metadata.key_scratch)  # [D * L, KvH, Dh]
-        values = _gather(value_cache, metadata.decode_block_ids, metadata.value_scratch)
-        keys = keys.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)  # [D, KvH, L, Dh]
-        values = values.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-        grouped_query = query[:num_decodes].reshape(num_decodes, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped_query, keys, values, attn_mask=metadata.decode_mask, scale=scale
-        )  # [D, KvH, G, Dh]
-        return out.view(num_decodes, num_heads, head_dim)
+        group_size = num_heads // num_kv_heads
+        grouped_query = query[:num_decodes].reshape(num_decodes, num_kv_heads, group_size, head_dim)
+        grouped_out = out[:num_decodes].view(num_decodes, num_kv_heads, group_size, head_dim)
+        for group in metadata.decode_groups:
+            num_seqs = group.mask.shape[0]
+            keys = _gather(key_cache, group.block_ids, metadata.key_scratch)  # [d * L, KvH, Dh]
+            values = _gather(value_cache, group.block_ids, metadata.value_scratch)
+            keys = keys.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [d, KvH, L, Dh]
+            values = values.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+            if group.rows is None:
+                grouped_out.copy_(
+                    F.scaled_dot_product_attention(
+                        grouped_query, keys, values, attn_mask=group.mask, scale=scale
+                    )
+                )
+            else:
+                result = F.scaled_dot_product_attention(
+                    grouped_query.index_select(0, group.rows), keys, values, attn_mask=group.mask, scale=scale
+                )  # [d, KvH, G, Dh]
+                grouped_out.index_copy_(0, group.rows, result)
 
     @staticmethod
     def _prefill(
@@ -169,33 +188,90 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         plan: PrefillPlan,
         scale: float,
-    ) -> torch.Tensor:  # [q, H, Dh]
+        out: torch.Tensor,  # [N, H, Dh], rows [token_start, token_end) written here
+    ) -> None:
         start, end = plan.token_start, plan.token_end
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        group_size = query.shape[1] // num_kv_heads
         if plan.block_ids is None:
-            keys, values = key[start:end], value[start:end]  # [q, KvH, Dh]
+            keys, values = key[start:end], value[start:end]  # [C, KvH, Dh]
         else:
             keys = _gather(key_cache, plan.block_ids, metadata.key_scratch)[: plan.context_len]
             values = _gather(value_cache, plan.block_ids, metadata.value_scratch)[: plan.context_len]
-            # keys, values: [C, KvH, Dh]
-        out = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1),  # [H, q, Dh]
-            keys.transpose(0, 1),  # [KvH, C, Dh]
-            values.transpose(0, 1),
-            attn_mask=plan.mask,
-            is_causal=plan.is_causal,
-            scale=scale,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )  # [H, q, Dh]
-        return out.transpose(0, 1)
+        keys_t = keys.permute(1, 2, 0)  # [KvH, Dh, C]
+        values_t = values.transpose(0, 1)  # [KvH, C, Dh]
+        score_dtype = metadata.score_dtype
+        for tile in plan.tiles:
+            rows = tile.row_end - tile.row_start
+            tile_query = query[start + tile.row_start : start + tile.row_end]  # [rows, H, Dh]
+            grouped = tile_query.view(rows, num_kv_heads, group_size, head_dim)
+            grouped = grouped.permute(1, 2, 0, 3).reshape(num_kv_heads, group_size * rows, head_dim)
+            scores = torch.bmm(grouped, keys_t[:, :, : tile.num_keys])  # [KvH, G * rows, K]
+            if scores.dtype != score_dtype:
+                scores = scores.to(score_dtype)
+            scores = scores.view(num_kv_heads, group_size, rows, tile.num_keys)
+            scores.mul_(scale).add_(tile.bias)
+            probs = torch.softmax(scores, dim=-1).to(query.dtype)
+            probs = probs.view(num_kv_heads, group_size * rows, tile.num_keys)
+            result = torch.bmm(probs, values_t[:, : tile.num_keys])  # [KvH, G * rows, Dh]
+            result = result.view(num_kv_heads, group_size, rows, head_dim).permute(2, 0, 1, 3)
+            out[start + tile.row_start : start + tile.row_end].view(
+                rows, num_kv_heads, group_size, head_dim
+            ).copy_(result)
+
+
+def _decode_groups(batch: AttentionBatch, block_size: int) -> tuple[DecodeGroup, ...]:
+    """Split the decode group into runs of similar length, so that gathers pad little."""
+    num_decodes = batch.num_decode_tokens
+    if not num_decodes:
+        return ()
+    seq_lens = batch.decode_seq_lens
+    device = seq_lens.device
+    tables = batch.decode_block_tables
+    if num_decodes <= DECODE_GROUP_SIZE:
+        order_chunks: list[torch.Tensor | None] = [None]
+    else:
+        order = torch.argsort(seq_lens)
+        order_chunks = list(torch.split(order, DECODE_GROUP_SIZE))
+    groups = []
+    for rows in order_chunks:
+        lens = seq_lens if rows is None else seq_lens.index_select(0, rows)
+        max_blocks = math.ceil(int(lens.max()) / block_size)
+        rows_tables = tables if rows is None else tables.index_select(0, rows)
+        positions = torch.arange(max_blocks * block_size, device=device)
+        mask = positions[None, :] < lens[:, None]  # [d, L]
+        groups.append(
+            DecodeGroup(
+                rows=rows,
+                block_ids=rows_tables[:, :max_blocks].reshape(-1),
+                mask=mask.view(lens.shape[0], 1, 1, max_blocks * block_size),
+            )
+        )
+    return tuple(groups)
+
+
+def _prefill_tiles(
+    num_tokens: int, num_cached: int, dtype: torch.dtype, device: torch.device
+) -> tuple[PrefillTile, ...]:
+    tiles = []
+    for row_start in range(0, num_tokens, PREFILL_TILE):
+        row_end = min(row_start + PREFILL_TILE, num_tokens)
+        num_keys = num_cached + row_end  # keys up to the tile's last query position
+        query_positions = torch.arange(num_cached + row_start, num_cached + row_end, device=device)
+        key_positions = torch.arange(num_keys, device=device)
+        future = key_positions[None, :] > query_positions[:, None]  # [rows, K]
+        bias = torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
+        tiles.append(PrefillTile(row_start, row_end, num_keys, bias))
+    return tuple(tiles)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """Blocks `block_ids` of `cache` copied into `scratch`: [len(block_ids) * block_size, KvH, Dh].
+    """Blocks `block_ids` of `cache`, concatenated: [len(block_ids) * block_size, KvH, Dh].
 
-    index_select on the 2-D view copies whole blocks as rows, several times
-    faster than indexing the 4-D cache.
+    index_select on the 2-D view copies whole blocks as rows into `scratch`.
     """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    rows = scratch[: block_ids.shape[0]]
-    torch.index_select(cache.view(num_blocks, -1), 0, block_ids, out=rows)
+    rows = torch.index_select(
+        cache.view(num_blocks, -1), 0, block_ids, out=scratch[: block_ids.shape[0]]
+    )
     return rows.view(-1, num_kv_heads, head_dim)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.model.packed_linear import PackedLinear, can_pack, pack_linear_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
@@ -250,5 +251,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:  # tied to the embedding
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def pack_linear_weights(self) -> int:
+        """Prepack matmul weights for oneDNN where the device and dtype allow (see packed_linear)."""
+        replaced = pack_linear_layers(self)
+        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+            # A packed copy of the tied embedding serves as the LM head.
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+            replaced += 1
+        return replaced

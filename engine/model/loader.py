@@ -124,6 +124,7 @@ def load_from_hf_model(
     model = LlamaForCausalLM(arch, rotary, attention_backend)
     model.load_state_dict(_state_dict_from_hf(hf_model, arch, dtype), strict=True, assign=True)
     model.requires_grad_(False).eval()
+    model.pack_linear_weights()
     return LoadedModel(
         model=model,
         arch=arch,
