@@ -442,8 +442,8 @@ class Scheduler:
             raise AssertionError("queues and the request table disagree")
         holders = self.kv.holders()
         for request in self.running:
-            if request.request_id not in holders or self.kv.has_blocks(request.request_id) is False:
-                raise AssertionError(f"running {request} holds no blocks")
+            if not self.kv.has_blocks(request.request_id):
+                raise AssertionError(f"running {request} holds no block table")
             covered = len(self.kv.get_block_ids(request.request_id)) * self.block_size
             if covered < request.num_computed_tokens:
                 raise AssertionError(f"{request} has computed tokens outside its blocks")

@@ -68,6 +68,16 @@ def make_step(num_heads, num_kv_heads, dtype, seed=0, decodes=DECODES, prefills=
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
+def assert_matches_reference(out, sequences, scale, dtype):
+    """Each sequence's rows of the batched output equal its dense causal attention."""
+    start = 0
+    for span, seq_query, seq_keys, seq_values in sequences:
+        end = start + span.num_new_tokens
+        expected = dense_attention(seq_query, seq_keys, seq_values, span.num_cached_tokens, scale)
+        torch.testing.assert_close(out[start:end].double(), expected, atol=TOLERANCES[dtype], rtol=0)
+        start = end
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
 def test_torch_backend_matches_dense_reference(dtype, num_heads, num_kv_heads):
@@ -85,12 +95,7 @@ def test_torch_backend_matches_dense_reference(dtype, num_heads, num_kv_heads):
     out = backend.forward(query, key, value, key_cache, value_cache, metadata, scale)
 
     assert out.shape == query.shape and out.dtype == dtype and out.is_contiguous()
-    start = 0
-    for span, seq_query, seq_keys, seq_values in sequences:
-        end = start + span.num_new_tokens
-        expected = dense_attention(seq_query, seq_keys, seq_values, span.num_cached_tokens, scale)
-        torch.testing.assert_close(out[start:end].double(), expected, atol=TOLERANCES[dtype], rtol=0)
-        start = end
+    assert_matches_reference(out, sequences, scale, dtype)
     flat_keys = key_cache.view(-1, num_kv_heads, HEAD_DIM)
     assert torch.equal(flat_keys[batch.slot_mapping], key)
     assert torch.equal(value_cache.view(-1, num_kv_heads, HEAD_DIM)[batch.slot_mapping], value)
@@ -110,12 +115,7 @@ def test_many_decodes_and_long_chunks(dtype):
     assert len(metadata.decode_groups) > 1 and max(len(p.tiles) for p in metadata.prefills) > 1
     scale = HEAD_DIM**-0.5
     out = backend.forward(query, key, value, key_cache, value_cache, metadata, scale)
-    start = 0
-    for span, seq_query, seq_keys, seq_values in sequences:
-        end = start + span.num_new_tokens
-        expected = dense_attention(seq_query, seq_keys, seq_values, span.num_cached_tokens, scale)
-        torch.testing.assert_close(out[start:end].double(), expected, atol=TOLERANCES[dtype], rtol=0)
-        start = end
+    assert_matches_reference(out, sequences, scale, dtype)
 
 
 def test_strided_qkv_views_are_accepted():

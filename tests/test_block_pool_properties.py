@@ -104,26 +104,23 @@ def test_scheduler_interleavings_keep_every_block_in_one_place(config, ops, fini
     num_blocks = config["num_blocks"]
     num_swap_blocks = config["num_swap_blocks"]
     s = make_scheduler(max_model_len=256, **config)
-    next_id = 0
+    next_ids = iter(range(10**6))
+
+    def add(prompt_len: int, max_tokens: int, priority: int) -> None:
+        request = make_request(f"q{next(next_ids)}", prompt_len, max_tokens=max_tokens, priority=priority)
+        try:
+            s.add_request(request)
+        except ValueError:  # only a request the whole pool could never hold is refused
+            assert -(-(prompt_len + max_tokens) // s.block_size) > num_blocks
     for op in ops:
         if op[0] == "add":
             _, prompt_len, max_tokens, priority = op
-            request = make_request(f"q{next_id}", prompt_len, max_tokens=max_tokens, priority=priority)
-            next_id += 1
-            try:
-                s.add_request(request)
-            except ValueError:
-                assert -(-(prompt_len + max_tokens) // s.block_size) > num_blocks
+            add(prompt_len, max_tokens, priority)
         elif op[0] == "burst":
             # Many short prompts with long outputs: admitted together, they outgrow the pool.
             _, count, prompt_len, max_tokens = op
             for _ in range(count):
-                request = make_request(f"q{next_id}", prompt_len, max_tokens=max_tokens)
-                next_id += 1
-                try:
-                    s.add_request(request)
-                except ValueError:
-                    assert -(-(prompt_len + max_tokens) // s.block_size) > num_blocks
+                add(prompt_len, max_tokens, 0)
         elif op[0] == "step":
             for _ in range(op[1]):
                 fake_step(s)
