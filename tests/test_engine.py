@@ -181,3 +181,13 @@ def test_metrics_readable_any_time(tiny):
     run(engine)
     end = engine.get_metrics()
     assert end.num_finished == 4 and end.num_kv_blocks_used == 0 and len(end.queue_times) == 4
+
+
+def test_kv_pool_sized_from_memory_budget(tiny):
+    _, model_dir = tiny
+    engine = make_engine(model_dir, cache=CacheConfig(block_size=4, kv_cache_memory_bytes=1 << 20, num_swap_blocks=0))
+    bytes_per_block = engine.kv_layout.bytes_per_block
+    # 2 layers x (K, V) x 4 slots x 2 KV heads x 16 dims x 8 bytes (float64)
+    assert bytes_per_block == 2 * 2 * 4 * 2 * 16 * 8
+    assert engine.kv_manager.pool.num_blocks == (1 << 20) // bytes_per_block
+    assert engine.kv_cache.layers[0][0].shape == ((1 << 20) // bytes_per_block, 4, 2, 16)

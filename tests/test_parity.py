@@ -157,3 +157,23 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="llama"):
         LLM(str(tmp_path), dtype="float32")
+
+
+@pytest.mark.slow
+def test_smollm2_stop_strings_and_eos(smollm2_hf):
+    hf_model, tokenizer = smollm2_hf
+    from engine.model.loader import load_from_hf_model
+
+    llm = LLM("smollm2-135m", loaded_model=load_from_hf_model(hf_model, tokenizer, torch.float32, "smollm2-135m"))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
+    free, stopped = llm.generate(
+        [prompt, prompt],
+        [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=0.0, max_tokens=40, stop=["Paris"])],
+    )
+    assert "Paris" in free.text and free.finish_reason == "stop"  # ended by EOS
+    assert free.token_ids[-1] in llm.engine.eos_token_ids
+    assert stopped.finish_reason == "stop" and "Paris" not in stopped.text
+    assert free.text.startswith(stopped.text) and len(stopped.token_ids) < len(free.token_ids)
+    assert llm.get_metrics().num_kv_blocks_used == 0
