@@ -152,11 +152,17 @@ class LLMEngine:
                 new_logprobs = [entry]
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            if request.detokenizer is not None and not request.is_finished:
-                request.detokenizer.append([token_id])
-                if request.detokenizer.stop_matched is not None:
-                    request.stop_reason = request.detokenizer.stop_matched
-                    scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            detokenizer = request.detokenizer
+            if detokenizer is not None and detokenizer.stop_matched is None:
+                # Every token reaches the detokenizer, also the one that ended the request by
+                # length or EOS in this step: the text must include it.
+                detokenizer.append([token_id])
+                if detokenizer.stop_matched is not None:
+                    request.stop_reason = detokenizer.stop_matched
+                    if request.is_finished:  # already ended (and freed) by the scheduler this step
+                        request.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
                     finished_ids.add(request.request_id)
             if request.request_id in finished_ids:
                 outputs.append(self._final_output(request, [token_id], new_logprobs))

@@ -168,10 +168,17 @@ def test_smollm2_stop_strings_and_eos(smollm2_hf):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
     )
-    free, stopped = llm.generate(
-        [prompt, prompt],
-        [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=0.0, max_tokens=40, stop=["Paris"])],
+    free, stopped, unmatched = llm.generate(
+        [prompt, prompt, prompt],
+        [
+            SamplingParams(temperature=0.0, max_tokens=40),
+            SamplingParams(temperature=0.0, max_tokens=40, stop=["Paris"]),
+            SamplingParams(temperature=0.0, max_tokens=5, stop=["never-in-the-output"]),
+        ],
     )
+    # A stop string that never matches: the request ends by length and its text keeps every token.
+    assert unmatched.finish_reason == "length"
+    assert unmatched.text == tokenizer.decode(unmatched.token_ids, skip_special_tokens=True)
     assert "Paris" in free.text and free.finish_reason == "stop"  # ended by EOS
     assert free.token_ids[-1] in llm.engine.eos_token_ids
     assert stopped.finish_reason == "stop" and "Paris" not in stopped.text
