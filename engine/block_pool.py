@@ -151,15 +151,13 @@ class KVCacheManager:
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's table to cover `num_tokens` tokens; False (and no change) if blocks are short."""
         table = self._tables.get(request_id)
+        num_new = -(num_tokens // -self.block_size) - (0 if table is None else len(table))
+        if num_new > self.pool.num_free:
+            return False  # NOTE: an existing table, even an empty one, stays with its request
         if table is None:
             table = self._new_table(request_id)
-        num_new = -(num_tokens // -self.block_size) - len(table)
         if num_new <= 0:
             return True
-        if num_new > self.pool.num_free:
-            if not table:
-                self._release_table(request_id)
-            return False
         if len(table) + num_new > self.max_blocks_per_seq:
             raise ValueError(
                 f"request {request_id} needs {len(table) + num_new} blocks, "

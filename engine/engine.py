@@ -178,8 +178,10 @@ class LLMEngine:
                     )
                 )
         seconds = time.perf_counter() - started
-        if sched_out.total_num_scheduled_tokens >= 64:
-            self.cost_model.observe_prefill(sched_out.total_num_scheduled_tokens, seconds)
+        num_prefill = runner_out.num_prefill_tokens
+        # Learn the prefill rate only from steps that are mostly prefill.
+        if num_prefill >= 64 and num_prefill >= 0.9 * sched_out.total_num_scheduled_tokens:
+            self.cost_model.observe_prefill(num_prefill, seconds - runner_out.swap_seconds)
         if runner_out.swap_bytes:
             self.cost_model.observe_swap(runner_out.swap_bytes, runner_out.swap_seconds)
         return StepOutput(

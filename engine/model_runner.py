@@ -24,6 +24,7 @@ class ModelRunnerOutput:
     sampler_output: SamplerOutput | None
     swap_bytes: int = 0
     swap_seconds: float = 0.0
+    num_prefill_tokens: int = 0  # prompt (or recompute) tokens in the forward pass
 
 
 class ModelRunner:
@@ -76,12 +77,17 @@ class ModelRunner:
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn, metadata
         )  # [N, hidden]
         if not batch.sample_requests:
-            return ModelRunnerOutput([], [], None, swap_bytes, swap_seconds)
+            return ModelRunnerOutput([], [], None, swap_bytes, swap_seconds, batch.num_prefill_tokens)
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab]
         sampling = self._sampling_batch(batch.sample_requests)
         sampled = self.sampler(logits, sampling)
         return ModelRunnerOutput(
-            batch.sample_requests, sampled.token_ids, sampled, swap_bytes, swap_seconds
+            batch.sample_requests,
+            sampled.token_ids,
+            sampled,
+            swap_bytes,
+            swap_seconds,
+            batch.num_prefill_tokens,
         )
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:

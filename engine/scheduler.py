@@ -130,7 +130,8 @@ class Scheduler:
             raise ValueError(
                 f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}"
             )
-        peak_tokens = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        # The last sampled token ends the request before its KV is computed.
+        peak_tokens = min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
         if cdiv(peak_tokens, self.block_size) > self.kv.pool.num_blocks:
             raise ValueError(
                 f"request needs up to {cdiv(peak_tokens, self.block_size)} KV blocks; "
@@ -218,10 +219,10 @@ class Scheduler:
         if not out.preempted:
             now = time.monotonic()
             budget = self._schedule_swapped(out, budget, chunk_cap)
-            if self._is_static:
-                budget = self._admit_static(out, budget, chunk_cap, now)
-            else:
-                budget = self._admit_waiting(out, budget, chunk_cap, now)
+            # NOTE: newcomers wait until every swapped request is back, so none starves.
+            if not self.swapped:
+                admit = self._admit_static if self._is_static else self._admit_waiting
+                budget = admit(out, budget, chunk_cap, now)
 
         out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
         return out
@@ -245,45 +246,69 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
         waiting = self._waiting
+        promised = self._num_promised_blocks()
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = waiting[0][2]
-            if not self._can_admit(request):
+            if not self._can_admit(request, promised):
                 break  # head-of-line: lower-priority requests do not jump ahead
             heapq.heappop(waiting)
             budget = self._admit(out, request, budget, chunk_cap, now)
+            promised += self._blocks_still_to_take(request)
         return budget
 
     def _admit_static(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
         """Static batching: members preempted by recompute come back; a new batch forms only when the last is done."""
         requeue = self._static_requeue
+        promised = self._num_promised_blocks()
         while requeue and len(self.running) < self.config.max_num_seqs:
-            if not self._can_admit(requeue[0]):
+            if not self._can_admit(requeue[0], promised):
                 return budget
-            budget = self._admit(out, requeue.pop(0), budget, chunk_cap, now)
+            request = requeue.pop(0)
+            budget = self._admit(out, request, budget, chunk_cap, now)
+            promised += self._blocks_still_to_take(request)
         if self._static_batch:
             return budget
         waiting = self._waiting
         while waiting and len(self.running) < self.config.max_num_seqs:
             request = waiting[0][2]
-            if not self._can_admit(request):
+            if not self._can_admit(request, promised):
                 break
             heapq.heappop(waiting)
             self._static_batch.add(request.request_id)
             budget = self._admit(out, request, budget, chunk_cap, now)
+            promised += self._blocks_still_to_take(request)
         return budget
 
     def _growth_reserve(self) -> int:
         """Blocks kept free so the running batch can grow for a few decode steps."""
         return cdiv(len(self.running) * self.config.admission_reserve_steps, self.block_size)
 
-    def _can_admit(self, request: Request) -> bool:
+    def _num_promised_blocks(self) -> int:
+        """Blocks that running requests still prefilling will take for the rest of their prompt.
+
+        Admission allocates only a request's first chunk, so these are not yet
+        off the free list but are no longer free to promise to a newcomer.
+        """
+        return sum(
+            self._blocks_still_to_take(request)
+            for request in self.running
+            if request.num_computed_tokens < len(request.all_token_ids) - 1
+        )
+
+    def _blocks_still_to_take(self, request: Request) -> int:
+        """Blocks the request's table lacks to cover all of its current tokens."""
+        return self.kv.num_new_blocks(request.request_id, len(request.all_token_ids))
+
+    def _can_admit(self, request: Request, promised: int) -> bool:
+        """Whether the request's whole prompt (and growth room) fits in the unpromised free blocks."""
         num_blocks = cdiv(request.num_tokens, self.block_size)
+        available = self.kv.num_free_blocks - promised
         if not self.running and not self.swapped:
-            return num_blocks <= self.kv.num_free_blocks
+            return num_blocks <= available
         reserve = cdiv(
             (len(self.running) + 1) * self.config.admission_reserve_steps, self.block_size
         )
-        return num_blocks + reserve <= self.kv.num_free_blocks
+        return num_blocks + reserve <= available
 
     def _admit(
         self, out: SchedulerOutput, request: Request, budget: int, chunk_cap: int, now: float

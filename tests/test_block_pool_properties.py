@@ -111,7 +111,7 @@ def test_scheduler_interleavings_keep_every_block_in_one_place(config, ops, fini
         try:
             s.add_request(request)
         except ValueError:  # only a request the whole pool could never hold is refused
-            assert -(-(prompt_len + max_tokens) // s.block_size) > num_blocks
+            assert -(-(prompt_len + max_tokens - 1) // s.block_size) > num_blocks
     for op in ops:
         if op[0] == "add":
             _, prompt_len, max_tokens, priority = op

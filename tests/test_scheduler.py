@@ -214,3 +214,66 @@ def test_metrics_track_queue_and_efficiency():
     assert 0 < stats.kv_memory_efficiency <= 1
     assert stats.mean_seqs_per_step > 1
     assert stats.num_tokens_scheduled_total == 4 * 5 + 4 * 2  # prompts + decode inputs
+
+
+def test_static_swap_with_requests_admitted_past_the_budget():
+    # Static admission past the token budget leaves running requests with empty tables;
+    # preempting one of them by swap must work (it used to raise KeyError).
+    s = make_scheduler(num_blocks=3, num_swap_blocks=64, block_size=4, policy="static",
+                       preemption_mode="swap", max_num_batched_tokens=2, admission_reserve_steps=0)
+    for i in range(2):
+        s.add_request(make_request(f"r{i}", 8, max_tokens=2))
+    run_to_completion(s)
+    assert s.kv.num_free_blocks == 3 and s.kv.swap_pool.num_free == 64
+
+
+def test_empty_table_survives_failed_growth_and_swaps():
+    s = make_scheduler(num_blocks=2, num_swap_blocks=4, block_size=4)
+    kv = s.kv
+    assert kv.allocate_slots("a", 0) and kv.get_block_ids("a") == []
+    assert not kv.allocate_slots("a", 12)  # 3 blocks > 2 free: no change, table kept
+    assert kv.has_blocks("a") and kv.get_block_ids("a") == []
+    assert kv.swap_out("a") == [] and kv.swap_in("a") == []
+    assert not kv.allocate_slots("b", 12) and not kv.has_blocks("b")  # no table for a failed newcomer
+    kv.free("a")
+    kv.check_integrity()
+
+
+def test_admission_counts_blocks_promised_to_prefilling_requests():
+    # 4 prompts of 4 blocks each, a 10-block pool and 4-token chunks: only two fit at once.
+    s = make_scheduler(num_blocks=10, block_size=4, long_prefill_token_threshold=4,
+                       max_num_batched_tokens=64, admission_reserve_steps=0)
+    for i in range(4):
+        s.add_request(make_request(f"r{i}", 16, max_tokens=2))
+    out, _ = fake_step(s)
+    assert len(s.running) == 2
+    outs = run_to_completion(s)
+    assert not any(o.preempted for o in [out, *outs])
+
+
+def test_request_that_exactly_fits_the_pool_is_admissible():
+    # 16 prompt tokens + 1 output: the sampled token needs no KV, so 4 blocks of 4 suffice.
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    s.add_request(make_request("fits", 16, max_tokens=1))
+    run_to_completion(s)
+    with pytest.raises(ValueError, match="KV blocks"):
+        s.add_request(make_request("too-big", 16, max_tokens=2))
+
+
+def test_swapped_requests_come_back_before_newcomers():
+    s = make_scheduler(num_blocks=8, num_swap_blocks=32, block_size=4, preemption_mode="swap",
+                       max_num_batched_tokens=64, admission_reserve_steps=0)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 6, max_tokens=14))
+    swapped_id = None
+    for _ in range(40):
+        fake_step(s)
+        if s.swapped:
+            swapped_id = s.swapped[0].request_id
+            break
+    assert swapped_id is not None
+    s.add_request(make_request("newcomer", 2, max_tokens=2))
+    order = []
+    for out in run_to_completion(s):
+        order += [r.request_id for r in out.requests if r.request_id not in order]
+    assert order.index(swapped_id) < order.index("newcomer")
