@@ -143,7 +143,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -152,3 +152,10 @@ class EngineConfig:
             raise ValueError("max_model_len must be positive")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError("num_threads must be positive")
+        from engine.attention import ATTENTION_BACKENDS
+
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {self.attention_backend!r}; "
+                f"available: {', '.join(ATTENTION_BACKENDS)}"
+            )

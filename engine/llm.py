@@ -43,7 +43,7 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         max_model_len: int | None = None,
         num_threads: int | None = None,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         seed: int = 0,
         loaded_model: LoadedModel | None = None,
     ) -> None:

@@ -13,8 +13,12 @@ token budget allows. Order of service within a step:
        preempted this step and their whole prompt plus a few decode steps of
        growth fits in the free blocks.
 
-The "static" policy runs the same loop but admits a new batch only when every
-member of the previous one has finished.
+The "static" policy is classic batch-at-a-time serving on the same loop: a new
+batch forms only when every member of the previous one has finished, and a
+member is admitted only if its worst case (prompt plus max_tokens) fits in the
+free blocks, which it holds from admission on. A batch that may not be broken
+up cannot preempt, so it must reserve up front, as servers without paging do;
+the reservation is what bounds a static batch when memory is short.
 """
 
 from __future__ import annotations
@@ -124,14 +128,20 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def peak_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The most tokens a request ever holds in the KV cache.
+
+        The last sampled token ends the request before its KV is computed.
+        """
+        return min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
+
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ValueError for a request that could never run here."""
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}"
             )
-        # The last sampled token ends the request before its KV is computed.
-        peak_tokens = min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
+        peak_tokens = self.peak_kv_tokens(num_prompt_tokens, max_tokens)
         if cdiv(peak_tokens, self.block_size) > self.kv.pool.num_blocks:
             raise ValueError(
                 f"request needs up to {cdiv(peak_tokens, self.block_size)} KV blocks; "
@@ -257,27 +267,35 @@ class Scheduler:
         return budget
 
     def _admit_static(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
-        """Static batching: members preempted by recompute come back; a new batch forms only when the last is done."""
+        """Static batching: a new batch forms only when the last one is done.
+
+        Members preempted from outside (the static loop itself never needs to)
+        come back first. Every member reserves its worst-case blocks on
+        admission; the batch may exceed the token budget (its prompts are then
+        prefilled over the next steps).
+        """
         requeue = self._static_requeue
-        promised = self._num_promised_blocks()
         while requeue and len(self.running) < self.config.max_num_seqs:
-            if not self._can_admit(requeue[0], promised):
+            if not self._can_reserve(requeue[0]):
                 return budget
             request = requeue.pop(0)
-            budget = self._admit(out, request, budget, chunk_cap, now)
-            promised += self._blocks_still_to_take(request)
+            budget = self._admit(out, request, budget, chunk_cap, now, reserve=True)
         if self._static_batch:
             return budget
         waiting = self._waiting
         while waiting and len(self.running) < self.config.max_num_seqs:
             request = waiting[0][2]
-            if not self._can_admit(request, promised):
+            if not self._can_reserve(request):
                 break
             heapq.heappop(waiting)
             self._static_batch.add(request.request_id)
-            budget = self._admit(out, request, budget, chunk_cap, now)
-            promised += self._blocks_still_to_take(request)
+            budget = self._admit(out, request, budget, chunk_cap, now, reserve=True)
         return budget
+
+    def _can_reserve(self, request: Request) -> bool:
+        """Whether the request's worst-case blocks fit in the free blocks."""
+        peak = self.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        return cdiv(peak, self.block_size) <= self.kv.num_free_blocks - self._num_promised_blocks()
 
     def _growth_reserve(self) -> int:
         """Blocks kept free so the running batch can grow for a few decode steps."""
@@ -311,8 +329,15 @@ class Scheduler:
         return num_blocks + reserve <= available
 
     def _admit(
-        self, out: SchedulerOutput, request: Request, budget: int, chunk_cap: int, now: float
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        budget: int,
+        chunk_cap: int,
+        now: float,
+        reserve: bool = False,
     ) -> int:
+        """Move a waiting request to running; with `reserve`, take its worst-case blocks now."""
         assert request.num_computed_tokens == 0
         request.status = RequestStatus.RUNNING
         effective_priority = (
@@ -326,6 +351,10 @@ class Scheduler:
             request.first_scheduled_time = now
             self.queue_times.append(now - request.arrival_time)
             self._queue_time_total += now - request.arrival_time
+        if reserve:
+            peak = self.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
+            ok = self.kv.allocate_slots(request.request_id, peak)
+            assert ok, "admission checked the free blocks"
         num_new = min(request.num_tokens, budget, chunk_cap)
         if num_new == 0:  # static batching admits past the token budget
             ok = self.kv.allocate_slots(request.request_id, 0)

@@ -11,6 +11,8 @@ from engine.attention import SequenceSpan, build_attention_batch, get_attention_
 
 torch.set_num_threads(1)
 
+BACKENDS = ["torch", "cpu"]  # "cpu" builds the native kernels on first use
+
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
 HEAD_DIM = 16
@@ -78,9 +80,10 @@ def assert_matches_reference(out, sequences, scale, dtype):
         start = end
 
 
+@pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
-def test_torch_backend_matches_dense_reference(dtype, num_heads, num_kv_heads):
+def test_backend_matches_dense_reference(backend_name, dtype, num_heads, num_kv_heads):
     batch, sequences, query, key, value, key_cache, value_cache = make_step(
         num_heads, num_kv_heads, dtype
     )
@@ -89,7 +92,7 @@ def test_torch_backend_matches_dense_reference(dtype, num_heads, num_kv_heads):
     batch = dataclasses.replace(batch, decode_block_tables=padded)
     batch.check_integrity(BLOCK_SIZE)
 
-    backend = get_attention_backend("torch")
+    backend = get_attention_backend(backend_name)
     metadata = backend.build_metadata(batch, BLOCK_SIZE, num_heads, num_kv_heads, HEAD_DIM, dtype)
     scale = HEAD_DIM**-0.5
     out = backend.forward(query, key, value, key_cache, value_cache, metadata, scale)
@@ -101,8 +104,9 @@ def test_torch_backend_matches_dense_reference(dtype, num_heads, num_kv_heads):
     assert torch.equal(value_cache.view(-1, num_kv_heads, HEAD_DIM)[batch.slot_mapping], value)
 
 
+@pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_many_decodes_and_long_chunks(dtype):
+def test_many_decodes_and_long_chunks(backend_name, dtype):
     """More decodes than one length group holds, and chunks longer than one query tile."""
     decodes = [(n, 1) for n in (0, 90, 3, 41, 7, 66, 12, 5, 130, 1, 29, 18, 77, 2, 54, 9, 33, 101, 4, 60)]
     prefills = [(37, 600), (0, 300), (250, 257)]
@@ -110,21 +114,24 @@ def test_many_decodes_and_long_chunks(dtype):
     batch, sequences, query, key, value, key_cache, value_cache = make_step(
         8, 2, dtype, seed=3, decodes=decodes, prefills=prefills, num_blocks=num_blocks
     )
-    backend = get_attention_backend("torch")
+    backend = get_attention_backend(backend_name)
     metadata = backend.build_metadata(batch, BLOCK_SIZE, 8, 2, HEAD_DIM, dtype)
-    assert len(metadata.decode_groups) > 1 and max(len(p.tiles) for p in metadata.prefills) > 1
+    assert max(len(p.tiles) for p in metadata.prefills) > 1
+    if backend_name == "torch":
+        assert len(metadata.decode_groups) > 1
     scale = HEAD_DIM**-0.5
     out = backend.forward(query, key, value, key_cache, value_cache, metadata, scale)
     assert_matches_reference(out, sequences, scale, dtype)
 
 
-def test_strided_qkv_views_are_accepted():
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_strided_qkv_views_are_accepted(backend_name):
     """The model passes q/k/v as views of one fused projection."""
     num_heads, num_kv_heads, dtype = 8, 2, torch.float64
     batch, _, query, key, value, key_cache, value_cache = make_step(num_heads, num_kv_heads, dtype)
     fused = torch.cat([query, key, value], dim=1)  # [N, H + 2 KvH, Dh]
     q_view, k_view, v_view = fused.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    backend = get_attention_backend("torch")
+    backend = get_attention_backend(backend_name)
     metadata = backend.build_metadata(batch, BLOCK_SIZE, num_heads, num_kv_heads, HEAD_DIM, dtype)
     caches = (key_cache.clone(), value_cache.clone())
     expected = backend.forward(query, key, value, *caches, metadata, 0.25)
@@ -132,9 +139,10 @@ def test_strided_qkv_views_are_accepted():
     assert torch.equal(out, expected)
 
 
-def test_decode_only_and_single_prefill_batches():
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_decode_only_and_single_prefill_batches(backend_name):
     num_heads, num_kv_heads, dtype = 4, 2, torch.float64
-    backend = get_attention_backend("torch")
+    backend = get_attention_backend(backend_name)
     for decodes, prefills in (([(2, 1), (7, 1)], []), ([], [(6, 5)])):
         gen = torch.Generator().manual_seed(1)
         key_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype=dtype)
@@ -178,6 +186,71 @@ def test_build_attention_batch_layout():
     layout = [(c.token_start, c.num_tokens, c.context_len) for c in batch.prefills]
     assert layout == [(1, 3, 3), (4, 4, 10)]
     assert batch.prefills[1].block_ids.tolist() == [1, 3, 0]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("num_seqs", [1, 3, 24])
+def test_native_decode_kernel_head_sizes_and_threads(head_dim, num_threads, num_seqs):
+    """The native decode kernel's vector paths (head_dim multiple of 64, or not),
+    one KV head per work item (few sequences) or all of them (many), 1 and 2 threads.
+    Checked against the torch backend's decodes in float32."""
+    from engine.kernels import paged_decode_attention
+
+    get_attention_backend("cpu")  # builds the kernels
+    gen = torch.Generator().manual_seed(head_dim + num_seqs)
+    block_size, num_heads, num_kv_heads = 16, 9, 3
+    seq_lens = torch.randint(1, 300, (num_seqs,), generator=gen)
+    blocks_per_seq = [-(-int(n) // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 4
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(num_seqs, max(blocks_per_seq) + 2, dtype=torch.int64)
+    start = 0
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = order[start : start + count]
+        start += count
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(cache_shape, generator=gen)
+    value_cache = torch.randn(cache_shape, generator=gen)
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = torch.full_like(query, float("nan"))
+        paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale, out)
+    finally:
+        torch.set_num_threads(previous)
+
+    for row in range(num_seqs):
+        n = int(seq_lens[row])
+        slots = (tables[row, : blocks_per_seq[row]][:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        keys = key_cache.view(-1, num_kv_heads, head_dim)[slots]
+        values = value_cache.view(-1, num_kv_heads, head_dim)[slots]
+        expected = dense_attention(query[row : row + 1], keys, values, n - 1, scale)
+        torch.testing.assert_close(out[row : row + 1].double(), expected, atol=2e-6, rtol=0)
+
+
+def test_native_decode_kernel_rejects_bad_layouts():
+    from engine.kernels import paged_decode_attention
+
+    get_attention_backend("cpu")
+    key_cache = torch.zeros(4, 16, 2, 64)
+    query = torch.zeros(2, 4, 64)
+    tables = torch.zeros(2, 1, dtype=torch.int64)
+    lens = torch.ones(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="int64"):
+        paged_decode_attention(query, key_cache, key_cache, tables.int(), lens, 1.0, torch.empty_like(query))
+    with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
+        bad_query = torch.zeros(2, 3, 64)
+        paged_decode_attention(bad_query, key_cache, key_cache, tables, lens, 1.0, torch.empty_like(bad_query))
+    with pytest.raises(RuntimeError, match="dtype"):
+        paged_decode_attention(query.double(), key_cache, key_cache, tables, lens, 1.0, torch.empty_like(query))
+
+
+def test_auto_backend_is_native_on_cpu():
+    assert get_attention_backend("auto").name == "cpu"
 
 
 def test_unknown_backend_is_rejected():

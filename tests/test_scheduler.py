@@ -6,6 +6,7 @@ import pytest
 
 from engine.preemption import PreemptionKind
 from engine.request import RequestStatus
+from engine.scheduler import SchedulerOutput
 from tests.scheduler_harness import fake_step, make_request, make_scheduler, run_to_completion
 
 
@@ -216,15 +217,54 @@ def test_metrics_track_queue_and_efficiency():
     assert stats.num_tokens_scheduled_total == 4 * 5 + 4 * 2  # prompts + decode inputs
 
 
-def test_static_swap_with_requests_admitted_past_the_budget():
-    # Static admission past the token budget leaves running requests with empty tables;
-    # preempting one of them by swap must work (it used to raise KeyError).
-    s = make_scheduler(num_blocks=3, num_swap_blocks=64, block_size=4, policy="static",
-                       preemption_mode="swap", max_num_batched_tokens=2, admission_reserve_steps=0)
-    for i in range(2):
-        s.add_request(make_request(f"r{i}", 8, max_tokens=2))
+def test_static_batch_reserves_worst_case_and_never_preempts():
+    # 8 requests of 8 prompt + 8 output tokens: 15 KV tokens = 4 blocks of 4 at worst.
+    # A 10-block pool holds two such reservations, so static batches are pairs,
+    # while continuous batching, taking blocks as sequences grow, runs more at once.
+    def run(policy):
+        s = make_scheduler(num_blocks=10, block_size=4, policy=policy, max_num_seqs=8,
+                           max_num_batched_tokens=64, admission_reserve_steps=0)
+        for i in range(8):
+            s.add_request(make_request(f"r{i}", 8, max_tokens=8))
+        outs = run_to_completion(s)
+        assert s.kv.num_free_blocks == 10 and s.requests == {}
+        return s, outs
+
+    static, outs = run("static")
+    assert max(len(o.requests) for o in outs) == 2
+    assert not any(o.preempted for o in outs)
+    continuous, _ = run("continuous")
+    assert continuous.stats().mean_seqs_per_step > static.stats().mean_seqs_per_step
+    # Reserved-but-unused slots count against static's KV efficiency.
+    assert static.stats().kv_memory_efficiency < continuous.stats().kv_memory_efficiency
+
+
+def test_static_members_hold_their_reservation_from_admission():
+    s = make_scheduler(num_blocks=64, block_size=4, policy="static", max_num_seqs=4,
+                       max_num_batched_tokens=4, admission_reserve_steps=0)
+    s.add_request(make_request("a", 10, max_tokens=7))  # peak 16 tokens: 4 blocks
+    s.add_request(make_request("b", 3, max_tokens=30))  # peak 32 tokens: 8 blocks
+    out, _ = fake_step(s)  # both admitted; only a's first chunk fits the budget
+    assert scheduled(out) == {"a": 4}
+    assert len(s.kv.get_block_ids("a")) == 4 and len(s.kv.get_block_ids("b")) == 8
+    s.check_integrity()
     run_to_completion(s)
-    assert s.kv.num_free_blocks == 3 and s.kv.swap_pool.num_free == 64
+    assert s.kv.num_free_blocks == 64
+
+
+def test_static_swap_after_out_of_band_preemption():
+    # A member preempted from outside the scheduler comes back with its reservation.
+    s = make_scheduler(num_blocks=8, num_swap_blocks=64, block_size=4, policy="static",
+                       preemption_mode="swap", max_num_batched_tokens=64, admission_reserve_steps=0)
+    for i in range(2):
+        s.add_request(make_request(f"r{i}", 8, max_tokens=4))
+    fake_step(s)
+    victim = s.running[-1]
+    s._preempt(victim, SchedulerOutput())
+    s.check_integrity()
+    assert victim.status == RequestStatus.SWAPPED
+    run_to_completion(s)
+    assert s.kv.num_free_blocks == 8 and s.kv.swap_pool.num_free == 64
 
 
 def test_empty_table_survives_failed_growth_and_swaps():

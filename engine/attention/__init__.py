@@ -10,15 +10,27 @@ from engine.attention.base import (
     build_attention_batch,
 )
 
-ATTENTION_BACKENDS = ("torch",)
+import torch
+
+# "auto": the native CPU backend on CPU when its kernels build, else "torch".
+ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
     """The attention backend called `name`; its implementation is imported on demand."""
+    if name == "auto":
+        from engine.kernels import cpu_kernels_available
+
+        use_cpu = torch.device(device).type == "cpu" and cpu_kernels_available()
+        name = "cpu" if use_cpu else "torch"
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "cpu":
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")
 
 

@@ -69,6 +69,8 @@ class TorchAttentionMetadata:
 
     slot_mapping: torch.Tensor  # [N] int64
     num_decode_tokens: int  # D
+    decode_block_tables: torch.Tensor  # [D, max_blocks] int64 (the batch's)
+    decode_seq_lens: torch.Tensor  # [D] int64 (the batch's)
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillPlan, ...]
     # [max blocks gathered at once, block_size * KvH * Dh] each: gather destinations,
@@ -94,7 +96,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> TorchAttentionMetadata:
         device = batch.slot_mapping.device
         score_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-        groups = _decode_groups(batch, block_size)
+        groups = self._plan_decodes(batch, block_size)
         max_gathered_blocks = max((g.block_ids.shape[0] for g in groups), default=0)
 
         plans = []
@@ -115,12 +117,18 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             num_decode_tokens=batch.num_decode_tokens,
+            decode_block_tables=batch.decode_block_tables,
+            decode_seq_lens=batch.decode_seq_lens,
             decode_groups=groups,
             prefills=tuple(plans),
             key_scratch=torch.empty(scratch_shape, dtype=dtype, device=device),
             value_scratch=torch.empty(scratch_shape, dtype=dtype, device=device),
             score_dtype=score_dtype,
         )
+
+    @staticmethod
+    def _plan_decodes(batch: AttentionBatch, block_size: int) -> tuple[DecodeGroup, ...]:
+        return _decode_groups(batch, block_size)
 
     def forward(
         self,

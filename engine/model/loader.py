@@ -81,7 +81,7 @@ def load_model(
     model: str,
     dtype: torch.dtype,
     max_model_len: int | None = None,
-    attention_backend: str | AttentionBackend = "torch",
+    attention_backend: str | AttentionBackend = "auto",
 ) -> LoadedModel:
     """Load `model` (see module docstring) in `dtype`, never touching the network."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -105,7 +105,7 @@ def load_from_hf_model(
     dtype: torch.dtype,
     name: str,
     max_model_len: int | None = None,
-    attention_backend: str | AttentionBackend = "torch",
+    attention_backend: str | AttentionBackend = "auto",
 ) -> LoadedModel:
     """Build our model from a transformers *ForCausalLM, sharing or concatenating its weights.
 

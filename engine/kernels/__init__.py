@@ -1,0 +1,62 @@
+"""Native CPU kernels, compiled on first use with torch's C++ extension builder.
+
+`load_cpu_kernels()` builds `cpu_attention.cpp` once per source version (the
+build is cached under torch's extensions directory, TORCH_EXTENSIONS_DIR) and
+registers its ops under `torch.ops.baton`. A build takes about a minute on two
+cores; `make setup` runs it so that tests and servers start warm.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = (Path(__file__).with_name("cpu_attention.cpp"),)
+
+
+@functools.cache
+def load_cpu_kernels() -> None:
+    """Build (or load the cached build of) the CPU kernels; raises if the compiler fails."""
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-fopenmp", "-mprefer-vector-width=512"]
+    # Tune for the machine that builds, which is the machine that runs: the
+    # build is cached per machine and BATON_NATIVE_ARCH overrides it.
+    flags.append(f"-march={os.environ.get('BATON_NATIVE_ARCH', 'native')}")
+    logger.info("loading Baton's CPU kernels (the first build takes about a minute)")
+    cpp_extension.load(
+        name="baton_cpu_kernels",
+        sources=[str(path) for path in _SOURCES],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the CPU kernels build and load here (False, with a warning, if not)."""
+    try:
+        load_cpu_kernels()
+    except Exception as exc:  # compiler missing or failing: the torch backend still works
+        logger.warning("Baton's CPU kernels are unavailable (%s); using the torch attention backend", exc)
+        return False
+    return True
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [D, H, Dh]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KvH, Dh]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [D, max_blocks] int64
+    seq_lens: torch.Tensor,  # [D] int64
+    scale: float,
+    out: torch.Tensor,  # [D, H, Dh], written
+) -> None:
+    torch.ops.baton.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
