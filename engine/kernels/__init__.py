@@ -1,9 +1,10 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder.
 
-`load_cpu_kernels()` builds `cpu_attention.cpp` once per source version (the
-build is cached under torch's extensions directory, TORCH_EXTENSIONS_DIR) and
-registers its ops under `torch.ops.baton`. A build takes about a minute on two
-cores; `make setup` runs it so that tests and servers start warm.
+`load_cpu_kernels()` builds `cpu_attention.cpp` (paged decode attention) and
+`cpu_ops.cpp` (RMSNorm, RoPE, SiLU-and-mul) once per source version (the build
+is cached under torch's extensions directory, TORCH_EXTENSIONS_DIR) and
+registers the ops under `torch.ops.baton`. A build takes about half a minute on
+two cores; `make setup` runs it so that tests and servers start warm.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).with_name("cpu_attention.cpp"),)
+_SOURCES = (Path(__file__).with_name("cpu_attention.cpp"), Path(__file__).with_name("cpu_ops.cpp"))
 
 
 @functools.cache
@@ -25,11 +26,13 @@ def load_cpu_kernels() -> None:
     """Build (or load the cached build of) the CPU kernels; raises if the compiler fails."""
     from torch.utils import cpp_extension
 
-    flags = ["-O3", "-fopenmp", "-mprefer-vector-width=512"]
+    # No fused multiply-add contraction: elementwise ops then round exactly as
+    # torch's eager kernels do (the attention kernel's FMAs are explicit).
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-mprefer-vector-width=512"]
     # Tune for the machine that builds, which is the machine that runs: the
     # build is cached per machine and BATON_NATIVE_ARCH overrides it.
     flags.append(f"-march={os.environ.get('BATON_NATIVE_ARCH', 'native')}")
-    logger.info("loading Baton's CPU kernels (the first build takes about a minute)")
+    logger.info("loading Baton's CPU kernels (the first build takes about half a minute)")
     cpp_extension.load(
         name="baton_cpu_kernels",
         sources=[str(path) for path in _SOURCES],
@@ -60,3 +63,18 @@ def paged_decode_attention(
     out: torch.Tensor,  # [D, H, Dh], written
 ) -> None:
     torch.ops.baton.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+
+
+def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm on [N, hidden] in one pass."""
+    return torch.ops.baton.rms_norm(input, weight, eps)
+
+
+def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+    """Rotate-half RoPE in place on heads [0, num_heads) of x [N, heads, Dh]; cos/sin [N, Dh]."""
+    torch.ops.baton.rotary_embedding_(x, cos, sin, num_heads)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [N, 2I] holding gate then up columns."""
+    return torch.ops.baton.silu_and_mul(gate_up)

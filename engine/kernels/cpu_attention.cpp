@@ -130,6 +130,18 @@ inline void accumulate_values<float, float>(
 }
 #endif
 
+// Ask for the cache lines of `num_tokens` rows of `row_bytes` bytes, `stride`
+// elements apart, ahead of their use.
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* base, int64_t num_tokens, int64_t stride, int64_t row_bytes) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const char* row = reinterpret_cast<const char*>(base + t * stride);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+      __builtin_prefetch(row + offset, 0, 3);
+    }
+  }
+}
+
 // exp(x) for x <= 0 in float: x = n ln2 + r with |r| <= ln2/2, then 2^n times a
 // degree-6 polynomial for exp(r) (relative error ~2e-7, about one ulp), written
 // so the compiler vectorizes the loops that call it. Inputs below -87 are
@@ -219,14 +231,25 @@ void decode_attention_impl(
     }
     const int64_t head_offset = first_kv_head * head_dim;
 
-    // Pass 1: scores, one read of each position's keys.
-    for (int64_t t = 0; t < seq_len; ++t) {
-      const scalar_t* keys =
-          k_ptr + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset;
-      for (int64_t r = 0; r < q_rows; ++r) {
-        const acc_t s = dot(q + r * head_dim, keys + (r / group) * head_dim, head_dim);
-        scores[r * seq_len + t] = s;
-        row_max[r] = std::max(row_max[r], s);
+    // Pass 1: scores, one read of each position's keys. Blocks are scattered
+    // in memory, so the next block is prefetched while this one is used.
+    const int64_t item_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t block_start = 0; block_start < seq_len; block_start += block_size) {
+      const int64_t block_index = block_start / block_size;
+      const int64_t block_len = std::min(block_size, seq_len - block_start);
+      if (block_start + block_size < seq_len) {
+        prefetch_block(k_ptr + table[block_index + 1] * block_stride + head_offset,
+                       std::min(block_size, seq_len - block_start - block_size), token_stride, item_bytes);
+      }
+      const scalar_t* block_keys = k_ptr + table[block_index] * block_stride + head_offset;
+      for (int64_t i = 0; i < block_len; ++i) {
+        const scalar_t* keys = block_keys + i * token_stride;
+        const int64_t t = block_start + i;
+        for (int64_t r = 0; r < q_rows; ++r) {
+          const acc_t s = dot(q + r * head_dim, keys + (r / group) * head_dim, head_dim);
+          scores[r * seq_len + t] = s;
+          row_max[r] = std::max(row_max[r], s);
+        }
       }
     }
     // Softmax numerators and denominators.
@@ -246,6 +269,10 @@ void decode_attention_impl(
     std::fill(acc, acc + q_rows * head_dim, acc_t(0));
     for (int64_t block_start = 0; block_start < seq_len; block_start += block_size) {
       const int64_t block_len = std::min(block_size, seq_len - block_start);
+      if (block_start + block_size < seq_len) {
+        prefetch_block(v_ptr + table[block_start / block_size + 1] * block_stride + head_offset,
+                       std::min(block_size, seq_len - block_start - block_size), token_stride, item_bytes);
+      }
       const scalar_t* block_values =
           v_ptr + table[block_start / block_size] * block_stride + head_offset;
       for (int64_t r = 0; r < q_rows; ++r) {

@@ -4,7 +4,11 @@ Numerically this follows transformers' eager modules op for op (RMSNorm in
 float32, RoPE tables computed in float32 then cast), so float64 logits match
 Hugging Face to ~1e-12. The only fusions are ones that leave each output
 element's arithmetic unchanged: one q/k/v matmul, one gate/up matmul, and RoPE
-applied to q and k together.
+applied to q and k together. With the native CPU kernels (`native_ops`, on
+when the attention backend is "cpu"), RoPE, SiLU-and-mul and (except in
+float64) RMSNorm each run as one fused pass with the same per-element
+arithmetic (engine/kernels/cpu_ops.cpp); RMSNorm's mean of squares is then
+summed in another order.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from engine import kernels
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linear_layers
 
@@ -103,12 +108,17 @@ def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, native_ops: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
+        self.native_ops = native_ops
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # float64 runs exist to match transformers exactly, and HF's float32
+        # mean of squares can only be matched by the same torch reduction.
+        if self.native_ops and hidden.dtype != torch.float64:
+            return kernels.rms_norm(hidden, self.weight, self.eps)
         input_dtype = hidden.dtype
         hidden = hidden.to(torch.float32)
         variance = hidden.pow(2).mean(-1, keepdim=True)
@@ -151,8 +161,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, native_ops: bool = False) -> None:
         super().__init__()
+        self.native_ops = native_ops
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -173,7 +184,11 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)  # [N, H + KvH, Dh]
+        if self.native_ops:
+            kernels.rotary_embedding_(qkv, cos.squeeze(1), sin.squeeze(1), num_qk_heads)
+            qk = qkv[:, :num_qk_heads]
+        else:
+            qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)  # [N, H + KvH, Dh]
         query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, num_qk_heads:]  # [N, KvH, Dh]
         out = self.backend.forward(query, key, value, *kv_cache, attn_metadata, self.scale)
@@ -181,23 +196,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, native_ops: bool = False) -> None:
         super().__init__()
+        self.native_ops = native_ops
         self.gate_up_proj = _linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
         self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden]
+        if self.native_ops:
+            return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(hidden)))
         gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)  # [N, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, native_ops: bool = False) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, backend)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, native_ops)
+        self.self_attn = LlamaAttention(arch, backend, native_ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, native_ops)
+        self.mlp = LlamaMLP(arch, native_ops)
 
     def forward(self, hidden, cos, sin, kv_cache, attn_metadata) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
@@ -222,11 +240,13 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.attention_backend = attention_backend
         self.rotary = rotary
+        # The native CPU kernels come with the "cpu" attention backend.
+        self.native_ops = attention_backend.name == "cpu"
         self.embed_tokens = skip_init(nn.Embedding, arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, attention_backend) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, attention_backend, self.native_ops) for _ in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.native_ops)
         self.lm_head = (
             None if arch.tie_word_embeddings else _linear(arch.hidden_size, arch.vocab_size, False)
         )
