@@ -259,4 +259,8 @@ def test_smollm2_alias_matches_hf_gguf(smollm2_hf):
     assert loaded.tokenizer is not None and loaded.eos_token_ids
     tokens = loaded.tokenizer("The capital of France is")["input_ids"]
     logits = PagedRunner(loaded, num_blocks=8, dtype=torch.float32).step([], [("a", tokens)])
-    torch.testing.assert_close(logits, hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
+    expected = hf_logits(hf_model, tokens)
+    # float32 through 30 layers, with fused kernels that sum in other orders:
+    # agreement to ~1e-5 of the logits' size, and the same top token everywhere.
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-5)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))

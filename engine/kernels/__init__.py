@@ -10,6 +10,7 @@ two cores; `make setup` runs it so that tests and servers start warm.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -18,7 +19,18 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).with_name("cpu_attention.cpp"), Path(__file__).with_name("cpu_ops.cpp"))
+_DIR = Path(__file__).parent
+_SOURCES = (_DIR / "cpu_attention.cpp", _DIR / "cpu_ops.cpp")
+_HEADERS = (_DIR / "cpu_math.h",)
+
+
+def _headers_digest() -> str:
+    """Digest of the headers: torch's build cache only hashes sources and flags,
+    so it goes into the flags to rebuild when a header changes."""
+    digest = hashlib.sha256()
+    for path in _HEADERS:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @functools.cache
@@ -32,11 +44,13 @@ def load_cpu_kernels() -> None:
     # Tune for the machine that builds, which is the machine that runs: the
     # build is cached per machine and BATON_NATIVE_ARCH overrides it.
     flags.append(f"-march={os.environ.get('BATON_NATIVE_ARCH', 'native')}")
+    flags.append(f"-DBATON_HEADERS_DIGEST={_headers_digest()}")
     logger.info("loading Baton's CPU kernels (the first build takes about half a minute)")
     cpp_extension.load(
         name="baton_cpu_kernels",
         sources=[str(path) for path in _SOURCES],
         extra_cflags=flags,
+        extra_include_paths=[str(_DIR)],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,

@@ -17,11 +17,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -142,30 +142,6 @@ inline void prefetch_block(const scalar_t* base, int64_t num_tokens, int64_t str
   }
 }
 
-// exp(x) for x <= 0 in float: x = n ln2 + r with |r| <= ln2/2, then 2^n times a
-// degree-6 polynomial for exp(r) (relative error ~2e-7, about one ulp), written
-// so the compiler vectorizes the loops that call it. Inputs below -87 are
-// clamped there (exp(-87) ~ 1.6e-38, the bottom of float's normal range).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187045e-06f, x));
-  float p = 1.0f / 720.0f;
-  p = std::fma(p, r, 1.0f / 120.0f);
-  p = std::fma(p, r, 1.0f / 24.0f);
-  p = std::fma(p, r, 1.0f / 6.0f);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
-inline double exp_nonpositive(double x) {
-  return std::exp(x);
-}
-
 template <typename scalar_t>
 void decode_attention_impl(
     const at::Tensor& query,  // [D, H, Dh], last dim contiguous
@@ -259,7 +235,7 @@ void decode_attention_impl(
       acc_t sum = 0;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < seq_len; ++t) {
-        row[t] = exp_nonpositive(row[t] - m);
+        row[t] = baton::exp_approx(row[t] - m);
         sum += row[t];
       }
       row_sum[r] = sum;
