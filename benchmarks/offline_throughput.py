@@ -84,7 +84,7 @@ def run_baton(policy: str, requests: list[BenchRequest], args: argparse.Namespac
     llm = LLM(
         args.model,
         dtype="float32",
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.static_batch_size if policy == "static" else args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler_policy=policy,
         num_kv_blocks=args.num_kv_blocks,
@@ -336,9 +336,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="model name for Baton's LLM")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list from {', '.join(ALL_SYSTEMS)}")
-    p.add_argument("--max-num-seqs", type=int, default=32,
-                   help="Baton's sequence cap per step; also baton-static's batch size, "
-                        "so the default matches hf-static's batches of 32")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="baton-continuous's sequence cap per step (the engine's default)")
+    p.add_argument("--static-batch-size", type=int, default=32,
+                   help="baton-static's batch size (its max_num_seqs), by default that of hf-static")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget per step (Baton and hf-continuous)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="Baton KV blocks (default: engine's budget)")
