@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine import kernels
 from engine.sampling_params import SamplingParams
 
 # Candidates per sampled row. Large enough to hold a typical nucleus and most
@@ -168,7 +169,7 @@ class Sampler:
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         needs_edit = batch.any_penalty or batch.banned_token_ids is not None
         if batch.all_greedy and not needs_edit:
-            token_ids = logits.argmax(dim=-1)  # [S]
+            token_ids = _argmax_rows(logits)  # [S]
         else:
             # NOTE: without edits x may alias the caller's logits; _sample never writes to it.
             x = logits.to(dtype, copy=needs_edit)  # [S, V]
@@ -177,12 +178,12 @@ class Sampler:
             if batch.banned_token_ids is not None:
                 _mask_ids(x, batch.banned_token_ids, float("-inf"))
             if batch.all_greedy:
-                token_ids = x.argmax(dim=-1)
+                token_ids = _argmax_rows(x)
             elif batch.greedy_rows is None:
                 token_ids = self._sample(x, batch, batch.random_rows)
             else:
                 token_ids = torch.empty(num_rows, dtype=torch.int64, device=x.device)
-                token_ids[batch.greedy_rows] = x[batch.greedy_rows].argmax(dim=-1)
+                token_ids[batch.greedy_rows] = _argmax_rows(x[batch.greedy_rows])
                 rows = batch.random_rows
                 token_ids[rows] = self._sample(x[rows], batch, rows)
         logprobs = None
@@ -257,6 +258,13 @@ def _weights(x: Tensor, row_max: Tensor, threshold: Tensor) -> Tensor:
     if bool((threshold > float("-inf")).any()):
         weights.masked_fill_(x < threshold, 0.0)
     return weights
+
+
+def _argmax_rows(x: Tensor) -> Tensor:
+    """Greedy picks: the native CPU kernel when this process has loaded it, else torch."""
+    if x.device.type == "cpu" and x.stride(-1) == 1 and kernels.cpu_kernels_loaded():
+        return kernels.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def _race_candidates(weights: Tensor, cand_ids: Tensor, generator: torch.Generator) -> Tensor:

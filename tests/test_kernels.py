@@ -68,3 +68,19 @@ def test_rms_norm_reads_strided_rows_and_rejects_bad_weights():
     torch.testing.assert_close(kernels.rms_norm(hidden, norm.weight, 1e-6), norm(hidden), atol=1e-6, rtol=1e-5)
     with pytest.raises(RuntimeError, match="weight"):
         kernels.rms_norm(hidden, torch.ones(32), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_matches_torch_including_ties_and_nan(dtype):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 1000, generator=gen).to(dtype)
+    logits[1, [10, 500, 999]] = 50.0  # ties: the first index wins
+    logits[2, :] = 1.0  # all equal
+    logits[3, 0] = 99.0  # the first element
+    logits[4, -1] = 99.0  # the last element
+    logits[5, [7, 400]] = float("nan")  # NaN wins, the first one
+    logits[6, 0] = float("nan")
+    logits[7, :] = float("-inf")
+    assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1))
+    strided = torch.randn(4, 2, 300, generator=gen).to(dtype)[:, 1]
+    assert torch.equal(kernels.argmax_rows(strided), strided.argmax(dim=-1))

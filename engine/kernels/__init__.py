@@ -57,6 +57,11 @@ def load_cpu_kernels() -> None:
     )
 
 
+def cpu_kernels_loaded() -> bool:
+    """Whether this process has already loaded the kernels (never builds them)."""
+    return load_cpu_kernels.cache_info().currsize > 0
+
+
 def cpu_kernels_available() -> bool:
     """Whether the CPU kernels build and load here (False, with a warning, if not)."""
     try:
@@ -92,3 +97,8 @@ def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [N, 2I] holding gate then up columns."""
     return torch.ops.baton.silu_and_mul(gate_up)
+
+
+def argmax_rows(input: torch.Tensor) -> torch.Tensor:
+    """Per-row argmax of [N, V] with torch.argmax's rules (first max, NaN wins)."""
+    return torch.ops.baton.argmax_rows(input)
