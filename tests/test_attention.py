@@ -107,7 +107,7 @@ def test_backend_matches_dense_reference(backend_name, dtype, num_heads, num_kv_
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_many_decodes_and_long_chunks(backend_name, dtype):
-    """More decodes than one length group holds, and chunks longer than one query tile."""
+    """More decodes than one length group holds, and long chunks with and without a cached prefix."""
     decodes = [(n, 1) for n in (0, 90, 3, 41, 7, 66, 12, 5, 130, 1, 29, 18, 77, 2, 54, 9, 33, 101, 4, 60)]
     prefills = [(37, 600), (0, 300), (250, 257)]
     num_blocks = sum(-(-(c + n) // BLOCK_SIZE) for c, n in decodes + prefills) + 8
@@ -116,7 +116,7 @@ def test_many_decodes_and_long_chunks(backend_name, dtype):
     )
     backend = get_attention_backend(backend_name)
     metadata = backend.build_metadata(batch, BLOCK_SIZE, 8, 2, HEAD_DIM, dtype)
-    assert max(len(p.tiles) for p in metadata.prefills) > 1
+    assert [p.bias is None for p in metadata.prefills] == [False, True, False]
     if backend_name == "torch":
         assert len(metadata.decode_groups) > 1
     scale = HEAD_DIM**-0.5

@@ -6,13 +6,14 @@ Per layer: one index_copy_ per cache writes the step's K/V; then
   one gather + one scaled_dot_product_attention per group. Sorting keeps the
   padding of each group's gathered K/V small, and the query layout below keeps
   SDPA on its fused CPU kernel;
-- each prefill chunk, in query tiles: two batched matmuls and a softmax, with
-  an additive causal mask offset by the cached prefix. A tile only reads the
-  keys up to its last query position. On CPU this beats SDPA for chunks (its
-  fused kernel does not take GQA and falls back to a slow path).
+- each prefill chunk, one scaled_dot_product_attention over the chunk's
+  keys (its cached prefix, gathered, plus its own), GQA-aware
+  (`enable_gqa`, K/V never repeated): `is_causal` when nothing is cached
+  before the chunk, else an additive causal mask offset by the prefix, built
+  once per forward and shared by the layers.
 
-GQA without repeating K/V: the G query heads that share a KV head are laid
-out as G query rows of that head (`[KvH, G * q, Dh]`), so one call covers them.
+GQA for decodes without repeating K/V: the G query heads that share a KV head
+are laid out as G query rows of that head (`[KvH, G, Dh]`), so one call covers them.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from engine.attention.base import AttentionBackend, AttentionBatch
 
 # Decode sequences per gather/SDPA call once the group is split by length.
 DECODE_GROUP_SIZE = 8
-# Query rows per prefill tile: bounds the [KvH, G * rows, C] score tensor.
-PREFILL_TILE = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +40,6 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillTile:
-    """Query rows [row_start, row_end) of a chunk, attending to keys [0, num_keys)."""
-
-    row_start: int
-    row_end: int
-    num_keys: int
-    bias: torch.Tensor  # [rows, num_keys] additive mask: 0 = attend, -inf = future
-
-
-@dataclass(frozen=True, slots=True)
 class PrefillPlan:
     """What one prefill chunk needs in every layer."""
 
@@ -58,9 +47,11 @@ class PrefillPlan:
     token_end: int
     context_len: int
     # [num_blocks] int64, the chunk's blocks; None when nothing was cached before
-    # the chunk, so it attends over its own new K/V without a gather.
+    # the chunk, so it attends over its own new K/V without a gather or a mask.
     block_ids: torch.Tensor | None
-    tiles: tuple[PrefillTile, ...]
+    # [q, context_len] additive mask (0 = attend, -inf = future) when a prefix
+    # is cached; None means plain causal attention over the chunk itself.
+    bias: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +68,6 @@ class TorchAttentionMetadata:
     # allocated once per forward (fresh multi-MB tensors per layer cost page faults).
     key_scratch: torch.Tensor
     value_scratch: torch.Tensor
-    score_dtype: torch.dtype  # softmax precision: float32 for bfloat16, else the model dtype
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -95,7 +85,6 @@ class TorchAttentionBackend(AttentionBackend):
         dtype: torch.dtype,
     ) -> TorchAttentionMetadata:
         device = batch.slot_mapping.device
-        score_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
         groups = self._plan_decodes(batch, block_size)
         max_gathered_blocks = max((g.block_ids.shape[0] for g in groups), default=0)
 
@@ -110,7 +99,7 @@ class TorchAttentionBackend(AttentionBackend):
                     token_end=chunk.token_start + chunk.num_tokens,
                     context_len=chunk.context_len,
                     block_ids=chunk.block_ids if num_cached else None,
-                    tiles=_prefill_tiles(chunk.num_tokens, num_cached, score_dtype, device),
+                    bias=_prefix_causal_bias(chunk.num_tokens, num_cached, dtype, device) if num_cached else None,
                 )
             )
         scratch_shape = (max_gathered_blocks, block_size * num_kv_heads * head_dim)
@@ -123,7 +112,6 @@ class TorchAttentionBackend(AttentionBackend):
             prefills=tuple(plans),
             key_scratch=torch.empty(scratch_shape, dtype=dtype, device=device),
             value_scratch=torch.empty(scratch_shape, dtype=dtype, device=device),
-            score_dtype=score_dtype,
         )
 
     @staticmethod
@@ -199,33 +187,21 @@ class TorchAttentionBackend(AttentionBackend):
         out: torch.Tensor,  # [N, H, Dh], rows [token_start, token_end) written here
     ) -> None:
         start, end = plan.token_start, plan.token_end
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        group_size = query.shape[1] // num_kv_heads
         if plan.block_ids is None:
             keys, values = key[start:end], value[start:end]  # [C, KvH, Dh]
         else:
             keys = _gather(key_cache, plan.block_ids, metadata.key_scratch)[: plan.context_len]
             values = _gather(value_cache, plan.block_ids, metadata.value_scratch)[: plan.context_len]
-        keys_t = keys.permute(1, 2, 0)  # [KvH, Dh, C]
-        values_t = values.transpose(0, 1)  # [KvH, C, Dh]
-        score_dtype = metadata.score_dtype
-        for tile in plan.tiles:
-            rows = tile.row_end - tile.row_start
-            tile_query = query[start + tile.row_start : start + tile.row_end]  # [rows, H, Dh]
-            grouped = tile_query.view(rows, num_kv_heads, group_size, head_dim)
-            grouped = grouped.permute(1, 2, 0, 3).reshape(num_kv_heads, group_size * rows, head_dim)
-            scores = torch.bmm(grouped, keys_t[:, :, : tile.num_keys])  # [KvH, G * rows, K]
-            if scores.dtype != score_dtype:
-                scores = scores.to(score_dtype)
-            scores = scores.view(num_kv_heads, group_size, rows, tile.num_keys)
-            scores.mul_(scale).add_(tile.bias)
-            probs = torch.softmax(scores, dim=-1).to(query.dtype)
-            probs = probs.view(num_kv_heads, group_size * rows, tile.num_keys)
-            result = torch.bmm(probs, values_t[:, : tile.num_keys])  # [KvH, G * rows, Dh]
-            result = result.view(num_kv_heads, group_size, rows, head_dim).permute(2, 0, 1, 3)
-            out[start + tile.row_start : start + tile.row_end].view(
-                rows, num_kv_heads, group_size, head_dim
-            ).copy_(result)
+        result = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1).unsqueeze(0),  # [1, H, q, Dh]
+            keys.transpose(0, 1).unsqueeze(0),  # [1, KvH, C, Dh]
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=plan.bias,
+            is_causal=plan.bias is None,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, H, q, Dh]
+        out[start:end].copy_(result[0].transpose(0, 1))
 
 
 def _decode_groups(batch: AttentionBatch, block_size: int) -> tuple[DecodeGroup, ...]:
@@ -258,19 +234,14 @@ def _decode_groups(batch: AttentionBatch, block_size: int) -> tuple[DecodeGroup,
     return tuple(groups)
 
 
-def _prefill_tiles(
+def _prefix_causal_bias(
     num_tokens: int, num_cached: int, dtype: torch.dtype, device: torch.device
-) -> tuple[PrefillTile, ...]:
-    tiles = []
-    for row_start in range(0, num_tokens, PREFILL_TILE):
-        row_end = min(row_start + PREFILL_TILE, num_tokens)
-        num_keys = num_cached + row_end  # keys up to the tile's last query position
-        query_positions = torch.arange(num_cached + row_start, num_cached + row_end, device=device)
-        key_positions = torch.arange(num_keys, device=device)
-        future = key_positions[None, :] > query_positions[:, None]  # [rows, K]
-        bias = torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
-        tiles.append(PrefillTile(row_start, row_end, num_keys, bias))
-    return tuple(tiles)
+) -> torch.Tensor:
+    """[q, num_cached + q] additive mask: query j (at position num_cached + j) sees keys 0..num_cached + j."""
+    query_positions = torch.arange(num_cached, num_cached + num_tokens, device=device)
+    key_positions = torch.arange(num_cached + num_tokens, device=device)
+    future = key_positions[None, :] > query_positions[:, None]
+    return torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:

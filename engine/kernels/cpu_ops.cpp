@@ -14,7 +14,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <type_traits>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -149,9 +154,83 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+template <typename scalar_t>
+int64_t argmax_scalar(const scalar_t* x, int64_t width) {
+  int64_t best_index = 0;
+  scalar_t best = x[0];
+  if (std::isnan(static_cast<double>(best))) {
+    return 0;
+  }
+  for (int64_t i = 1; i < width; ++i) {
+    const scalar_t v = x[i];
+    if (v > best) {
+      best = v;
+      best_index = i;
+    } else if (std::isnan(static_cast<double>(v))) {
+      return i;
+    }
+  }
+  return best_index;
+}
+
+template <typename scalar_t>
+int64_t argmax_row(const scalar_t* x, int64_t width) {
+  return argmax_scalar(x, width);
+}
+
+#ifdef __AVX512F__
+// float: sixteen running maxima and their first indices, then the smallest
+// index among the lanes holding the overall maximum. A row with a NaN goes
+// through the scalar loop, which finds the first one.
+template <>
+int64_t argmax_row<float>(const float* x, int64_t width) {
+  if (width < 16 || width > (int64_t{1} << 30)) {
+    return argmax_scalar(x, width);
+  }
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i best_index = _mm512_setzero_si512();
+  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 has_nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= width; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    has_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_mask_mov_ps(best, greater, v);
+    best_index = _mm512_mask_mov_epi32(best_index, greater, index);
+    index = _mm512_add_epi32(index, step);
+  }
+  if (has_nan) {
+    return argmax_scalar(x, width);
+  }
+  alignas(64) float lane_best[16];
+  alignas(64) int32_t lane_index[16];
+  _mm512_store_ps(lane_best, best);
+  _mm512_store_si512(lane_index, best_index);
+  float top = lane_best[0];
+  int64_t top_index = lane_index[0];
+  for (int lane = 1; lane < 16; ++lane) {
+    if (lane_best[lane] > top || (lane_best[lane] == top && lane_index[lane] < top_index)) {
+      top = lane_best[lane];
+      top_index = lane_index[lane];
+    }
+  }
+  for (; i < width; ++i) {  // the tail's indices all come after the vector part's
+    if (x[i] > top) {
+      top = x[i];
+      top_index = i;
+    } else if (std::isnan(x[i])) {
+      return i;
+    }
+  }
+  return top_index;
+}
+#endif
+
 // Index of each row's largest value, the first one on ties and the first NaN
-// if there is one (torch.argmax's rules). torch's own reduction is ~10x slower
-// for a few rows of a vocabulary-sized width, the shape of greedy sampling.
+// if there is one (torch.argmax's rules). torch's own reduction is slow for a
+// few rows of a vocabulary-sized width, the shape of greedy sampling.
 template <typename scalar_t>
 void argmax_rows_impl(const at::Tensor& input, at::Tensor& out) {
   const int64_t rows = input.size(0), width = input.size(1);
@@ -160,22 +239,7 @@ void argmax_rows_impl(const at::Tensor& input, at::Tensor& out) {
   int64_t* result = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const scalar_t* x = data + row * stride;
-      int64_t best_index = 0;
-      scalar_t best = x[0];
-      if (!std::isnan(static_cast<double>(best))) {
-        for (int64_t i = 1; i < width; ++i) {
-          const scalar_t v = x[i];
-          if (v > best) {
-            best = v;
-            best_index = i;
-          } else if (std::isnan(static_cast<double>(v))) {
-            best_index = i;
-            break;
-          }
-        }
-      }
-      result[row] = best_index;
+      result[row] = argmax_row(data + row * stride, width);
     }
   });
 }
