@@ -14,9 +14,10 @@ from engine.detokenizer import IncrementalDetokenizer, detokenize
 from engine.kv_cache import KVCache, KVLayout
 from engine.model.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput, StepOutput
+from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine.preemption import PreemptionCostModel
 from engine.request import Request, RequestStatus
+from engine.sampler import skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerStats
 
@@ -88,15 +89,72 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        prefill_only: bool = False,
     ) -> Request:
-        """Queue a request; it joins the batch at the next step. Raises ValueError on bad input."""
+        """Queue a request; it joins the batch at the next step. Raises ValueError on bad input.
+
+        With `prefill_only`, the request stops after its first sampled token
+        (unless that token ends it) and holds its KV for a handoff: its output
+        that step carries `kv_block_ids`, and `release_kv` frees them.
+        """
+        request = self._new_request(prompt, sampling_params, request_id, priority)
+        request.prefill_only = prefill_only
+        self.scheduler.add_request(request)
+        return request
+
+    def add_prefilled_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        first_token_id: int,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Queue a request whose prompt another engine prefilled and sampled `first_token_id` for.
+
+        When admitted, its prompt's blocks are allocated and reported in the
+        step's `kv_receives`; the caller fills them, then calls
+        `complete_kv_receive`. It then decodes from the first token as if it
+        had been prefilled here (a seeded request's generator skips the draw
+        the other engine made).
+        """
+        request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority)
+        self._check_token_ids([first_token_id])
+        request.all_token_ids.append(first_token_id)
+        request.kv_remote = True
+        params = request.sampling_params
+        if request.generator is not None and not params.is_greedy:
+            skip_sample_draw(request.generator, self.vocab_size, self.config.dtype)
+        self.scheduler.add_request(request)
+        return request
+
+    def complete_kv_receive(self, request_id: str, ok: bool) -> bool:
+        """The KV of a `kv_receives` entry is in place (`ok`), or never will be: the request
+        then prefills its prompt here. False if the request is gone (aborted meanwhile)."""
+        return self.scheduler.complete_kv_receive(request_id, ok) is not None
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the KV a prefill_only request holds (after the handoff, or when given up)."""
+        return self.scheduler.release_held(request_id) is not None
+
+    def _check_token_ids(self, token_ids: Sequence[int]) -> None:
+        vocab_size = self.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise ValueError(f"token ids must lie in [0, {vocab_size})")
+
+    def _new_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+    ) -> Request:
         params = sampling_params if sampling_params is not None else SamplingParams()
         prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
-        vocab_size = self.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+        self._check_token_ids(prompt_token_ids)
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
         request = Request(
@@ -114,7 +172,6 @@ class LLMEngine:
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
-        self.scheduler.add_request(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:
@@ -127,6 +184,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._aborted_outputs)
+
+    def has_work(self) -> bool:
+        """Whether `step` would do anything (HELD and RECEIVING requests wait on a handoff)."""
+        return self.scheduler.has_schedulable_requests() or bool(self._aborted_outputs)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)
@@ -167,6 +228,9 @@ class LLMEngine:
             if request.request_id in finished_ids:
                 outputs.append(self._final_output(request, [token_id], new_logprobs))
             else:
+                kv_block_ids = None
+                if request.status == RequestStatus.HELD:
+                    kv_block_ids = list(self.kv_manager.get_block_ids(request.request_id))
                 outputs.append(
                     RequestOutput(
                         request_id=request.request_id,
@@ -175,6 +239,7 @@ class LLMEngine:
                         num_prompt_tokens=request.num_prompt_tokens,
                         num_output_tokens=request.num_output_tokens,
                         new_logprobs=new_logprobs,
+                        kv_block_ids=kv_block_ids,
                     )
                 )
         seconds = time.perf_counter() - started
@@ -184,8 +249,17 @@ class LLMEngine:
             self.cost_model.observe_prefill(num_prefill, seconds - runner_out.swap_seconds)
         if runner_out.swap_bytes:
             self.cost_model.observe_swap(runner_out.swap_bytes, runner_out.swap_seconds)
+        kv_receives = [
+            KvReceive(
+                request.request_id,
+                list(self.kv_manager.get_block_ids(request.request_id)),
+                request.num_prompt_tokens,
+            )
+            for request in sched_out.kv_receives
+        ]
         return StepOutput(
             outputs=outputs,
+            kv_receives=kv_receives,
             num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
             num_scheduled_seqs=len(sched_out.requests),
             num_preempted=len(sched_out.preempted),

@@ -17,6 +17,18 @@ class RequestOutput:
     num_output_tokens: int = 0
     text: str | None = None  # the whole output text, on the finishing step when a tokenizer exists
     new_logprobs: list | None = None
+    # Set when a prefill_only request's KV is now held for a handoff: its blocks, in order.
+    kv_block_ids: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KvReceive:
+    """A request admitted with remote KV: receive its prompt's KV into these blocks,
+    then call `LLMEngine.complete_kv_receive`."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int  # prompt tokens whose KV arrives
 
 
 @dataclass(slots=True)
@@ -24,6 +36,7 @@ class StepOutput:
     """What one engine step did."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
+    kv_receives: list[KvReceive] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     num_scheduled_seqs: int = 0
     num_preempted: int = 0

@@ -17,9 +17,12 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0  # queued, holds no blocks (new, or preempted by recompute)
     RUNNING = 1  # holds device blocks, scheduled every step it has work
     SWAPPED = 2  # preempted by swap: its KV lives in the CPU swap pool
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    HELD = 3  # prefill done, first token sampled; its blocks wait for a KV handoff
+    RECEIVING = 4  # admitted with blocks allocated; its prompt's KV is arriving from elsewhere
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_HANDED_OFF = 8  # its KV moved to another engine, which continues it
 
     @property
     def is_finished(self) -> bool:
@@ -30,6 +33,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_HANDED_OFF: "handoff",
 }
 
 
@@ -65,6 +69,8 @@ class Request:
         "stop_reason",
         "logprobs",
         "swap_block_ids",
+        "prefill_only",
+        "kv_remote",
     )
 
     def __init__(
@@ -77,6 +83,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_step: int = 0,
         arrival_time: float | None = None,
+        prefill_only: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: prompt must contain at least one token")
@@ -104,6 +111,12 @@ class Request:
         self.stop_reason: int | str | None = None
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.swap_block_ids: list[int] = []
+        # Disaggregated serving. `prefill_only`: after the first sampled token the
+        # request stops and holds its KV (HELD) for a handoff instead of decoding.
+        # `kv_remote`: the prompt's KV comes from another engine; admission
+        # allocates its blocks and waits (RECEIVING) instead of prefilling.
+        self.prefill_only = prefill_only
+        self.kv_remote = False
 
     @property
     def num_tokens(self) -> int:

@@ -385,6 +385,13 @@ def _exp_noise(
     return uniform.log_().neg_()
 
 
+def skip_sample_draw(generator: torch.Generator, vocab_size: int, logits_dtype: torch.dtype) -> None:
+    """Advance a seeded request's generator past the one draw sampling a token makes,
+    as if this sampler had sampled it (another engine sampled the first token)."""
+    dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
+    _fill_uniform(torch.empty(vocab_size, dtype=dtype), generator)
+
+
 def _fill_uniform(out: Tensor, generator: torch.Generator) -> Tensor:
     """U[0, 1) into `out` from `generator`; the values depend only on the
     generator's state and out's shape, not on where `out` lives in memory."""

@@ -13,6 +13,15 @@ token budget allows. Order of service within a step:
        preempted this step and their whole prompt plus a few decode steps of
        growth fits in the free blocks.
 
+Disaggregated serving adds two states that hold blocks but are not
+scheduled. A `prefill_only` request becomes HELD after its first sampled
+token: its blocks stay allocated until `release_held` hands them off. A
+`kv_remote` request (its prompt's KV computed by another engine) is admitted
+like any other, but admission allocates all of its prompt's blocks and marks
+it RECEIVING, listed in `SchedulerOutput.kv_receives`; `complete_kv_receive`
+then makes it RUNNING with the prompt computed, or, if the KV never arrived,
+requeues it to prefill here.
+
 The "static" policy is classic batch-at-a-time serving on the same loop: a new
 batch forms only when every member of the previous one has finished, and a
 member is admitted only if its worst case (prompt plus max_tokens) fits in the
@@ -49,6 +58,8 @@ class SchedulerOutput:
     swap_out: list[BlockCopy] = field(default_factory=list)
     swap_in: list[BlockCopy] = field(default_factory=list)
     preempted: list[tuple[Request, PreemptionKind]] = field(default_factory=list)
+    # Requests admitted this step whose prompt KV must now be received into their blocks.
+    kv_receives: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -62,6 +73,9 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     num_swapped: int
+    num_held: int  # KV held for a handoff (prefill side)
+    num_receiving: int  # blocks allocated, KV arriving (decode side)
+    num_queued_prefill_tokens: int  # prompt tokens admitted or waiting, not yet computed
     num_kv_blocks_total: int
     num_kv_blocks_used: int
     num_kv_blocks_free: int
@@ -103,6 +117,8 @@ class Scheduler:
         self._waiting: list[tuple[int, int, Request]] = []
         self.running: list[Request] = []  # sorted by Request.sort_key
         self.swapped: list[Request] = []  # sorted by Request.sort_key
+        self.held: dict[str, Request] = {}
+        self.receiving: dict[str, Request] = {}
         self._num_arrivals = 0
         self._num_admissions = 0
         self.step_index = 0
@@ -127,6 +143,15 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step could do any work (HELD and RECEIVING requests wait on others)."""
+        return bool(self.running or self.swapped or self._waiting or self._static_requeue)
+
+    @property
+    def _num_seqs(self) -> int:
+        """Sequences counted against max_num_seqs: running, and receiving (about to run)."""
+        return len(self.running) + len(self.receiving)
 
     def peak_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The most tokens a request ever holds in the KV cache.
@@ -173,6 +198,10 @@ class Scheduler:
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
             self.kv.free_swapped(request.request_id)
+        elif request.status in (RequestStatus.HELD, RequestStatus.RECEIVING):
+            queue = self.held if request.status == RequestStatus.HELD else self.receiving
+            del queue[request.request_id]
+            self.kv.free(request.request_id)
         elif request in self._static_requeue:
             self._static_requeue.remove(request)
         else:
@@ -188,6 +217,30 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is not None:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    # ------------------------------------------------------------ KV handoff
+    def release_held(self, request_id: str) -> Request | None:
+        """End a HELD request whose KV was handed off (or given up); frees its blocks."""
+        request = self.held.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_HANDED_OFF)
+        return request
+
+    def complete_kv_receive(self, request_id: str, ok: bool) -> Request | None:
+        """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here)."""
+        request = self.receiving.pop(request_id, None)
+        if request is None:
+            return None
+        request.kv_remote = False
+        if ok:
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=_sort_key)
+        else:
+            self.kv.free(request_id)
+            request.status = RequestStatus.WAITING
+            self._push_waiting(request)
         return request
 
     # ------------------------------------------------------------- schedule
@@ -239,7 +292,7 @@ class Scheduler:
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
         kv = self.kv
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and self._num_seqs < self.config.max_num_seqs:
             request = self.swapped[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, chunk_cap)
             num_blocks = cdiv(request.num_computed_tokens + num_new, self.block_size)
@@ -257,7 +310,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
         waiting = self._waiting
         promised = self._num_promised_blocks()
-        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while waiting and budget > 0 and self._num_seqs < self.config.max_num_seqs:
             request = waiting[0][2]
             if not self._can_admit(request, promised):
                 break  # head-of-line: lower-priority requests do not jump ahead
@@ -275,7 +328,7 @@ class Scheduler:
         prefilled over the next steps).
         """
         requeue = self._static_requeue
-        while requeue and len(self.running) < self.config.max_num_seqs:
+        while requeue and self._num_seqs < self.config.max_num_seqs:
             if not self._can_reserve(requeue[0]):
                 return budget
             request = requeue.pop(0)
@@ -283,7 +336,7 @@ class Scheduler:
         if self._static_batch:
             return budget
         waiting = self._waiting
-        while waiting and len(self.running) < self.config.max_num_seqs:
+        while waiting and self._num_seqs < self.config.max_num_seqs:
             request = waiting[0][2]
             if not self._can_reserve(request):
                 break
@@ -339,18 +392,27 @@ class Scheduler:
     ) -> int:
         """Move a waiting request to running; with `reserve`, take its worst-case blocks now."""
         assert request.num_computed_tokens == 0
-        request.status = RequestStatus.RUNNING
+        request.status = RequestStatus.RECEIVING if request.kv_remote else RequestStatus.RUNNING
         effective_priority = (
             request.priority
             - (self.step_index - request.arrival_step) // self.config.priority_aging_steps
         )
         request.sort_key = (effective_priority, self._num_admissions)
         self._num_admissions += 1
-        bisect.insort(self.running, request, key=_sort_key)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
             self.queue_times.append(now - request.arrival_time)
             self._queue_time_total += now - request.arrival_time
+        if request.kv_remote:
+            num_tokens = request.num_prompt_tokens
+            if reserve:
+                num_tokens = self.peak_kv_tokens(num_tokens, request.sampling_params.max_tokens)
+            ok = self.kv.allocate_slots(request.request_id, num_tokens)
+            assert ok, "admission checked the free blocks"
+            self.receiving[request.request_id] = request
+            out.kv_receives.append(request)
+            return budget
+        bisect.insort(self.running, request, key=_sort_key)
         if reserve:
             peak = self.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
             ok = self.kv.allocate_slots(request.request_id, peak)
@@ -433,8 +495,16 @@ class Scheduler:
             if status is not None:
                 self.finish_request(request, status)
                 finished.append(request)
+            elif request.prefill_only:
+                self._hold(request)
         self._record_step(out)
         return finished
+
+    def _hold(self, request: Request) -> None:
+        """Take a prefilled request out of the batch, keeping its blocks for a handoff."""
+        self.running.remove(request)
+        request.status = RequestStatus.HELD
+        self.held[request.request_id] = request
 
     def _record_step(self, out: SchedulerOutput) -> None:
         self.step_index += 1
@@ -455,6 +525,9 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=self.num_waiting,
             num_swapped=len(self.swapped),
+            num_held=len(self.held),
+            num_receiving=len(self.receiving),
+            num_queued_prefill_tokens=self._num_queued_prefill_tokens(),
             num_kv_blocks_total=kv.pool.num_blocks,
             num_kv_blocks_used=kv.num_used_blocks,
             num_kv_blocks_free=kv.num_free_blocks,
@@ -474,6 +547,18 @@ class Scheduler:
             queue_times=tuple(self.queue_times),
         )
 
+    def _num_queued_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens not yet computed: waiting requests and running chunks."""
+        queued = sum(
+            request.num_tokens for _, _, request in self._waiting if not request.kv_remote
+        )
+        queued += sum(request.num_tokens for request in self._static_requeue)
+        for request in self.running:
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1:
+                queued += remaining
+        return queued
+
     # ------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Each live request is in exactly one queue, and holds exactly the blocks its state allows."""
@@ -483,6 +568,8 @@ class Scheduler:
             RequestStatus.WAITING: waiting,
             RequestStatus.RUNNING: self.running,
             RequestStatus.SWAPPED: self.swapped,
+            RequestStatus.HELD: list(self.held.values()),
+            RequestStatus.RECEIVING: list(self.receiving.values()),
         }
         seen: set[str] = set()
         for status, queue in queues.items():
@@ -506,11 +593,14 @@ class Scheduler:
                 raise AssertionError(f"waiting {request} holds KV")
         running_ids = {request.request_id for request in self.running}
         swapped_ids = {request.request_id for request in self.swapped}
-        if holders != running_ids | swapped_ids:
-            raise AssertionError("block holders are not exactly the running and swapped requests")
+        handoff_ids = set(self.held) | set(self.receiving)
+        if holders != running_ids | swapped_ids | handoff_ids:
+            raise AssertionError(
+                "block holders are not exactly the running, swapped, held and receiving requests"
+            )
         if self.running != sorted(self.running, key=_sort_key):
             raise AssertionError("running queue out of priority order")
-        if len(self.running) > self.config.max_num_seqs:
+        if self._num_seqs > self.config.max_num_seqs:
             raise AssertionError("more running sequences than max_num_seqs")
 
 

@@ -1,0 +1,1 @@
+"""Stubs of the internal services (gateway to workers, KV handoff control plane)."""

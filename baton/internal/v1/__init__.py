@@ -1,0 +1,1 @@
+"""Generated stubs of protos/baton/internal/v1. Do not edit."""

@@ -1,0 +1,244 @@
+from baton.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generation_pb2.SamplingParams
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: WorkRequest
+    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "kv_handle", "queue_seconds")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    first_logprob: _generation_pb2.TokenLogprob
+    finish_reason: _generation_pb2.FinishReason
+    kv_handle: KvHandle
+    queue_seconds: float
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+
+class KvHandle(_message.Message):
+    __slots__ = ("prefill_worker_id", "prefill_address", "request_id", "num_tokens", "num_blocks", "layout", "lease_ms")
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker_id: str
+    prefill_address: str
+    request_id: str
+    num_tokens: int
+    num_blocks: int
+    layout: KvLayout
+    lease_ms: int
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ReleaseKvRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseKvResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class OpenKvChannelRequest(_message.Message):
+    __slots__ = ("channel_id", "store_host", "store_port", "layout", "decode_worker_id", "timeout_seconds")
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    store_host: str
+    store_port: int
+    layout: KvLayout
+    decode_worker_id: str
+    timeout_seconds: float
+    def __init__(self, channel_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class OpenKvChannelResponse(_message.Message):
+    __slots__ = ("prefill_worker_id", "backend")
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker_id: str
+    backend: str
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class SendKvRequest(_message.Message):
+    __slots__ = ("channel_id", "request_id", "tag", "num_blocks", "verify")
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    request_id: str
+    tag: int
+    num_blocks: int
+    verify: bool
+    def __init__(self, channel_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., verify: _Optional[bool] = ...) -> None: ...
+
+class SendKvEvent(_message.Message):
+    __slots__ = ("accepted", "done")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    accepted: SendKvAccepted
+    done: SendKvDone
+    def __init__(self, accepted: _Optional[_Union[SendKvAccepted, _Mapping]] = ..., done: _Optional[_Union[SendKvDone, _Mapping]] = ...) -> None: ...
+
+class SendKvAccepted(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class SendKvDone(_message.Message):
+    __slots__ = ("block_checksums", "num_bytes", "seconds")
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    num_bytes: int
+    seconds: float
+    def __init__(self, block_checksums: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request", "first_token_id", "kv_handle")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    request: WorkRequest
+    first_token_id: int
+    kv_handle: KvHandle
+    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
+
+class DecodeEvent(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "num_prompt_tokens", "num_output_tokens", "transfer")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    finish_reason: _generation_pb2.FinishReason
+    stop_token_id: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    transfer: TransferReport
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferReport, _Mapping]] = ...) -> None: ...
+
+class TransferReport(_message.Message):
+    __slots__ = ("ok", "verified", "num_bytes", "seconds", "error")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    verified: bool
+    num_bytes: int
+    seconds: float
+    error: str
+    def __init__(self, ok: _Optional[bool] = ..., verified: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "mean_queue_seconds", "num_finished", "serving")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HANDOFFS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_SWAP_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERS_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERRED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_SEQS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEAN_QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    model: str
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_queued_prefill_tokens: int
+    num_kv_handoffs_pending: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_transfers: int
+    num_transfer_failures: int
+    num_transfers_verified: int
+    num_transferred_bytes: int
+    transfer_seconds: float
+    num_leases_expired: int
+    num_steps: int
+    mean_seqs_per_step: float
+    mean_queue_seconds: float
+    num_finished: int
+    serving: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., mean_queue_seconds: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Generated stubs of protos/baton/v1 (the public Generation service). Do not edit."""
