@@ -295,8 +295,9 @@ class LLMEngine:
         )
 
     # ---------------------------------------------------------------- metrics
-    def get_metrics(self) -> SchedulerStats:
-        return self.scheduler.stats()
+    def get_metrics(self, with_queue_times: bool = True) -> SchedulerStats:
+        """Scheduler counters; `with_queue_times` adds every finished request's queue time."""
+        return self.scheduler.stats(with_queue_times)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

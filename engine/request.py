@@ -71,6 +71,7 @@ class Request:
         "swap_block_ids",
         "prefill_only",
         "kv_remote",
+        "abort_requested",
     )
 
     def __init__(
@@ -117,6 +118,7 @@ class Request:
         # allocates its blocks and waits (RECEIVING) instead of prefilling.
         self.prefill_only = prefill_only
         self.kv_remote = False
+        self.abort_requested = False  # aborted while RECEIVING: ends when the receive does
 
     @property
     def num_tokens(self) -> int:

@@ -214,8 +214,14 @@ class Scheduler:
         self._num_finished += 1
 
     def abort_request(self, request_id: str) -> Request | None:
+        """End a request. A RECEIVING one keeps its blocks until `complete_kv_receive`:
+        its KV may be being written into them right now."""
         request = self.requests.get(request_id)
-        if request is not None:
+        if request is None or request.abort_requested:
+            return None
+        if request.status == RequestStatus.RECEIVING:
+            request.abort_requested = True
+        else:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return request
 
@@ -229,9 +235,13 @@ class Scheduler:
 
     def complete_kv_receive(self, request_id: str, ok: bool) -> Request | None:
         """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here)."""
-        request = self.receiving.pop(request_id, None)
+        request = self.receiving.get(request_id)
         if request is None:
             return None
+        if request.abort_requested:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            return None
+        del self.receiving[request_id]
         request.kv_remote = False
         if ok:
             request.num_computed_tokens = request.num_prompt_tokens
@@ -518,7 +528,7 @@ class Scheduler:
         else:
             self._kv_efficiency_total += 1.0
 
-    def stats(self) -> SchedulerStats:
+    def stats(self, with_queue_times: bool = True) -> SchedulerStats:
         steps = max(self.step_index, 1)
         kv = self.kv
         return SchedulerStats(
@@ -544,7 +554,7 @@ class Scheduler:
             kv_memory_efficiency=self._kv_efficiency_total / steps,
             num_finished=self._num_finished,
             mean_queue_time=self._queue_time_total / max(len(self.queue_times), 1),
-            queue_times=tuple(self.queue_times),
+            queue_times=tuple(self.queue_times) if with_queue_times else (),
         )
 
     def _num_queued_prefill_tokens(self) -> int:

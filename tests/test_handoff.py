@@ -122,6 +122,9 @@ def test_abort_while_held_or_receiving_frees_blocks(tiny):
     assert decode_engine.get_metrics().num_receiving == 1
     assert not decode_engine.has_work()  # nothing to run until the KV arrives
     assert decode_engine.abort_request("b")
+    # Its blocks may be being written: they stay taken until the receive ends.
+    assert decode_engine.get_metrics().num_kv_blocks_used > 0
+    assert not decode_engine.abort_request("b")
     assert not decode_engine.complete_kv_receive("b", True)
     assert prefill_engine.release_kv("b") and not prefill_engine.release_kv("b")
     for engine in (prefill_engine, decode_engine):

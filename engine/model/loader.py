@@ -191,6 +191,11 @@ def _resolve_max_model_len(arch: ModelArch, requested: int | None) -> tuple[int,
     return max_model_len, notes
 
 
+def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
+    """Only the tokenizer of `model` (for the gateway, which holds no weights); None if it has none."""
+    return _load_tokenizer(resolve_source(model))
+
+
 def _load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
     from transformers import AutoTokenizer
 

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from baton.internal.v1 import worker_pb2 as baton_dot_internal_dot_v1_dot_worker__pb2
+from baton.v1 import generation_pb2 as baton_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -60,6 +61,11 @@ class PrefillWorkerStub:
                 request_serializer=baton_dot_internal_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=baton_dot_internal_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/baton.internal.v1.PrefillWorker/GetModelInfo',
+                request_serializer=baton_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -111,6 +117,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The served model (the gateway reports it to clients and validates with it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +151,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=baton_dot_internal_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
                     response_serializer=baton_dot_internal_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=baton_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -286,6 +304,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.internal.v1.PrefillWorker/GetModelInfo',
+            baton_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+            baton_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Runs continuous batching over decodes (and prefills, in colocated mode).
@@ -306,6 +351,11 @@ class DecodeWorkerStub:
                 '/baton.internal.v1.DecodeWorker/GetStats',
                 request_serializer=baton_dot_internal_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=baton_dot_internal_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/baton.internal.v1.DecodeWorker/GetModelInfo',
+                request_serializer=baton_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -331,6 +381,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The served model (the gateway reports it to clients and validates with it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -343,6 +400,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=baton_dot_internal_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
                     response_serializer=baton_dot_internal_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=baton_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -400,6 +462,33 @@ class DecodeWorker:
             '/baton.internal.v1.DecodeWorker/GetStats',
             baton_dot_internal_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
             baton_dot_internal_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.internal.v1.DecodeWorker/GetModelInfo',
+            baton_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+            baton_dot_v1_dot_generation__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

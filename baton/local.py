@@ -1,0 +1,143 @@
+"""A local Baton deployment: gateway, prefill worker and decode worker as child processes
+on loopback. `baton up`, the end-to-end tests and the serving benchmark start it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from baton.internal.v1 import worker_pb2, worker_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Process:
+    role: str
+    address: str
+    popen: subprocess.Popen
+    log_path: Path | None  # None: output goes to this process's stdout
+
+    def log(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class Deployment:
+    """Running processes; `gateway` is the public address."""
+
+    gateway: str
+    processes: list[Process] = field(default_factory=list)
+
+    def worker(self, role: str) -> Process:
+        return next(p for p in self.processes if p.role == role)
+
+    def stats(self, role: str) -> worker_pb2.WorkerStats:
+        process = self.worker(role)
+        with grpc.insecure_channel(process.address) as channel:
+            stub_class = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+            return stub_class(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+
+    def logs(self) -> str:
+        return "\n".join(f"----- {p.role} ({p.address}) -----\n{p.log()[-6000:]}" for p in self.processes)
+
+    def stop(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """SIGTERM everything (gateway first); returns each role's exit code."""
+        for process in reversed(self.processes):
+            if process.popen.poll() is None:
+                process.popen.send_signal(signal.SIGTERM)
+        codes = {}
+        for process in reversed(self.processes):
+            try:
+                codes[process.role] = process.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.popen.kill()
+                codes[process.role] = process.popen.wait()
+        return codes
+
+
+def _spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str]) -> Process:
+    log_path = None if log_dir is None else log_dir / f"{role}.log"
+    log = None if log_path is None else open(log_path, "w")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", *args],
+        stdout=log,
+        stderr=None if log is None else subprocess.STDOUT,
+        env=env,
+    )
+    address = args[args.index("--listen") + 1]
+    return Process(role, address, popen, log_path)
+
+
+def wait_serving(address: str, deployment: Deployment, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            for process in deployment.processes:
+                if process.popen.poll() is not None:
+                    raise RuntimeError(f"{process.role} exited early\n{deployment.logs()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not serving after {timeout_s} s\n{deployment.logs()}")
+
+
+def start_deployment(
+    model: str,
+    log_dir: Path | None,
+    *,
+    gateway_address: str | None = None,
+    prefill: bool = True,
+    worker_args: list[str] = (),
+    prefill_args: list[str] = (),
+    decode_args: list[str] = (),
+    threads: int = 1,
+    timeout_s: float = 300.0,
+) -> Deployment:
+    """Start the processes (logs to `log_dir`, or to our stdout when None) and wait
+    until the gateway and every worker are SERVING."""
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    common = ["--model", model, "--threads", str(threads), *worker_args]
+    decode_address = f"127.0.0.1:{free_port()}"
+    gateway_address = gateway_address or f"127.0.0.1:{free_port()}"
+    deployment = Deployment(gateway_address)
+    gateway_args = ["gateway", "--listen", gateway_address, "--model", model, "--decode-workers", decode_address]
+    if prefill:
+        prefill_address = f"127.0.0.1:{free_port()}"
+        args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *common, *prefill_args]
+        deployment.processes.append(_spawn("prefill", args, log_dir, env))
+        gateway_args += ["--prefill-workers", prefill_address]
+    args = ["decode-worker", "--listen", decode_address, "--worker-id", "decode-0", *common, *decode_args]
+    deployment.processes.append(_spawn("decode", args, log_dir, env))
+    deployment.processes.append(_spawn("gateway", gateway_args, log_dir, env))
+    try:
+        wait_serving(gateway_address, deployment, timeout_s)
+        for process in deployment.processes[:-1]:
+            wait_serving(process.address, deployment, timeout_s)
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment

@@ -1,0 +1,109 @@
+"""What every Baton gRPC process shares: a grpc.aio server with health and reflection,
+uvloop, and a graceful shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# Prompts of token ids and KV handles are small; this only lifts grpc's 4 MB default
+# so a long prompt or a 128k-token usage report never trips it.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Keep idle channels to workers alive and notice a dead peer within seconds.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def install_uvloop() -> None:
+    """Use uvloop for the process's event loops (falls back to asyncio's if absent)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        logger.warning("uvloop not installed; using the default asyncio loop")
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+class GrpcServer:
+    """A grpc.aio server exposing `service_names`, grpc.health.v1 and server reflection.
+
+    Health starts NOT_SERVING for every service; call `set_serving(True)` once
+    the model is loaded and warm.
+    """
+
+    def __init__(self, address: str, service_names: Sequence[str]) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.service_names = tuple(service_names)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not listen on {address}")
+        host = address.rsplit(":", 1)[0]
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def serve_until_signal(
+        self, on_shutdown: Callable[[], Awaitable[None]], grace_s: float
+    ) -> None:
+        """Serve until SIGTERM or SIGINT, then shut down gracefully.
+
+        Health turns NOT_SERVING (load balancers stop routing here), new calls
+        are refused, in-flight calls get `grace_s` seconds to finish before
+        they are cancelled (which aborts their requests), then `on_shutdown`
+        frees the rest.
+        """
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+        logger.info("shutting down: %.1f s grace for in-flight calls", grace_s)
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        await on_shutdown()
+        logger.info("stopped")
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )

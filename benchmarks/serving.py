@@ -1,0 +1,333 @@
+"""Online serving benchmark: the engine benchmark's mixed workload, arriving as a Poisson
+process, against a running Baton deployment over gRPC.
+
+Three systems, one after the other in one run, on the same arrival schedule:
+
+    disaggregated   gateway + 1 prefill worker + 1 decode worker (separate processes)
+    colocated       gateway + 1 decode worker that prefills itself
+    engine          the in-process engine (AsyncEngine, no gRPC), the reference
+
+Reported per system: TTFT, TPOT, ITL and end-to-end latency (p50/p90/p99),
+output tokens/s and requests/s over the run, plus the KV handoff's observed
+bandwidth. Then a raw-vs-block KV transfer comparison between two processes
+(kvtransfer.bench). Targets: disaggregated output tokens/s >= 0.9x engine;
+KV block transfer bandwidth >= 0.9x a raw send/recv of the same bytes.
+
+    python -m benchmarks.serving --rate 4 --num-requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
+
+ALL_SYSTEMS = ("disaggregated", "colocated", "engine")
+
+
+@dataclass
+class RequestTiming:
+    """One request's timeline (seconds, relative to its send time)."""
+
+    arrival: float
+    token_times: list[float] = field(default_factory=list)  # one entry per generated token
+    num_output_tokens: int = 0
+    finished: float = 0.0
+
+
+@dataclass
+class SystemResult:
+    name: str
+    seconds: float
+    num_requests: int
+    num_output_tokens: int
+    ttft: dict
+    tpot: dict
+    itl: dict
+    e2e: dict
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.seconds
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.seconds
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    array = np.asarray(values)
+    return {
+        "p50": float(np.percentile(array, 50)),
+        "p90": float(np.percentile(array, 90)),
+        "p99": float(np.percentile(array, 99)),
+        "mean": float(array.mean()),
+    }
+
+
+def summarize(name: str, timings: list[RequestTiming], extra: dict | None = None) -> SystemResult:
+    start = min(t.arrival for t in timings)
+    end = max(t.arrival + t.finished for t in timings)
+    ttft, tpot, itl, e2e = [], [], [], []
+    for t in timings:
+        ttft.append(t.token_times[0])
+        e2e.append(t.finished)
+        if len(t.token_times) > 1:
+            tpot.append((t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1))
+            itl.extend(np.diff(t.token_times).tolist())
+    return SystemResult(
+        name,
+        end - start,
+        len(timings),
+        sum(t.num_output_tokens for t in timings),
+        percentiles(ttft),
+        percentiles(tpot),
+        percentiles(itl),
+        percentiles(e2e),
+        extra or {},
+    )
+
+
+def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Poisson arrivals at `rate` requests/s (inf: all at once)."""
+    if rate == float("inf"):
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, size=num_requests)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+# ------------------------------------------------------------------------- gRPC
+async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[float]) -> list[RequestTiming]:
+    import grpc
+
+    from baton.v1 import generation_pb2 as pb
+    from baton.v1 import generation_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        base = time.perf_counter()
+
+        async def one(request: BenchRequest, offset: float) -> RequestTiming:
+            await asyncio.sleep(max(0.0, base + offset - time.perf_counter()))
+            sent = time.perf_counter()
+            timing = RequestTiming(arrival=sent - base)
+            message = pb.GenerateRequest(
+                request_id=request.request_id,
+                token_ids=pb.TokenIds(ids=request.prompt_token_ids),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True),
+            )
+            async for reply in stub.GenerateStream(message, timeout=3600):
+                now = time.perf_counter() - sent
+                timing.token_times.extend([now] * len(reply.token_ids))
+                timing.num_output_tokens += len(reply.token_ids)
+            timing.finished = time.perf_counter() - sent
+            if timing.num_output_tokens != request.max_tokens:
+                raise RuntimeError(f"{request.request_id}: {timing.num_output_tokens} of {request.max_tokens} tokens")
+            return timing
+
+        return await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
+
+
+def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> SystemResult:
+    from baton.local import start_deployment
+
+    disaggregated = name == "disaggregated"
+    worker_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.verify_kv:
+        worker_args.append("--verify-kv")
+    decode_threads = args.decode_threads if disaggregated else args.threads
+    deployment = start_deployment(
+        args.model,
+        log_dir / name,
+        prefill=disaggregated,
+        worker_args=worker_args,
+        prefill_args=["--threads", str(args.prefill_threads)],
+        decode_args=["--threads", str(decode_threads)],
+        threads=decode_threads,
+        timeout_s=900,
+    )
+    try:
+        time.sleep(0.5)
+        timings = asyncio.run(drive_grpc(deployment.gateway, requests, offsets))
+        decode = deployment.stats("decode")
+        extra = {"mean_seqs_per_step": decode.mean_seqs_per_step}
+        if disaggregated:
+            extra.update(
+                num_transfers=decode.num_transfers,
+                kv_bytes=decode.num_transferred_bytes,
+                kv_transfer_seconds=decode.transfer_seconds,
+                kv_observed_gbps=decode.num_transferred_bytes / max(decode.transfer_seconds, 1e-9) / 1e9,
+                transfer_failures=decode.num_transfer_failures,
+            )
+    finally:
+        deployment.stop()
+    return summarize(name, timings, extra)
+
+
+# ----------------------------------------------------------------------- engine
+def run_engine(args, requests, offsets) -> SystemResult:
+    import torch
+
+    from baton.worker import build_engine, engine_config
+    from engine.async_engine import AsyncEngine
+    from engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    llm = build_engine(
+        engine_config(args.model, max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads)
+    )
+
+    async def drive() -> list[RequestTiming]:
+        engine = AsyncEngine(llm)
+        engine.start()
+        base = time.perf_counter()
+
+        async def one(request: BenchRequest, offset: float) -> RequestTiming:
+            await asyncio.sleep(max(0.0, base + offset - time.perf_counter()))
+            sent = time.perf_counter()
+            timing = RequestTiming(arrival=sent - base)
+            params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+            stream = await engine.add_request(request.request_id, request.prompt_token_ids, params)
+            async for output in stream:
+                now = time.perf_counter() - sent
+                timing.token_times.extend([now] * len(output.new_token_ids))
+                timing.num_output_tokens += len(output.new_token_ids)
+            timing.finished = time.perf_counter() - sent
+            return timing
+
+        try:
+            return await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
+        finally:
+            await engine.stop()
+
+    timings = asyncio.run(drive())
+    return summarize("engine", timings, {"mean_seqs_per_step": llm.get_metrics().mean_seqs_per_step})
+
+
+# ----------------------------------------------------------------------- report
+def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> list[tuple[str, float, float, bool]]:
+    print(f"\nworkload: {args.num_requests} requests, Poisson rate {args.rate}/s, seed {args.seed}, "
+          f"prompts {args.min_prompt_len}-{args.max_prompt_len}, outputs {args.min_output_len}-{args.max_output_len}")
+    header = f"{'system':<14} {'out tok/s':>9} {'req/s':>6} " + " ".join(
+        f"{m + ' p50/p90/p99 ms':>26}" for m in ("TTFT", "TPOT", "ITL", "E2E")
+    )
+    print(header)
+    for result in results.values():
+        cells = []
+        for metric in (result.ttft, result.tpot, result.itl, result.e2e):
+            cells.append(f"{metric['p50'] * 1e3:8.1f}/{metric['p90'] * 1e3:8.1f}/{metric['p99'] * 1e3:8.1f}")
+        print(f"{result.name:<14} {result.output_tokens_per_s:9.1f} {result.requests_per_s:6.2f} " + " ".join(
+            f"{c:>26}" for c in cells))
+    for result in results.values():
+        if result.extra:
+            print(f"  {result.name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                    for k, v in result.extra.items()))
+    checks = []
+    if "disaggregated" in results and "engine" in results:
+        ratio = results["disaggregated"].output_tokens_per_s / results["engine"].output_tokens_per_s
+        checks.append(("disaggregated / engine output tok/s", ratio, 0.9, ratio >= 0.9))
+    if "colocated" in results and "engine" in results:
+        ratio = results["colocated"].output_tokens_per_s / results["engine"].output_tokens_per_s
+        checks.append(("colocated / engine output tok/s", ratio, 0.0, True))
+    if kv is not None:
+        print(f"\nKV transfer, {kv['num_blocks']} blocks ({kv['num_bytes'] / 1e6:.1f} MB) between two processes, "
+              f"median of {kv['repeats']}: block transfer {kv['block_gbps']:.2f} GB/s, "
+              f"raw send/recv {kv['raw_gbps']:.2f} GB/s")
+        checks.append(("KV block transfer / raw send/recv bandwidth", kv["ratio"], 0.9, kv["ratio"] >= 0.9))
+    print()
+    for name, value, target, passed in checks:
+        verdict = "PASS" if passed else "FAIL"
+        target_text = f"target >= {target}" if target else "reported"
+        print(f"{name}: {value:.3f} ({target_text}) {verdict if target else ''}")
+    return checks
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list from {', '.join(ALL_SYSTEMS)}")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (inf: all at once)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-prompt-len", type=int, default=16)
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--min-output-len", type=int, default=8)
+    p.add_argument("--max-output-len", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2, help="threads of the engine and of a colocated worker")
+    p.add_argument("--prefill-threads", type=int, default=1, help="disaggregated: prefill worker threads")
+    p.add_argument("--decode-threads", type=int, default=1, help="disaggregated: decode worker threads")
+    p.add_argument("--verify-kv", action="store_true", help="checksum every handed-off block")
+    p.add_argument("--kv-bench-blocks", type=int, default=64, help="blocks in the raw-vs-block KV comparison (0: skip)")
+    p.add_argument("--kv-bench-repeats", type=int, default=9)
+    p.add_argument("--json", default=None, metavar="PATH")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(ALL_SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
+    from transformers import AutoConfig  # noqa: F401  (fail early if transformers is broken)
+
+    from engine.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    vocab_size = len(tokenizer) if tokenizer is not None else 49152
+    config = WorkloadConfig(
+        num_requests=args.num_requests,
+        min_prompt_len=args.min_prompt_len,
+        max_prompt_len=args.max_prompt_len,
+        min_output_len=args.min_output_len,
+        max_output_len=args.max_output_len,
+        seed=args.seed,
+    )
+    requests = make_workload(vocab_size, config)
+    offsets = arrival_offsets(len(requests), args.rate, args.seed)
+    results: dict[str, SystemResult] = {}
+    with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
+        for name in systems:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            if name == "engine":
+                results[name] = run_engine(args, requests, offsets)
+            else:
+                results[name] = run_deployment(name, args, requests, offsets, Path(tmp))
+    kv = None
+    if args.kv_bench_blocks:
+        from kvtransfer.bench import measure
+
+        print("running the KV transfer comparison ...", file=sys.stderr, flush=True)
+        kv = measure(num_blocks_to_send=args.kv_bench_blocks, repeats=args.kv_bench_repeats)
+    checks = print_report(results, kv, args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "args": vars(args),
+            "results": {name: {**asdict(r), "output_tokens_per_s": r.output_tokens_per_s,
+                               "requests_per_s": r.requests_per_s} for name, r in results.items()},
+            "kv_transfer": kv,
+            "checks": [{"name": n, "value": v, "target": t, "passed": p} for n, v, t, p in checks],
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+    return 0 if all(passed for *_, passed in checks) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""AsyncEngine: an LLMEngine on a thread of its own, bridged to an asyncio event loop.
+
+The gRPC workers are asyncio servers; a model step takes milliseconds to
+seconds and must never run on the event loop. The engine thread owns the
+LLMEngine outright (it is not thread-safe): every call into it, from any
+coroutine, is a command queued to that thread and run between steps.
+
+    event loop                               engine thread
+    ----------                               -------------
+    await add_request(...)  --command-->     engine.add_request
+    RequestStream.get()     <--outputs--     engine.step() (while there is work)
+    on_kv_receive(receive)  <--receives--    (admitted requests with remote KV)
+
+Outputs and receives travel back with `loop.call_soon_threadsafe`, in step
+order, so a request's outputs never overtake each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from engine.engine import LLMEngine
+from engine.outputs import KvReceive, RequestOutput, StepOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# The engine thread waits this long for a command when it has nothing to step.
+IDLE_WAIT_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised)."""
+
+
+class RequestStream:
+    """One request's outputs, in order; the last one has `finished` set."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> RequestOutput:
+        """The next output; raises EngineDeadError if the engine stopped first."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        return await self.get()
+
+
+class AsyncEngine:
+    """Runs `engine` on a dedicated thread; coroutines talk to it through commands.
+
+    `on_kv_receive` is called on the event loop for each request admitted with
+    remote KV (see LLMEngine.add_prefilled_request); the caller fills its
+    blocks and then calls `complete_kv_receive`.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        on_kv_receive: Callable[[KvReceive], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self._on_kv_receive = on_kv_receive
+        # (fn, future) pairs; None ends the thread.
+        self._commands: queue.SimpleQueue[tuple[Callable, asyncio.Future] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stopping = False
+        self.num_steps = 0
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort everything still running, then end the engine thread."""
+        if self._thread is None:
+            return
+        if self.is_alive:
+            await self.call(_abort_all)
+        self._stopping = True
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._fail_streams(EngineDeadError("engine stopped"))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    # ----------------------------------------------------------------- commands
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps; return its result or raise its error."""
+        if not self.is_alive:
+            raise EngineDeadError(f"engine is not running: {self._error!r}")
+        loop = self._loop
+        assert loop is not None
+        future: asyncio.Future[T] = loop.create_future()
+        self._commands.put((fn, future))
+        return await future
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        prefill_only: bool = False,
+    ) -> RequestStream:
+        """Queue a request; raises ValueError on bad input (nothing is then queued)."""
+        return await self._add(
+            request_id,
+            lambda engine: engine.add_request(
+                list(prompt_token_ids),
+                params,
+                request_id=request_id,
+                priority=priority,
+                prefill_only=prefill_only,
+            ),
+        )
+
+    async def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token_id: int,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queue a request whose prompt KV will be received (see LLMEngine.add_prefilled_request)."""
+        return await self._add(
+            request_id,
+            lambda engine: engine.add_prefilled_request(
+                list(prompt_token_ids),
+                first_token_id,
+                params,
+                request_id=request_id,
+                priority=priority,
+            ),
+        )
+
+    async def _add(self, request_id: str, add: Callable[[LLMEngine], Any]) -> RequestStream:
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        # Registered before the command runs: the first output may follow it immediately.
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        try:
+            await self.call(add)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    async def abort(self, request_id: str) -> bool:
+        """End a request in any state and free its blocks; its stream ends with finish 'abort'."""
+        if not self.is_alive:
+            return False
+        return await self.call(lambda engine: engine.abort_request(request_id))
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        commands = self._commands
+        try:
+            while not self._stopping:
+                if not engine.has_work():
+                    # Nothing to step: sleep until a command arrives.
+                    try:
+                        command = commands.get(timeout=IDLE_WAIT_S)
+                    except queue.Empty:
+                        continue
+                    if command is None:
+                        return
+                    self._execute(command)
+                while True:  # every queued command runs before the next step
+                    try:
+                        command = commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if command is None:
+                        return
+                    self._execute(command)
+                if engine.has_work():
+                    step = engine.step()
+                    self.num_steps += 1
+                    if step.outputs or step.kv_receives:
+                        self._loop.call_soon_threadsafe(self._deliver, step)
+        except BaseException as error:  # the step is broken: fail every request, stay down
+            logger.exception("engine thread failed")
+            self._error = error
+            self._loop.call_soon_threadsafe(self._fail_streams, EngineDeadError(repr(error)))
+        finally:
+            # Commands queued after the loop ended would never run; fail their callers.
+            error = EngineDeadError("engine stopped")
+            while True:
+                try:
+                    command = commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command is not None:
+                    self._loop.call_soon_threadsafe(_set_exception, command[1], error)
+
+    def _execute(self, command: tuple[Callable, asyncio.Future]) -> None:
+        fn, future = command
+        try:
+            result = fn(self.engine)
+        except Exception as error:  # the caller's error (e.g. ValueError on bad input)
+            self._loop.call_soon_threadsafe(_set_exception, future, error)
+        else:
+            self._loop.call_soon_threadsafe(_set_result, future, result)
+
+    # ---------------------------------------------------------------- on loop
+    def _deliver(self, step: StepOutput) -> None:
+        streams = self._streams
+        for output in step.outputs:
+            stream = streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del streams[output.request_id]
+            stream._put(output)
+        if self._on_kv_receive is not None:
+            for receive in step.kv_receives:
+                self._on_kv_receive(receive)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._put(error)
+
+
+def _abort_all(engine: LLMEngine) -> None:
+    for request_id in list(engine.scheduler.requests):
+        engine.abort_request(request_id)
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,59 @@
+"""Run the gateway: listen at once (health NOT_SERVING), learn the model from the
+workers, load its tokenizer, then serve baton.v1.Generation."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from baton.server import GrpcServer, install_uvloop
+from baton.v1 import generation_pb2, generation_pb2_grpc
+from engine.model.loader import load_tokenizer
+from gateway.service import GenerationService
+from gateway.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """The gateway process."""
+
+    listen: str = "127.0.0.1:50051"
+    prefill_workers: tuple[str, ...] = ()
+    decode_workers: tuple[str, ...] = field(default_factory=tuple)
+    model: str = "smollm2-135m"  # for the tokenizer; the workers must serve the same model
+    startup_timeout_s: float = 600.0  # waiting for a worker to load its model
+    grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.decode_workers:
+            raise ValueError("the gateway needs at least one decode worker")
+
+
+async def run_gateway(settings: GatewaySettings, ready: asyncio.Event | None = None) -> None:
+    pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers))
+    service = GenerationService(pool)
+    server = GrpcServer(settings.listen, [SERVICE_NAME])
+    generation_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
+    await server.start()
+    logger.info("gateway listening on %s; waiting for workers", server.address)
+    tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
+    info = await pool.model_info(settings.startup_timeout_s)
+    await pool.start()
+    service.load(tokenizer, info)
+    await server.set_serving(True)
+    logger.info("gateway serving %s on %s (prefill: %s; decode: %s)", info.model, server.address,
+                ", ".join(settings.prefill_workers) or "none, colocated", ", ".join(settings.decode_workers))
+    if ready is not None:
+        ready.set()
+    await server.serve_until_signal(pool.close, settings.grace_s)
+
+
+def serve(settings: GatewaySettings) -> None:
+    """Run a gateway in this process until SIGTERM."""
+    install_uvloop()
+    asyncio.run(run_gateway(settings))

@@ -1,0 +1,296 @@
+"""End to end over real processes on loopback: gateway + prefill worker + decode worker
+serving a tiny random Llama (float64, SmolLM2's tokenizer), checked against transformers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+
+import grpc
+import pytest
+import torch
+
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc
+from engine.detokenizer import detokenize
+from engine.model.loader import load_tokenizer
+from baton.local import start_deployment
+from tests.tiny_models import hf_greedy, make_tiny_model
+
+pytestmark = pytest.mark.timeout(900)
+
+VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer saved next to it."""
+    directory = tmp_path_factory.mktemp("tiny-serving")
+    model, path = make_tiny_model(directory, "llama", 4, 2, 16, True, dtype=torch.float64, vocab_size=VOCAB_SIZE)
+    tokenizer = load_tokenizer("smollm2-135m")
+    tokenizer.save_pretrained(directory)
+    return model, path, tokenizer
+
+
+@pytest.fixture(scope="module")
+def system(tiny_chat_model, tmp_path_factory):
+    _, path, _ = tiny_chat_model
+    worker_args = ["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "400", "--verify-kv"]
+    deployment = start_deployment(
+        path,
+        tmp_path_factory.mktemp("logs"),
+        worker_args=worker_args,
+        prefill_args=["--max-num-batched-tokens", "48"],
+        decode_args=["--max-num-batched-tokens", "64"],
+    )
+    time.sleep(0.5)  # one gateway poll: every worker is marked up
+    yield deployment
+    codes = deployment.stop()
+    assert codes == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
+
+
+@pytest.fixture(scope="module")
+def stub(system):
+    channel = grpc.insecure_channel(system.gateway)
+    yield generation_pb2_grpc.GenerationStub(channel)
+    channel.close()
+
+
+def greedy_request(prompt: list[int], max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+def stream_all(stub, request) -> tuple[list[int], str, list[pb.GenerateStreamResponse]]:
+    messages = list(stub.GenerateStream(request, timeout=120))
+    tokens = [t for m in messages for t in m.token_ids]
+    return tokens, "".join(m.text for m in messages), messages
+
+
+def test_stream_and_unary_equal_transformers(system, stub, tiny_chat_model):
+    model, _, tokenizer = tiny_chat_model
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog, and then")
+    expected = hf_greedy(model, prompt, 20)
+    tokens, text, messages = stream_all(stub, greedy_request(prompt, 20, "parity-stream"))
+    assert tokens == expected
+    assert text == detokenize(tokenizer, expected)
+    assert messages[0].token_ids and len(messages[0].token_ids) == 1  # the first token alone, at once
+    last = messages[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 20)
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+
+    response = stub.Generate(greedy_request(prompt, 20), timeout=120)
+    assert list(response.token_ids) == expected
+    assert response.text == text
+    assert response.finish_reason == pb.FINISH_REASON_LENGTH
+
+    # Text prompts are tokenized by the gateway like the tokenizer does.
+    request = pb.GenerateRequest(
+        text="The quick brown fox jumps over the lazy dog, and then",
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    )
+    assert list(stub.Generate(request, timeout=120).token_ids) == expected
+
+
+def test_32_concurrent_streams_of_mixed_lengths(system, stub, tiny_chat_model):
+    model, _, tokenizer = tiny_chat_model
+    rng = random.Random(0)
+    cases = []
+    for i in range(32):
+        prompt = [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(2, 70))]
+        cases.append((f"mixed-{i}", prompt, rng.randint(1, 24)))
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        futures = {
+            request_id: pool.submit(stream_all, stub, greedy_request(prompt, max_tokens, request_id))
+            for request_id, prompt, max_tokens in cases
+        }
+        results = {request_id: future.result() for request_id, future in futures.items()}
+    for request_id, prompt, max_tokens in cases:
+        tokens, text, messages = results[request_id]
+        expected = hf_greedy(model, prompt, max_tokens)
+        assert tokens == expected, request_id
+        assert text == detokenize(tokenizer, expected), request_id
+        assert all(m.request_id == request_id for m in messages)
+    # Every handed-off block was checksummed on both sides and matched.
+    decode = system.stats("decode")
+    prefill = system.stats("prefill")
+    assert decode.num_transfers >= 32 - sum(1 for _, _, n in cases if n == 1)
+    assert decode.num_transfers_verified == decode.num_transfers
+    assert decode.num_transfer_failures == 0 and prefill.num_transfer_failures == 0
+    assert prefill.num_transfers == decode.num_transfers
+    assert prefill.num_transferred_bytes == decode.num_transferred_bytes > 0
+
+
+def wait_for_idle(system, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {role: system.stats(role) for role in ("prefill", "decode")}
+        if all(s.num_kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0
+               and s.num_kv_handoffs_pending == 0 for s in stats.values()):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers still hold KV: {stats}")
+        time.sleep(0.1)
+
+
+def test_cancelling_a_stream_frees_blocks_on_both_workers(system, stub, tiny_chat_model):
+    model, _, _ = tiny_chat_model
+    wait_for_idle(system)
+    before = system.stats("decode").num_finished
+    prompt = list(range(100, 160))
+    call = stub.GenerateStream(greedy_request(prompt, 4000, "to-cancel"), timeout=120)
+    received = []
+    for message in call:
+        received.extend(message.token_ids)
+        if len(received) >= 4:
+            break
+    assert system.stats("decode").num_kv_blocks_used > 0  # it is decoding right now
+    call.cancel()
+    stats = wait_for_idle(system)
+    assert stats["decode"].num_finished > before
+    # And the system keeps serving, with the right answer.
+    tokens, _, _ = stream_all(stub, greedy_request(prompt, 8))
+    assert tokens == hf_greedy(model, prompt, 8)
+    wait_for_idle(system)
+
+
+def test_deadline_exceeded_frees_everything(system, stub):
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.GenerateStream(greedy_request(list(range(5, 40)), 4000), timeout=0.25))
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for_idle(system)
+
+
+@pytest.mark.parametrize(
+    "request_, fragment",
+    [
+        (pb.GenerateRequest(), "set one of"),
+        (pb.GenerateRequest(text=""), "empty"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "empty"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, VOCAB_SIZE + 3])), "outside the vocabulary"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 600)), "limit"),
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)), "top_p"),
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+        (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])), "role"),
+    ],
+)
+def test_bad_input_is_invalid_argument_and_nothing_leaks(system, stub, request_, fragment):
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Generate(request_, timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert fragment in error.value.details()
+    wait_for_idle(system)
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(system, stub, tiny_chat_model):
+    model, _, tokenizer = tiny_chat_model
+    prompt = list(range(300, 330))
+    expected = hf_greedy(model, prompt, 30)
+    full_text = detokenize(tokenizer, expected)
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    assert stop.strip()
+    request = greedy_request(prompt, 30)
+    request.sampling.stop.append(stop)
+    response = stub.Generate(request, timeout=60)
+    assert response.finish_reason == pb.FINISH_REASON_STOP
+    assert response.stop_string == stop
+    assert response.text == full_text[: full_text.index(stop)]
+    wait_for_idle(system)
+
+
+def test_model_info(stub):
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.vocab_size == VOCAB_SIZE
+    assert list(info.eos_token_ids) == [2]
+    assert info.max_context_length == 512
+    assert info.has_chat_template
+
+
+def test_colocated_gateway_matches(system, tiny_chat_model, tmp_path):
+    """A second gateway that knows only the decode worker: it prefills there."""
+    import os
+
+    from baton.local import Deployment, _spawn, free_port, wait_serving
+
+    model, path, _ = tiny_chat_model
+    address = f"127.0.0.1:{free_port()}"
+    args = ["gateway", "--listen", address, "--model", path, "--decode-workers", system.worker("decode").address]
+    colocated = Deployment(address, [_spawn("gateway", args, tmp_path, dict(os.environ))])
+    try:
+        wait_serving(address, colocated, 120)
+        time.sleep(0.3)
+        transfers_before = system.stats("decode").num_transfers
+        with grpc.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            prompt = list(range(1000, 1040))
+            tokens, _, _ = stream_all(stub, greedy_request(prompt, 12))
+        assert tokens == hf_greedy(model, prompt, 12)
+        assert system.stats("decode").num_transfers == transfers_before
+    finally:
+        assert colocated.stop() == {"gateway": 0}, colocated.logs()
+
+
+CLIENT_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+from baton.v1 import generation_pb2 as pb, generation_pb2_grpc
+assert pb.__file__.startswith(sys.argv[1]), pb.__file__
+with grpc.insecure_channel(sys.argv[2]) as channel:
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[7, 8, 9, 10]),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+    )
+    tokens = [t for m in stub.GenerateStream(request, timeout=60) for t in m.token_ids]
+assert not any(name.split(".")[0] in ("engine", "gateway", "kvtransfer") for name in sys.modules)
+print(",".join(map(str, tokens)))
+"""
+
+
+def test_client_generated_from_protos_alone(system, tiny_chat_model, tmp_path):
+    import subprocess
+    import sys
+
+    from grpc_tools import protoc
+
+    from baton.local import REPO_ROOT
+
+    out = tmp_path / "generated"
+    out.mkdir()
+    assert protoc.main([
+        "protoc", f"-I{REPO_ROOT / 'protos'}", f"--python_out={out}", f"--grpc_python_out={out}",
+        "baton/v1/generation.proto",
+    ]) == 0
+    (tmp_path / "client.py").write_text(CLIENT_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, "-s", str(tmp_path / "client.py"), str(out), system.gateway],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr
+    model, _, _ = tiny_chat_model
+    assert [int(t) for t in result.stdout.strip().split(",")] == hf_greedy(model, [7, 8, 9, 10], 5)
+
+
+def test_reflection_lists_the_public_service(system):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(system.gateway) as channel:
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert "baton.v1.Generation" in services
+    assert "grpc.health.v1.Health" in services
+    with grpc.insecure_channel(system.worker("decode").address) as channel:
+        assert "baton.internal.v1.DecodeWorker" in ProtoReflectionDescriptorDatabase(channel).get_services()
+
+
+def test_committed_stubs_match_protos():
+    from baton.protogen import check
+
+    assert check() == []

@@ -1,0 +1,62 @@
+"""`baton up` with the real SmolLM2-135M-Instruct: a chat question answered over gRPC."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc
+from baton.local import REPO_ROOT, free_port
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_baton_up_answers_capital_of_france(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "baton-up.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--threads", "1",
+             "--kv-cache-memory", "256M", "--verify-kv"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while "Baton is serving" not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()[-5000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-5000:]
+            time.sleep(0.5)
+        assert f"baton generate --gateway 127.0.0.1:{port}" in log_path.read_text()
+        time.sleep(0.5)  # the gateway's first poll marks both workers up
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(
+                messages=pb.ChatMessages(
+                    messages=[pb.ChatMessage(role="user", content="What is the capital of France?")]
+                ),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=40),
+            )
+            messages = list(stub.GenerateStream(request, timeout=300))
+        text = "".join(m.text for m in messages)
+        assert "Paris" in text, text
+        assert messages[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        # The CLI client sees the same answer.
+        result = subprocess.run(
+            [sys.executable, "-m", "baton.cli", "generate", "--gateway", f"127.0.0.1:{port}", "--chat",
+             "--max-tokens", "40", "What is the capital of France?"],
+            capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        )
+        assert result.returncode == 0, result.stderr
+        assert "Paris" in result.stdout
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=120)
+    assert code == 0, log_path.read_text()[-5000:]
