@@ -7,6 +7,7 @@ VENV ?= .venv
 THREADS ?= 2
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+RUN_ARGS ?=
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -16,7 +17,7 @@ STAMP := $(VENV)/.baton-setup.stamp
 # No hub access here: everything loads from local files.
 RUN_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: setup kernels test run bench clean distclean
+.PHONY: setup kernels test run demo protos bench bench-serving clean distclean
 
 setup: $(STAMP)
 
@@ -40,12 +41,24 @@ $(STAMP): pyproject.toml
 test: kernels
 	$(RUN_ENV) $(PY) -m pytest -q $(PYTEST_ARGS)
 
+# A local gateway (port 50051) + prefill worker + decode worker serving SmolLM2-135M.
+# Each worker gets one core's worth of threads; Ctrl-C stops all three.
 run: kernels
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/baton up $(RUN_ARGS)
+
+demo: kernels
 	$(RUN_ENV) $(PY) -m engine.demo
+
+protos: setup
+	$(PY) -m baton.protogen
 
 bench: kernels
 	mkdir -p benchmarks/results
 	$(RUN_ENV) $(PY) -m benchmarks.offline_throughput --json benchmarks/results/offline_throughput.json $(BENCH_ARGS)
+
+bench-serving: kernels
+	mkdir -p benchmarks/results
+	$(RUN_ENV) $(PY) -m benchmarks.serving --json benchmarks/results/serving.json $(BENCH_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis benchmarks/results

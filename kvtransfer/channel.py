@@ -30,7 +30,7 @@ from engine.kv_cache import KVCache
 MAX_GROUPS = 64
 # Layers per message are chosen so a message carries at least this many bytes
 # (loopback Gloo reaches its bandwidth from ~1 MB; fewer, larger messages cost less).
-MIN_MESSAGE_BYTES = 4 * 1024 * 1024
+MIN_MESSAGE_BYTES = 1024 * 1024
 TAG_MODULUS = 2**31
 
 
@@ -73,6 +73,9 @@ class KvChannel:
         self._store = store  # kept alive: the group's rendezvous state lives there
         self._lock = threading.Lock()
         self.is_broken = False
+        # Staging memory reused by every transfer (they run one at a time): fresh
+        # buffers would page-fault tens of MB per transfer, costing more than the copy.
+        self._staging: torch.Tensor | None = None
 
     # ------------------------------------------------------------- lifecycle
     @staticmethod
@@ -160,12 +163,12 @@ class KvChannel:
         per_group = max(per_group, -(-num_layers // MAX_GROUPS))
         groups = [range(start, min(start + per_group, num_layers)) for start in range(0, num_layers, per_group)]
         peer = 1 - self.rank
+        buffers = self._buffers(keys, [(len(g), 2, num_blocks, *block_shape) for g in groups])
         try:
             if send:
                 works = []
                 for g, group_layers in enumerate(groups):
-                    # [G, 2, n, block_size, KvH, Dh]
-                    buffer = torch.empty((len(group_layers), 2, num_blocks, *block_shape), dtype=keys.dtype, device=device)
+                    buffer = buffers[g]  # [G, 2, n, block_size, KvH, Dh]
                     for i, layer in enumerate(group_layers):
                         layer_keys, layer_values = layers[layer]
                         torch.index_select(layer_keys, 0, index, out=buffer[i, 0])
@@ -178,7 +181,7 @@ class KvChannel:
             else:
                 posted = []
                 for g, group_layers in enumerate(groups):
-                    buffer = torch.empty((len(group_layers), 2, num_blocks, *block_shape), dtype=keys.dtype, device=device)
+                    buffer = buffers[g]
                     posted.append((self._group.recv([buffer], peer, self._tag(tag, g)), buffer, group_layers))
                 for work, buffer, group_layers in posted:
                     self._wait(work)
@@ -195,6 +198,19 @@ class KvChannel:
             self.is_broken = True
             raise KvTransferError(f"channel {self.channel_id}: transfer failed: {error}") from error
         return TransferStats(num_blocks, bytes_per_layer * num_layers, time.perf_counter() - started)
+
+    def _buffers(self, like: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Views of the staging memory, one per message, back to back."""
+        sizes = [torch.Size(shape).numel() for shape in shapes]
+        total = sum(sizes)
+        staging = self._staging
+        if staging is None or staging.numel() < total or staging.dtype != like.dtype or staging.device != like.device:
+            staging = self._staging = torch.empty(total, dtype=like.dtype, device=like.device)
+        views, offset = [], 0
+        for shape, size in zip(shapes, sizes):
+            views.append(staging[offset : offset + size].view(shape))
+            offset += size
+        return views
 
     @staticmethod
     def _tag(tag: int, group: int) -> int:
