@@ -1,6 +1,10 @@
 """KV block transfer vs one raw send/recv of the same bytes, between the same two processes.
 
-    python -m kvtransfer.bench --blocks 64
+    python -m kvtransfer.bench --blocks 64 512
+
+Both measurements run alternately on one channel, timed on the receiver from a
+start signal until the bytes are in place; the block ids are scattered and unordered
+on both sides (the gather/scatter worst case).
 """
 
 from __future__ import annotations
@@ -12,78 +16,51 @@ import time
 
 import torch
 
-from engine.kv_cache import KVCache, KVLayout
+# SmolLM2-135M's KV block: 30 layers, 3 KV heads of 64, blocks of 16 tokens, float32
+# (737,280 bytes per block: 64 blocks are 47 MB, 512 blocks 377 MB).
+SMOLLM2 = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 
-# SmolLM2-135M's cache block.
-SMOLLM2_LAYOUT = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
-
-
-def _worker(rank: int, conn, layout: dict, num_blocks: int, repeats: int) -> None:
-    from kvtransfer.channel import KvChannel
-
-    torch.set_num_threads(1)
-    dtype = getattr(torch, layout["dtype"])
-    kv_layout = KVLayout(layout["num_layers"], layout["block_size"], layout["num_kv_heads"], layout["head_dim"], dtype)
-    pool = 2 * num_blocks + 7
-    cache = KVCache(kv_layout, pool, 0)
-    for keys, values in cache.layers:
-        keys.normal_()
-        values.normal_()
-    # Scattered ids: every other block, reversed on one side.
-    block_ids = list(range(0, 2 * num_blocks, 2))
-    if rank == 1:
-        block_ids.reverse()
-        store = KvChannel.host_store()
-        conn.send(store.port)
-        channel = KvChannel.connect(channel_id="bench", host="127.0.0.1", port=store.port, rank=1,
-                                    device="cpu", timeout_s=60, store=store)
-    else:
-        port = conn.recv()
-        channel = KvChannel.connect(channel_id="bench", host="127.0.0.1", port=port, rank=0,
-                                    device="cpu", timeout_s=60)
-    num_bytes = num_blocks * kv_layout.bytes_per_block
-    raw = torch.randn(num_bytes // dtype.itemsize if hasattr(dtype, "itemsize") else num_bytes // 4, dtype=dtype)
-    block_times, raw_times = [], []
-    tag = 0
-    for _ in range(repeats + 1):  # the first round warms both paths up
-        for kind in ("block", "raw"):
-            tag += 1
-            sync = torch.zeros(1)
-            channel.raw_send(sync, 10_000 + tag) if rank == 0 else channel.raw_recv(sync, 10_000 + tag)
-            started = time.perf_counter()
-            if kind == "block":
-                if rank == 0:
-                    channel.send_blocks(cache, block_ids, tag)
-                else:
-                    channel.recv_blocks(cache, block_ids, tag)
-            else:
-                channel.raw_send(raw, 20_000 + tag) if rank == 0 else channel.raw_recv(raw, 20_000 + tag)
-            (block_times if kind == "block" else raw_times).append(time.perf_counter() - started)
-    if rank == 1:
-        conn.send({"block": block_times[1:], "raw": raw_times[1:], "num_bytes": num_bytes})
-    channel.close()
+_START_TAG = 1_000_000  # raw start signals; transfer tags count up from 1
 
 
 def measure(
+    num_layers: int = SMOLLM2["num_layers"],
+    block_size: int = SMOLLM2["block_size"],
+    num_kv_heads: int = SMOLLM2["num_kv_heads"],
+    head_dim: int = SMOLLM2["head_dim"],
+    dtype: str = SMOLLM2["dtype"],
     num_blocks_to_send: int = 64,
     repeats: int = 9,
-    layout: dict | None = None,
+    *,
+    message_bytes: int | None = None,
+    num_slots: int | None = None,
+    timeout_s: float = 60.0,
 ) -> dict:
-    """Median seconds and GB/s of the block transfer and of a raw send/recv, and their ratio."""
-    layout = layout or SMOLLM2_LAYOUT
+    """Median seconds and GB/s of the block transfer and of a raw send/recv of the same
+    bytes, and ratio = raw seconds / block seconds (1.0: the gather/scatter costs nothing)."""
+    layout = dict(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, dtype=dtype)
+    tuning = {k: v for k, v in (("message_bytes", message_bytes), ("num_slots", num_slots)) if v is not None}
     ctx = mp.get_context("spawn")
-    parent0, child0 = ctx.Pipe()
-    parent1, child1 = ctx.Pipe()
-    procs = [
-        ctx.Process(target=_worker, args=(0, child0, layout, num_blocks_to_send, repeats)),
-        ctx.Process(target=_worker, args=(1, child1, layout, num_blocks_to_send, repeats)),
+    (to_sender, sender_end), (to_receiver, receiver_end) = ctx.Pipe(), ctx.Pipe()
+    args = (layout, num_blocks_to_send, repeats, tuning, timeout_s)
+    processes = [
+        ctx.Process(target=_run, args=(0, sender_end, *args), daemon=True),
+        ctx.Process(target=_run, args=(1, receiver_end, *args), daemon=True),
     ]
-    for proc in procs:
-        proc.start()
-    parent0.send(parent1.recv())  # the store port, receiver to sender
-    result = parent1.recv()
-    for proc in procs:
-        proc.join(timeout=60)
+    for process in processes:
+        process.start()
+    try:
+        deadline = time.monotonic() + timeout_s * (2 * repeats + 4)
+        to_sender.send(_receive(to_receiver, processes, deadline))  # the store port, receiver to sender
+        result = _receive(to_receiver, processes, deadline)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    if "error" in result:
+        raise RuntimeError(f"benchmark receiver failed: {result['error']}")
     block_s = statistics.median(result["block"])
     raw_s = statistics.median(result["raw"])
     num_bytes = result["num_bytes"]
@@ -91,6 +68,7 @@ def measure(
         "num_blocks": num_blocks_to_send,
         "num_bytes": num_bytes,
         "repeats": repeats,
+        "num_messages": result["num_messages"],
         "block_seconds": block_s,
         "raw_seconds": raw_s,
         "block_gbps": num_bytes / block_s / 1e9,
@@ -99,15 +77,97 @@ def measure(
     }
 
 
+def _receive(conn, processes: list, deadline: float):
+    """The receiver's next message; RuntimeError once a side died or the deadline passed."""
+    while not conn.poll(0.2):
+        dead = [p.name for p in processes if p.exitcode not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"benchmark processes {dead or 'timed out'}; see their output above")
+    return conn.recv()
+
+
+def _run(
+    rank: int, conn, layout: dict, num_blocks: int, repeats: int, tuning: dict, timeout_s: float
+) -> None:
+    """One side: build a cache, join the channel, alternate block and raw transfers."""
+    from engine.kv_cache import KVCache, KVLayout
+    from kvtransfer.channel import KvChannel
+    from kvtransfer.wire import plan_messages
+    from kvtransfer.layout import KvLayoutSpec
+
+    torch.set_num_threads(1)  # two processes on a small machine: leave cores to the transport
+    try:
+        spec = KvLayoutSpec(**layout)
+        kv_layout = KVLayout(spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                             spec.torch_dtype)
+        pool = 2 * num_blocks + 8
+        cache = KVCache(kv_layout, pool, 0)
+        for keys, values in cache.layers:
+            keys.view(torch.uint8).random_()
+            values.view(torch.uint8).random_()
+        generator = torch.Generator().manual_seed(1234 + rank)
+        block_ids = torch.randperm(pool, generator=generator)[:num_blocks].tolist()
+        if rank == 1:
+            store = KvChannel.host_store()
+            conn.send(store.port)
+            channel = KvChannel.connect(channel_id="bench", host="127.0.0.1", port=store.port, rank=1,
+                                        device="cpu", timeout_s=timeout_s, store=store, **tuning)
+        else:
+            channel = KvChannel.connect(channel_id="bench", host="127.0.0.1", port=conn.recv(), rank=0,
+                                        device="cpu", timeout_s=timeout_s, **tuning)
+        num_bytes = num_blocks * spec.bytes_per_block
+        raw = torch.empty(num_bytes, dtype=torch.uint8)
+        raw.random_()
+        signal = torch.zeros(1)
+        times: dict[str, list[float]] = {"block": [], "raw": []}
+        tag = 0
+        for _ in range(repeats + 1):  # the first round warms both paths up
+            for kind in ("block", "raw"):
+                tag += 1
+                # The receiver says "go", then times until its bytes are in place.
+                if rank == 1:
+                    channel.raw_send(signal, _START_TAG + tag)
+                    started = time.perf_counter()
+                    if kind == "block":
+                        channel.recv_blocks(cache, block_ids, tag)
+                    else:
+                        channel.raw_recv(raw, tag)
+                    times[kind].append(time.perf_counter() - started)
+                else:
+                    channel.raw_recv(signal, _START_TAG + tag)
+                    if kind == "block":
+                        channel.send_blocks(cache, block_ids, tag)
+                    else:
+                        channel.raw_send(raw, tag)
+        if rank == 1:
+            conn.send({
+                "block": times["block"][1:],
+                "raw": times["raw"][1:],
+                "num_bytes": num_bytes,
+                "num_messages": len(plan_messages(spec, num_blocks, channel.message_bytes)),
+            })
+        channel.close()
+    except Exception as error:  # report to the parent instead of leaving it waiting
+        if rank == 1:
+            conn.send({"error": f"{type(error).__name__}: {error}"})
+        raise
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--message-mb", type=float, default=None, help="target message size")
+    parser.add_argument("--slots", type=int, default=None, help="staging slots (messages in flight)")
     args = parser.parse_args()
+    message_bytes = int(args.message_mb * (1 << 20)) if args.message_mb else None
     for blocks in args.blocks:
-        r = measure(blocks, args.repeats)
-        print(f"{blocks} blocks ({r['num_bytes'] / 1e6:.1f} MB): block {r['block_gbps']:.2f} GB/s, "
-              f"raw {r['raw_gbps']:.2f} GB/s, ratio {r['ratio']:.3f}")
+        r = measure(num_blocks_to_send=blocks, repeats=args.repeats, message_bytes=message_bytes,
+                    num_slots=args.slots)
+        print(f"{blocks} blocks ({r['num_bytes'] / 1e6:.1f} MB, {r['num_messages']} messages): "
+              f"block {r['block_gbps']:.2f} GB/s ({r['block_seconds'] * 1e3:.1f} ms), "
+              f"raw {r['raw_gbps']:.2f} GB/s ({r['raw_seconds'] * 1e3:.1f} ms), ratio {r['ratio']:.3f}",
+              flush=True)
 
 
 if __name__ == "__main__":

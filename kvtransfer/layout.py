@@ -1,4 +1,4 @@
-"""The block layout both sides of a KV handoff must share, and the check of it."""
+"""The KV cache layout that both ends of a transfer must share, in a wire-friendly form."""
 
 from __future__ import annotations
 
@@ -10,18 +10,34 @@ from engine.kv_cache import KVLayout
 
 
 class KvLayoutMismatchError(ValueError):
-    """The two caches of a handoff lay blocks out differently: moving bytes would be garbage."""
+    """Two KV layouts that must agree (sender and receiver) do not."""
 
 
 @dataclass(frozen=True)
 class KvLayoutSpec:
-    """Shape and element type of one KV block (all layers, keys and values)."""
+    """Shape of one block in every layer, with the dtype as its torch name ("bfloat16").
+
+    The same facts as `engine.kv_cache.KVLayout`, but plain ints and a string so
+    the spec can cross a process boundary (control-plane message, transfer header).
+    """
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # torch dtype name: "float32", "bfloat16", "float64"
+    dtype: str
+
+    def __post_init__(self) -> None:
+        # A spec that no cache can have is a mismatch with every cache (and so callers that
+        # turn mismatches into a precondition failure handle a malformed peer spec too).
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise KvLayoutMismatchError(
+                    f"invalid KV layout: {name} must be a positive int, got {value!r}"
+                )
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise KvLayoutMismatchError(f"invalid KV layout: unknown dtype {self.dtype!r}")
 
     @classmethod
     def from_kv_layout(cls, layout: KVLayout) -> KvLayoutSpec:
@@ -35,22 +51,28 @@ class KvLayoutSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise KvLayoutMismatchError(f"unknown KV dtype {self.dtype!r}")
-        return dtype
+        return getattr(torch, self.dtype)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def block_numel(self) -> int:
+        """Elements of one block of one layer's keys (or values)."""
+        return self.block_size * self.num_kv_heads * self.head_dim
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        """Bytes of one block across all layers, keys and values."""
+        return 2 * self.num_layers * self.block_numel * self.element_size
 
     def check_matches(self, other: KvLayoutSpec) -> None:
-        """Raise KvLayoutMismatchError naming every field that differs."""
-        diffs = [
-            f"{f.name} {getattr(self, f.name)} != {getattr(other, f.name)}"
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
+        """Raise KvLayoutMismatchError naming every field where `other` differs (ours first)."""
+        differences = [
+            f"{field.name} {getattr(self, field.name)} != {getattr(other, field.name)}"
+            for field in fields(self)
+            if getattr(self, field.name) != getattr(other, field.name)
         ]
-        if diffs:
-            raise KvLayoutMismatchError("KV layout mismatch: " + ", ".join(diffs))
+        if differences:
+            raise KvLayoutMismatchError("KV layout mismatch: " + ", ".join(differences))

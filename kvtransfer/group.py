@@ -1,0 +1,119 @@
+"""The two-rank process group under a KvChannel: rendezvous store, Gloo or NCCL backend.
+
+A process may hold many channels (one per peer), so each group is built directly on
+a TCPStore, under a PrefixStore per channel id, rather than through
+init_process_group's single global group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+class StoreServer:
+    """The rendezvous TCPStore a receiver hosts, and the address it listens on.
+
+    Port 0 (the default) lets the OS pick a free port: no race with other listeners.
+    The store carries only rendezvous keys, never KV data.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        # No world size and no waiting for workers: it outlives any number of joins,
+        # and each channel checks for its own peer under its own prefix.
+        self.store = dist.TCPStore(
+            host, port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+        )
+        self.host = host
+        self.port = self.store.port
+
+    def __repr__(self) -> str:
+        return f"StoreServer({self.host}:{self.port})"
+
+
+def join_group(
+    channel_id: str,
+    host: str,
+    port: int,
+    rank: int,
+    device: torch.device,
+    timeout_s: float,
+    agree: dict[str, str],
+) -> tuple[dist.ProcessGroup, dist.Store]:
+    """Build this rank's half of the group and wait for the peer's; (group, prefixed store).
+
+    `agree`: settings both sides must share; ValueError naming those that differ.
+    Raises RuntimeError / OSError on a store or rendezvous timeout or a refused connection.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # A client connection of our own (also on the hosting side), so the store's
+    # timeout is this channel's.
+    client = dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+    store = dist.PrefixStore(f"{channel_id}/", client)
+    if device.type == "cuda":
+        group = _nccl_group(store, rank, device, timeout_s)
+    else:
+        group = _gloo_group(store, rank, host, port, timeout)
+    # Gloo's constructor already met the peer; NCCL connects lazily on the first
+    # message. Either way, return only once both ranks are here.
+    for key, value in agree.items():
+        store.set(f"{key}/{rank}", value)
+    store.set(f"joined/{rank}", b"1")
+    store.wait([f"joined/{1 - rank}"], timeout)
+    theirs = {key: store.get(f"{key}/{1 - rank}").decode() for key in agree}
+    differ = [f"{key} {agree[key]} != {value}" for key, value in theirs.items() if value != agree[key]]
+    if differ:
+        abort_group(group)
+        raise ValueError("the two sides of the channel differ: " + ", ".join(differ))
+    return group, store
+
+
+def abort_group(group: dist.ProcessGroup) -> None:
+    """Best effort before dropping a group: NCCL aborts its communicators (its pending work
+    fails). For Gloo it changes nothing; dropping the group closes its connections."""
+    with contextlib.suppress(AttributeError, RuntimeError):
+        group.abort()
+
+
+def _gloo_group(store: dist.Store, rank: int, host: str, port: int, timeout: datetime.timedelta):
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    if rank == 1 and host in ("", "0.0.0.0", "::"):
+        device = dist.ProcessGroupGloo.create_default_device()  # a wildcard is no address to publish
+    else:
+        device = dist.ProcessGroupGloo.create_device(hostname=_local_address(host, port, rank))
+    options._devices = [device]
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _local_address(host: str, port: int, rank: int) -> str:
+    """The local address to bind Gloo's socket to: one the peer can reach.
+
+    The receiver binds where it hosts the store (the address it advertised); the
+    sender asks the routing table which local address reaches that host (a UDP
+    connect sends nothing). Gloo's default, a lookup of our hostname, can resolve
+    to a loopback alias that a remote peer cannot reach.
+    """
+    if rank == 1:
+        return host
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
+def _nccl_group(store: dist.Store, rank: int, device: torch.device, timeout_s: float):
+    # NOTE: not exercised by the CPU-only tests. The device must be current before NCCL
+    # creates its communicator (on the first message); transfers also run under
+    # torch.cuda.device(device), since executor threads start on device 0.
+    torch.cuda.set_device(device)
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    # The channel times its waits out itself and aborts the group. NCCL's watchdog,
+    # which tears the whole process down when its own timeout fires, must never fire first.
+    options._timeout = datetime.timedelta(seconds=max(600.0, 10 * timeout_s))
+    return dist.ProcessGroupNCCL(store, rank, 2, options)
