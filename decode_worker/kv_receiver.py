@@ -133,6 +133,7 @@ class KvReceiver:
                 tag=tag,
                 num_blocks=len(block_ids),
                 verify=self.verify,
+                block_ids=block_ids,
             ),
             timeout=self.timeout_s * 2,
         )
@@ -142,8 +143,9 @@ class KvReceiver:
                 raise ValueError("prefill worker did not accept the send")
             # NOTE: receives are posted only after the sender accepted, so a refused send
             # (lease expired, released) never leaves a receive pending on the channel.
+            src_block_ids = list(accepted.accepted.block_ids)
             stats = await loop.run_in_executor(
-                peer.executor, peer.channel.recv_blocks, self.kv_cache, block_ids, tag
+                peer.executor, peer.channel.recv_blocks, self.kv_cache, block_ids, tag, src_block_ids
             )
             done = await call.read()
             if done is grpc.aio.EOF or not done.HasField("done"):
@@ -170,7 +172,7 @@ class KvReceiver:
         store = KvChannel.host_store(self.host)
         channel_id = f"{self.worker_id}-{next(self._channel_ids)}"
         loop = asyncio.get_running_loop()
-        device = self.kv_cache.layers[0][0].device
+        device = self.kv_cache.blocks.device
         joining = loop.run_in_executor(
             peer.executor,
             lambda: KvChannel.connect(

@@ -47,7 +47,10 @@ class BlockPool:
             raise MemoryError(f"asked for {num_blocks} blocks, {len(self._free)} free")
         if num_blocks == 0:
             return []
-        block_ids = self._free[-num_blocks:]
+        # Popped from the end, so a fresh pool hands out ascending runs (0, 1, 2, ...):
+        # a run of consecutive ids is one contiguous piece of the block-major cache, which
+        # a KV transfer moves as one message.
+        block_ids = self._free[:-num_blocks - 1:-1]
         del self._free[-num_blocks:]
         ref_counts = self._ref_counts
         for block_id in block_ids:
@@ -65,7 +68,7 @@ class BlockPool:
         """Drop one holder from each block; blocks nobody holds return to the free list."""
         ref_counts = self._ref_counts
         free = self._free
-        # Reversed so that a table freed whole comes back in allocation order.
+        # Reversed so that a table freed whole is handed out again in the same order.
         for block_id in reversed(list(block_ids)):
             count = ref_counts[block_id]
             assert count > 0, f"double free of block {block_id}"

@@ -27,8 +27,16 @@ class KVLayout:
 
 
 class KVCache:
-    """Device caches `[num_blocks, block_size, num_kv_heads, head_dim]` per layer (keys, values),
-    and a swap pool of the same layout in CPU memory for swap preemption.
+    """The paged KV cache of every layer, block-major, and a swap pool of the same
+    layout in CPU memory for swap preemption.
+
+    One tensor holds the device blocks, `[num_blocks, num_layers, 2 (K/V), block_size,
+    num_kv_heads, head_dim]`, so each block is one contiguous row of
+    `layout.bytes_per_block` bytes across all layers: a KV handoff or a swap moves a
+    block as one piece, straight from or into the cache. Attention sees each layer
+    through `layers[l] = (keys, values)`, views `[num_blocks, block_size, KvH, Dh]`
+    whose block dimension is strided (`stride(0)` is the whole block row; the other
+    three dimensions are contiguous).
 
     Zero-filled: attention reads whole blocks and masks the unused slots, so
     those slots must hold finite values.
@@ -44,43 +52,42 @@ class KVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
-        shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        swap_shape = (num_swap_blocks, *shape[1:])
         pin = torch.device(device).type == "cuda"
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=layout.dtype, device=device),
-                torch.zeros(shape, dtype=layout.dtype, device=device),
-            )
-            for _ in range(layout.num_layers)
-        ]
-        self.swap_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(swap_shape, dtype=layout.dtype, pin_memory=pin),
-                torch.zeros(swap_shape, dtype=layout.dtype, pin_memory=pin),
-            )
-            for _ in range(layout.num_layers if num_swap_blocks else 0)
-        ]
+        self.blocks = torch.zeros(self._shape(num_blocks), dtype=layout.dtype, device=device)
+        self.swap_blocks = torch.zeros(self._shape(num_swap_blocks), dtype=layout.dtype, pin_memory=pin)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = self._layer_views(self.blocks)
+        self.swap_layers: list[tuple[torch.Tensor, torch.Tensor]] = (
+            self._layer_views(self.swap_blocks) if num_swap_blocks else []
+        )
+
+    @property
+    def block_rows(self) -> torch.Tensor:
+        """`[num_blocks, block_numel]`: block b's K and V of every layer as one contiguous row."""
+        return self.blocks.view(self.num_blocks, -1)
+
+    def _shape(self, num_blocks: int) -> tuple[int, ...]:
+        layout = self.layout
+        return (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+    def _layer_views(self, blocks: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(blocks[:, layer, 0], blocks[:, layer, 1]) for layer in range(self.layout.num_layers)]
 
     def swap_out(self, copies: list[BlockCopy]) -> int:
         """Copy device blocks to swap blocks; returns bytes moved."""
-        return self._copy(copies, self.layers, self.swap_layers)
+        return self._copy(copies, self.blocks, self.swap_blocks)
 
     def swap_in(self, copies: list[BlockCopy]) -> int:
         """Copy swap blocks back to device blocks; returns bytes moved."""
-        return self._copy(copies, self.swap_layers, self.layers)
+        return self._copy(copies, self.swap_blocks, self.blocks)
 
-    def _copy(self, copies, sources, destinations) -> int:
+    def _copy(self, copies, source: torch.Tensor, destination: torch.Tensor) -> int:
         if not copies:
             return 0
-        device = self.layers[0][0].device
-        src = torch.tensor([c.src for c in copies], dtype=torch.long)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.long)
-        for (src_k, src_v), (dst_k, dst_v) in zip(sources, destinations):
-            src_idx = src.to(src_k.device)
-            dst_idx = dst.to(dst_k.device)
-            dst_k.index_copy_(0, dst_idx, src_k.index_select(0, src_idx).to(dst_k.device))
-            dst_v.index_copy_(0, dst_idx, src_v.index_select(0, src_idx).to(dst_v.device))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=source.device)
+        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=destination.device)
+        # Whole blocks (all layers at once) as rows: one gather and one scatter per swap.
+        rows = source.view(source.shape[0], -1).index_select(0, src)
+        destination.view(destination.shape[0], -1).index_copy_(0, dst, rows.to(destination.device))
+        if self.blocks.device.type == "cuda":
+            torch.cuda.synchronize(self.blocks.device)
         return len(copies) * self.layout.bytes_per_block

@@ -3,8 +3,9 @@
     python -m kvtransfer.bench --blocks 64 512
 
 Both measurements run alternately on one channel, timed on the receiver from a
-start signal until the bytes are in place; the block ids are scattered and unordered
-on both sides (the gather/scatter worst case).
+start signal until the bytes are in place. By default the block ids are scattered and
+unordered on both sides, the worst case (one message per block); `--ids contiguous`
+gives both sides one run of ids (messages of up to message_bytes).
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ def measure(
     repeats: int = 9,
     *,
     message_bytes: int | None = None,
-    num_slots: int | None = None,
+    ids: str = "scattered",
     timeout_s: float = 60.0,
 ) -> dict:
     """Median seconds and GB/s of the block transfer and of a raw send/recv of the same
-    bytes, and ratio = raw seconds / block seconds (1.0: the gather/scatter costs nothing)."""
+    bytes, and ratio = raw seconds / block seconds (above 1.0: faster than one raw message)."""
     layout = dict(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
                   head_dim=head_dim, dtype=dtype)
-    tuning = {k: v for k, v in (("message_bytes", message_bytes), ("num_slots", num_slots)) if v is not None}
+    if ids not in ("scattered", "contiguous"):
+        raise ValueError(f"ids must be 'scattered' or 'contiguous', got {ids!r}")
+    tuning = {"message_bytes": message_bytes} if message_bytes is not None else {}
     ctx = mp.get_context("spawn")
     (to_sender, sender_end), (to_receiver, receiver_end) = ctx.Pipe(), ctx.Pipe()
-    args = (layout, num_blocks_to_send, repeats, tuning, timeout_s)
+    args = (layout, num_blocks_to_send, repeats, tuning, ids, timeout_s)
     processes = [
         ctx.Process(target=_run, args=(0, sender_end, *args), daemon=True),
         ctx.Process(target=_run, args=(1, receiver_end, *args), daemon=True),
@@ -87,7 +90,7 @@ def _receive(conn, processes: list, deadline: float):
 
 
 def _run(
-    rank: int, conn, layout: dict, num_blocks: int, repeats: int, tuning: dict, timeout_s: float
+    rank: int, conn, layout: dict, num_blocks: int, repeats: int, tuning: dict, ids: str, timeout_s: float
 ) -> None:
     """One side: build a cache, join the channel, alternate block and raw transfers."""
     from engine.kv_cache import KVCache, KVLayout
@@ -102,11 +105,12 @@ def _run(
                              spec.torch_dtype)
         pool = 2 * num_blocks + 8
         cache = KVCache(kv_layout, pool, 0)
-        for keys, values in cache.layers:
-            keys.view(torch.uint8).random_()
-            values.view(torch.uint8).random_()
-        generator = torch.Generator().manual_seed(1234 + rank)
-        block_ids = torch.randperm(pool, generator=generator)[:num_blocks].tolist()
+        cache.blocks.view(torch.uint8).random_()
+        if ids == "contiguous":
+            src_ids, dst_ids = list(range(3, 3 + num_blocks)), list(range(5, 5 + num_blocks))
+        else:  # both sides draw both lists from the same seeds
+            src_ids, dst_ids = (torch.randperm(pool, generator=torch.Generator().manual_seed(seed))[:num_blocks]
+                                .tolist() for seed in (1234, 1235))
         if rank == 1:
             store = KvChannel.host_store()
             conn.send(store.port)
@@ -129,14 +133,14 @@ def _run(
                     channel.raw_send(signal, _START_TAG + tag)
                     started = time.perf_counter()
                     if kind == "block":
-                        channel.recv_blocks(cache, block_ids, tag)
+                        channel.recv_blocks(cache, dst_ids, tag, src_ids)
                     else:
                         channel.raw_recv(raw, tag)
                     times[kind].append(time.perf_counter() - started)
                 else:
                     channel.raw_recv(signal, _START_TAG + tag)
                     if kind == "block":
-                        channel.send_blocks(cache, block_ids, tag)
+                        channel.send_blocks(cache, src_ids, tag, dst_ids)
                     else:
                         channel.raw_send(raw, tag)
         if rank == 1:
@@ -144,7 +148,7 @@ def _run(
                 "block": times["block"][1:],
                 "raw": times["raw"][1:],
                 "num_bytes": num_bytes,
-                "num_messages": len(plan_messages(spec, num_blocks, channel.message_bytes)),
+                "num_messages": plan_messages(src_ids, dst_ids, spec.bytes_per_block, channel.message_bytes).num_messages,
             })
         channel.close()
     except Exception as error:  # report to the parent instead of leaving it waiting
@@ -158,13 +162,14 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--message-mb", type=float, default=None, help="target message size")
-    parser.add_argument("--slots", type=int, default=None, help="staging slots (messages in flight)")
+    parser.add_argument("--ids", choices=["scattered", "contiguous"], default="scattered",
+                        help="block ids on both sides: scattered (one message per block) or one run")
     args = parser.parse_args()
     message_bytes = int(args.message_mb * (1 << 20)) if args.message_mb else None
     for blocks in args.blocks:
         r = measure(num_blocks_to_send=blocks, repeats=args.repeats, message_bytes=message_bytes,
-                    num_slots=args.slots)
-        print(f"{blocks} blocks ({r['num_bytes'] / 1e6:.1f} MB, {r['num_messages']} messages): "
+                    ids=args.ids)
+        print(f"{blocks} {args.ids} blocks ({r['num_bytes'] / 1e6:.1f} MB, {r['num_messages']} messages): "
               f"block {r['block_gbps']:.2f} GB/s ({r['block_seconds'] * 1e3:.1f} ms), "
               f"raw {r['raw_gbps']:.2f} GB/s ({r['raw_seconds'] * 1e3:.1f} ms), ratio {r['ratio']:.3f}",
               flush=True)

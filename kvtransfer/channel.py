@@ -2,11 +2,13 @@
 sender) into a decode process's cache (rank 1, the receiver) over a two-rank
 torch.distributed group. Messages and tags: wire.py. The group: group.py.
 
-Pipeline (num_slots staging slots of message_bytes on each side): the sender gathers
-message i (index_select of each layer's blocks) into a slot while earlier messages
-are on the wire; the receiver keeps num_slots - 1 receives posted and scatters
-(index_copy_) each message into its cache while the next one arrives. Sender
-block_ids[i] lands in receiver block_ids[i].
+The caches are block-major (engine.kv_cache.KVCache), so a run of ids that is consecutive on
+both sides is one contiguous piece of both caches: the sender posts all its sends
+straight from its cache, the receiver checks the header and posts all its receives
+straight into its cache, and nothing is copied besides what the backend itself
+does. Only runs too short to send alone (small blocks at scattered ids) go through
+a staging buffer: gathered by one index_select, scattered by one index_copy_ per
+message. Sender block src_ids[i] lands in receiver block dst_ids[i].
 """
 
 from __future__ import annotations
@@ -24,15 +26,21 @@ import torch.distributed as dist
 from engine.kv_cache import KVCache
 from kvtransfer.group import StoreServer, abort_group, join_group
 from kvtransfer.layout import KvLayoutSpec
-from kvtransfer.wire import HEADER_CAPACITY, HEADER_LEN, TransferHeader, plan_messages, wire_tag
+from kvtransfer.wire import (
+    HEADER_CAPACITY,
+    HEADER_LEN,
+    MIN_RUN_BYTES,
+    TransferHeader,
+    plan_digest,
+    plan_messages,
+    wire_tag,
+)
 
-# Pipeline shape, measured with kvtransfer/bench.py over loopback Gloo on 2 cores
-# (SmolLM2 blocks; 1, 2, 4 and 8 MB messages, 2 to 4 slots): 4 MB messages amortise
-# the per-message round trip; 2 slots (one message in flight while the other is
-# gathered or scattered) beat deeper pipelines, whose extra posts contend for
-# Gloo's pair lock and whose threads contend for the cores.
+# Largest message: a run of consecutive blocks longer than this goes as several
+# messages. Measured with kvtransfer/bench.py over loopback Gloo on 2 cores: many
+# messages in flight beat one big one (the receiver's reads overlap the sender's
+# writes), and below ~1 MB the per-message cost starts to show.
 DEFAULT_MESSAGE_BYTES = 4 << 20
-DEFAULT_NUM_SLOTS = 2
 
 
 class KvTransferError(RuntimeError):
@@ -74,7 +82,6 @@ class KvChannel:
         device: torch.device,
         timeout_s: float,
         message_bytes: int,
-        num_slots: int,
     ) -> None:
         self.channel_id = channel_id
         self.rank = rank
@@ -82,14 +89,12 @@ class KvChannel:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.timeout_s = timeout_s
         self.message_bytes = message_bytes
-        self.num_slots = num_slots
         self._group: dist.ProcessGroup | None = group
         self._store = store  # holds the group's rendezvous keys
         self._store_server = store_server
         self._lock = threading.Lock()
         self._broken_reason: str | None = None
-        # Reused by every transfer: fresh staging memory would page-fault each time and
-        # start cold in the caches.
+        # Staged blocks (short runs) pass through here; grows to the largest transfer's.
         self._staging: torch.Tensor | None = None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -112,7 +117,6 @@ class KvChannel:
         timeout_s: float,
         store: StoreServer | None = None,
         message_bytes: int = DEFAULT_MESSAGE_BYTES,
-        num_slots: int = DEFAULT_NUM_SLOTS,
     ) -> KvChannel:
         """Join the two-rank group at host:port; returns once the peer has joined too.
 
@@ -124,14 +128,15 @@ class KvChannel:
         """
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 (sender) or 1 (receiver), got {rank}")
-        if message_bytes <= 0 or num_slots < 2:
-            raise ValueError("message_bytes must be positive and num_slots at least 2")
+        if message_bytes <= 0:
+            raise ValueError("message_bytes must be positive")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         try:
             group, prefixed = join_group(channel_id, host, port, rank, device, timeout_s,
-                                         agree={"message_bytes": str(message_bytes)})
+                                         agree={"message_bytes": str(message_bytes),
+                                                "min_run_bytes": str(MIN_RUN_BYTES)})
         except ValueError as error:  # joined, but the two sides are set up differently
             raise KvTransferError(f"channel {channel_id}: {error}") from error
         except (RuntimeError, OSError) as error:  # DistStoreError, DistNetworkError, refused, unresolvable
@@ -139,7 +144,7 @@ class KvChannel:
                 f"channel {channel_id}: peer did not join within {timeout_s:g} s: {_first_line(error)}"
             ) from error
         return cls(channel_id=channel_id, group=group, store=prefixed, store_server=store, rank=rank,
-                   device=device, timeout_s=timeout_s, message_bytes=message_bytes, num_slots=num_slots)
+                   device=device, timeout_s=timeout_s, message_bytes=message_bytes)
 
     @property
     def is_broken(self) -> bool:
@@ -147,7 +152,7 @@ class KvChannel:
         return self._broken_reason is not None
 
     def close(self) -> None:
-        """Release the group, the store and the staging memory; idempotent, any thread.
+        """Release the group and the store; idempotent, any thread.
 
         Never waits for the peer (it may be gone); the peer's pending messages fail at
         once ("connection closed"). A transfer running in another thread holds the lock
@@ -160,110 +165,100 @@ class KvChannel:
 
     # ------------------------------------------------------------ transfers
 
-    def send_blocks(self, kv_cache: KVCache, block_ids: Sequence[int], tag: int) -> TransferStats:
-        """Send `block_ids` of every layer (K and V) under transfer `tag`; rank 0 only.
+    def send_blocks(
+        self, kv_cache: KVCache, block_ids: Sequence[int], tag: int, peer_block_ids: Sequence[int]
+    ) -> TransferStats:
+        """Send blocks `block_ids` (every layer's K and V) under transfer `tag`; rank 0 only.
 
-        Returns once every message has left this process.
+        `peer_block_ids` are the receiver's blocks they land in, position by position;
+        both sides pass both lists. Returns once every message has left this process.
         """
         if self.rank != 0:
             raise ValueError("send_blocks is for rank 0, the prefill side")
-        spec, index, plan = self._prepare(kv_cache, block_ids, tag)
+        spec, plan, digest, block_ids, _ = self._prepare(kv_cache, block_ids, peer_block_ids, tag)
+        rows = kv_cache.block_rows  # [num_blocks, block row]
         with self._lock, self._scope():
             self._check_usable()
             started = time.perf_counter()
             works = []  # every send, header first; only here (see _fail)
             try:
-                header = TransferHeader(spec, len(index), tag).encode().to(self._comm_device)
+                header = TransferHeader(spec, len(block_ids), tag, digest).encode().to(self._comm_device)
                 works.append(self._group.send([header], 1, wire_tag(tag, 0)))
-                layers = [(_rows(keys), _rows(values)) for keys, values in kv_cache.layers]
-                slots = self._staging_slots()
+                for i, run in enumerate(plan.runs):
+                    first = block_ids[run.start]
+                    works.append(self._group.send([rows[first : first + run.num_blocks].view(-1)], 1,
+                                                  wire_tag(tag, i + 1)))
+                if plan.staged:  # gathered while the runs are on the wire
+                    staging = self._staging_rows(len(plan.staged), rows)
+                    positions = torch.tensor([block_ids[p] for p in plan.staged], device=rows.device)
+                    torch.index_select(_wide(rows), 0, positions, out=_wide(staging))
+                    for k, (begin, end) in enumerate(plan.staged_slices()):
+                        works.append(self._group.send([staging[begin:end].view(-1)], 1,
+                                                      wire_tag(tag, len(plan.runs) + k + 1)))
                 # NOTE: wait each Gloo send exactly once: a second wait waits for a second
                 # completion, which never comes.
-                # Per slot: the index in works of the send still reading it.
-                in_flight: list[int | None] = [None] * self.num_slots
-                for i, message in enumerate(plan):
-                    slot = i % self.num_slots
-                    if in_flight[slot] is not None:
-                        self._wait(works[in_flight[slot]])
-                    # [layers, K/V, blocks, row]
-                    buffer = _typed(slots[slot], spec, message.numel(spec)).view(message.shape(spec))
-                    positions = index[message.block_start : message.block_stop]
-                    for j, layer in enumerate(range(message.layer_start, message.layer_stop)):
-                        keys, values = layers[layer]  # [num_blocks, row]
-                        torch.index_select(keys, 0, positions, out=buffer[j, 0])
-                        torch.index_select(values, 0, positions, out=buffer[j, 1])
-                    works.append(self._group.send([buffer.view(-1)], 1, wire_tag(tag, i + 1)))
-                    in_flight[slot] = len(works) - 1
-                for k in [0, *in_flight]:
-                    if k is not None:
-                        self._wait(works[k])
+                for work in works:
+                    self._wait(work)
             except Exception as error:
                 raise self._fail(error, works) from error
-        return TransferStats(len(index), len(index) * spec.bytes_per_block, time.perf_counter() - started)
+        return TransferStats(len(block_ids), len(block_ids) * spec.bytes_per_block, time.perf_counter() - started)
 
-    def recv_blocks(self, kv_cache: KVCache, block_ids: Sequence[int], tag: int) -> TransferStats:
-        """Receive transfer `tag` into `block_ids` of every layer (K and V); rank 1 only.
+    def recv_blocks(
+        self, kv_cache: KVCache, block_ids: Sequence[int], tag: int, peer_block_ids: Sequence[int]
+    ) -> TransferStats:
+        """Receive transfer `tag` into blocks `block_ids` (every layer's K and V); rank 1 only.
 
-        Returns once the blocks are in the cache. The sender's header is checked
-        before any data reaches the cache: a different layout, block count or tag
-        raises KvTransferError (chained to the KvLayoutMismatchError / ValueError
-        saying which). Blocks not in `block_ids` are never written.
+        `peer_block_ids` are the sender's blocks, position by position. Returns once the
+        blocks are in the cache. The sender's header is checked before any receive is
+        posted: a different layout, block count, tag or id lists raises
+        KvTransferError (chained to the KvLayoutMismatchError / ValueError saying
+        which). Blocks not in `block_ids` are never written.
         """
         if self.rank != 1:
             raise ValueError("recv_blocks is for rank 1, the decode side")
-        spec, index, plan = self._prepare(kv_cache, block_ids, tag, unique=True)
+        spec, plan, digest, _, block_ids = self._prepare(kv_cache, peer_block_ids, block_ids, tag)
+        rows = kv_cache.block_rows  # [num_blocks, block row]
         with self._lock, self._scope():
             self._check_usable()
             started = time.perf_counter()
             works = []  # the header's receive, then message i's at works[1 + i]; only here (see _fail)
             try:
-                slots = self._staging_slots()
-                # Gloo takes a message smaller than the receive posted for it, so whole-slot
-                # receives go out before the header is checked (see the NOTE in wire.py) and
-                # its round trip overlaps the first message. NCCL wants sizes that match:
-                # there the header is checked first.
-                gloo = self.backend == "gloo"
-
-                def post(i: int) -> None:
-                    slot = slots[i % self.num_slots]
-                    buffer = slot if gloo else _typed(slot, spec, plan[i].numel(spec))
-                    works.append(self._group.recv([buffer], 0, wire_tag(tag, i + 1)))
-
-                header = torch.empty(HEADER_CAPACITY if gloo else HEADER_LEN, dtype=torch.int64,
-                                     device=self._comm_device)
+                # Over Gloo the header receive takes any smaller message (see wire.py);
+                # NCCL wants the exact size.
+                capacity = HEADER_CAPACITY if self.backend == "gloo" else HEADER_LEN
+                header = torch.empty(capacity, dtype=torch.int64, device=self._comm_device)
                 works.append(self._group.recv([header], 0, wire_tag(tag, 0)))
-                ahead = self.num_slots - 1  # one slot is scattered while the others receive
-                if gloo:
-                    for i in range(min(ahead, len(plan))):
-                        post(i)
                 self._wait(works[0])
                 theirs = TransferHeader.decode(header)
                 spec.check_matches(theirs.spec)
-                if theirs.tag != tag or theirs.num_blocks != len(index):
+                if theirs.tag != tag or theirs.num_blocks != len(block_ids):
                     raise ValueError(f"sender sends transfer {theirs.tag} of {theirs.num_blocks} blocks, "
-                                     f"receiver expects transfer {tag} of {len(index)}")
-                if not gloo:
-                    for i in range(min(ahead, len(plan))):
-                        post(i)
-                layers = [(_wide(_rows(keys)), _wide(_rows(values))) for keys, values in kv_cache.layers]
-                for i, message in enumerate(plan):
-                    self._wait(works[1 + i])
-                    if i + ahead < len(plan):
-                        # NOTE: post as soon as a message lands, while the socket is idle:
-                        # posting during a read waits on Gloo's pair lock for the whole read.
-                        post(i + ahead)
-                    buffer = _typed(slots[i % self.num_slots], spec, message.numel(spec))
-                    buffer = buffer.view(message.shape(spec))  # [layers, K/V, blocks, row]
-                    positions = index[message.block_start : message.block_stop]
-                    for j, layer in enumerate(range(message.layer_start, message.layer_stop)):
-                        keys, values = layers[layer]  # [num_blocks, row], wide view
-                        keys.index_copy_(0, positions, _wide(buffer[j, 0]))
-                        values.index_copy_(0, positions, _wide(buffer[j, 1]))
+                                     f"receiver expects transfer {tag} of {len(block_ids)}")
+                if theirs.digest != digest:
+                    raise ValueError(f"transfer {tag}: sender and receiver were given different block ids")
+                # Every receive goes out at once, straight into the cache: the backend reads
+                # message after message while the sender writes them.
+                for i, run in enumerate(plan.runs):
+                    first = block_ids[run.start]
+                    works.append(self._group.recv([rows[first : first + run.num_blocks].view(-1)], 0,
+                                                  wire_tag(tag, i + 1)))
+                slices = plan.staged_slices()
+                if slices:
+                    staging = self._staging_rows(len(plan.staged), rows)
+                    positions = torch.tensor([block_ids[p] for p in plan.staged], device=rows.device)
+                    for k, (begin, end) in enumerate(slices):
+                        works.append(self._group.recv([staging[begin:end].view(-1)], 0,
+                                                      wire_tag(tag, len(plan.runs) + k + 1)))
+                for work in works[1 : 1 + len(plan.runs)]:
+                    self._wait(work)
+                for k, (begin, end) in enumerate(slices):  # each staged message scattered as it lands
+                    self._wait(works[1 + len(plan.runs) + k])
+                    _wide(rows).index_copy_(0, positions[begin:end], _wide(staging[begin:end]))
                 if self._stream is not None:
                     self._stream.synchronize()  # in the cache before we say so
             except Exception as error:
                 raise self._fail(error, works) from error
-        return TransferStats(len(index), len(index) * spec.bytes_per_block, time.perf_counter() - started)
+        return TransferStats(len(block_ids), len(block_ids) * spec.bytes_per_block, time.perf_counter() - started)
 
     def raw_send(self, tensor: torch.Tensor, tag: int) -> TransferStats:
         """One plain send of a contiguous tensor (a bandwidth baseline, or a small signal).
@@ -309,22 +304,25 @@ class KvChannel:
                 raise self._fail(error, works) from error
         return TransferStats(0, tensor.numel() * tensor.element_size(), time.perf_counter() - started)
 
-    def _prepare(self, kv_cache: KVCache, block_ids: Sequence[int], tag: int, unique: bool = False):
+    def _prepare(self, kv_cache: KVCache, src_ids: Sequence[int], dst_ids: Sequence[int], tag: int):
         """Check the arguments before anything touches the wire.
 
-        Returns (layout, block index on the cache's device, message plan)."""
+        Returns (layout, message plan, plan digest, src_ids, dst_ids as lists of int)."""
         if not isinstance(tag, int) or tag < 0:
             raise ValueError(f"tag must be a non-negative int, got {tag!r}")
-        keys = kv_cache.layers[0][0]
-        if keys.device != self.device:
-            raise ValueError(f"cache on {keys.device}, channel on {self.device}")
-        index = torch.tensor(list(block_ids), dtype=torch.long)
-        if len(index) and (int(index.min()) < 0 or int(index.max()) >= keys.shape[0]):
-            raise ValueError(f"block id out of range 0..{keys.shape[0] - 1}")
-        if unique and len(torch.unique(index)) != len(index):
+        if kv_cache.blocks.device != self.device:
+            raise ValueError(f"cache on {kv_cache.blocks.device}, channel on {self.device}")
+        src_ids, dst_ids = [int(i) for i in src_ids], [int(i) for i in dst_ids]
+        mine = src_ids if self.rank == 0 else dst_ids
+        if any(not 0 <= i < kv_cache.num_blocks for i in mine):
+            raise ValueError(f"block id out of range 0..{kv_cache.num_blocks - 1}")
+        if any(i < 0 for i in src_ids + dst_ids):
+            raise ValueError("block ids must be non-negative")
+        if len(set(dst_ids)) != len(dst_ids):
             raise ValueError("duplicate receiver block ids: two blocks would land in one")
         spec = KvLayoutSpec.from_kv_layout(kv_cache.layout)
-        return spec, index.to(keys.device), plan_messages(spec, len(index), self.message_bytes)
+        plan = plan_messages(src_ids, dst_ids, spec.bytes_per_block, self.message_bytes)
+        return spec, plan, plan_digest(src_ids, dst_ids), src_ids, dst_ids
 
     def _check_usable(self) -> None:
         if self._broken_reason is not None or self._group is None:
@@ -332,12 +330,13 @@ class KvChannel:
                 f"channel {self.channel_id} is broken ({self._broken_reason}); connect a new one"
             )
 
-    def _staging_slots(self) -> list[torch.Tensor]:
-        """`num_slots` byte views of the staging memory, message_bytes each (any dtype fits)."""
-        if self._staging is None:
-            stride = -(-self.message_bytes // 64) * 64  # slots aligned for _wide's views
-            self._staging = torch.empty(self.num_slots, stride, dtype=torch.uint8, device=self.device)
-        return [slot[: self.message_bytes] for slot in self._staging]
+    def _staging_rows(self, num_rows: int, rows: torch.Tensor) -> torch.Tensor:
+        """[num_rows, row] of the cache's dtype: the staging memory, grown as needed and
+        reused (fresh memory would page-fault on every transfer)."""
+        num_bytes = num_rows * rows.shape[1] * rows.element_size()
+        if self._staging is None or self._staging.numel() < num_bytes:
+            self._staging = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        return self._staging[:num_bytes].view(rows.dtype).view(num_rows, rows.shape[1])
 
     def _wait(self, work) -> None:
         """Wait for one message, at most the channel's timeout; raises on timeout or peer failure."""
@@ -353,11 +352,11 @@ class KvChannel:
         work.wait()
 
     def _release(self) -> None:
-        """Drop the group (which closes its connections), the store and staging; lock held."""
+        """Drop the group (which closes its connections) and the store; lock held."""
         if self._group is not None:
             abort_group(self._group)
-        # NOTE: a receive still posted into staging memory is safe to drop with it: Gloo
-        # holds unbound buffers by weak pointer and waits out a read in progress.
+        # NOTE: a receive still posted into the cache is safe to drop with the group:
+        # Gloo holds unbound buffers by weak pointer and waits out a read in progress.
         self._group = None
         self._store = None
         self._store_server = None
@@ -386,16 +385,6 @@ class KvChannel:
         return KvTransferError(f"channel {self.channel_id}: transfer failed: {message}")
 
 
-def _typed(slot: torch.Tensor, spec: KvLayoutSpec, numel: int) -> torch.Tensor:
-    """The first `numel` elements of a byte slot, as the cache's dtype."""
-    return slot[: numel * spec.element_size].view(spec.torch_dtype)
-
-
-def _rows(cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, num_kv_heads, head_dim] -> [num_blocks, row]; a view of the cache."""
-    return cache.view(cache.shape[0], -1)
-
-
 # On the CPU index_copy_ moves one element at a time: viewing rows as the widest
 # element that divides them (16-byte complex128 where possible) makes the scatter
 # about 2x faster than float32 elements. Bits are only copied, never interpreted.
@@ -403,7 +392,7 @@ _WIDE_DTYPES = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, 
 
 
 def _wide(rows: torch.Tensor) -> torch.Tensor:
-    """The same bytes as [n, row] of the widest dtype dividing a row (cache and staging agree)."""
+    """The same bytes as [n, row] of the widest dtype dividing a row."""
     row_bytes = rows.shape[-1] * rows.element_size()
     for size, dtype in _WIDE_DTYPES:
         if row_bytes % size == 0 and (rows.device.type == "cpu" or not dtype.is_complex):

@@ -148,7 +148,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             old.executor.submit(old.channel.close)
             old.executor.shutdown(wait=False)
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-send-{request.channel_id}")
-        device = self.llm.kv_cache.layers[0][0].device
+        device = self.llm.kv_cache.blocks.device
         loop = asyncio.get_running_loop()
         try:
             channel = await loop.run_in_executor(
@@ -186,17 +186,21 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV of {request_id!r} is already being sent")
         block_ids = list(lease.block_ids)
         try:
-            if request.num_blocks != len(block_ids):
+            peer_block_ids = list(request.block_ids)
+            if request.num_blocks != len(block_ids) or len(peer_block_ids) != len(block_ids):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"receiver allocated {request.num_blocks} blocks; {len(block_ids)} are held",
+                    f"receiver allocated {request.num_blocks} blocks ({len(peer_block_ids)} ids given); "
+                    f"{len(block_ids)} are held",
                 )
-            yield worker_pb2.SendKvEvent(accepted=worker_pb2.SendKvAccepted(num_blocks=len(block_ids)))
+            yield worker_pb2.SendKvEvent(
+                accepted=worker_pb2.SendKvAccepted(num_blocks=len(block_ids), block_ids=block_ids)
+            )
             loop = asyncio.get_running_loop()
             kv_cache = self.llm.kv_cache
             try:
                 stats = await loop.run_in_executor(
-                    entry.executor, entry.channel.send_blocks, kv_cache, block_ids, request.tag
+                    entry.executor, entry.channel.send_blocks, kv_cache, block_ids, request.tag, peer_block_ids
                 )
                 checksums = []
                 if request.verify:

@@ -37,12 +37,20 @@ def dense_attention(query, keys, values, num_cached, scale):
     return (scores.softmax(-1) @ v).transpose(0, 1)  # [q, H, Dh]
 
 
-def make_step(num_heads, num_kv_heads, dtype, seed=0, decodes=DECODES, prefills=PREFILLS, num_blocks=NUM_BLOCKS):
-    """Random sequences with their prefixes already in a fresh cache, plus this step's inputs."""
+def make_step(num_heads, num_kv_heads, dtype, seed=0, decodes=DECODES, prefills=PREFILLS, num_blocks=NUM_BLOCKS,
+              block_major=False):
+    """Random sequences with their prefixes already in a fresh cache, plus this step's inputs.
+
+    block_major: the caches are layer 1's views of a KVCache-style
+    [num_blocks, 3 layers, K/V, block_size, KvH, Dh] tensor (block stride = all layers)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
-    key_cache = torch.randn(shape, generator=gen).to(dtype)  # garbage outside written slots
-    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    if block_major:
+        blocks = torch.randn((num_blocks, 3, 2, *shape[1:]), generator=gen).to(dtype)
+        key_cache, value_cache = blocks[:, 1, 0], blocks[:, 1, 1]
+    else:
+        key_cache = torch.randn(shape, generator=gen).to(dtype)  # garbage outside written slots
+        value_cache = torch.randn(shape, generator=gen).to(dtype)
     free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
 
     sequences = []
@@ -83,10 +91,15 @@ def assert_matches_reference(out, sequences, scale, dtype):
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
-def test_backend_matches_dense_reference(backend_name, dtype, num_heads, num_kv_heads):
+@pytest.mark.parametrize("block_major", [False, True], ids=["contiguous", "block_major"])
+def test_backend_matches_dense_reference(backend_name, dtype, num_heads, num_kv_heads, block_major):
     batch, sequences, query, key, value, key_cache, value_cache = make_step(
-        num_heads, num_kv_heads, dtype
+        num_heads, num_kv_heads, dtype, block_major=block_major
     )
+    if block_major:
+        blocks = key_cache._base  # the [num_blocks, 3, 2, ...] tensor the caches view
+        assert blocks is value_cache._base and blocks.shape[1:3] == (3, 2)
+        others = blocks[:, [0, 2]].clone()  # the other layers' K and V
     # Wider block tables than needed, padded with 0 (a block another sequence owns).
     padded = torch.cat([batch.decode_block_tables, torch.zeros(len(DECODES), 3, dtype=torch.int64)], 1)
     batch = dataclasses.replace(batch, decode_block_tables=padded)
@@ -99,9 +112,11 @@ def test_backend_matches_dense_reference(backend_name, dtype, num_heads, num_kv_
 
     assert out.shape == query.shape and out.dtype == dtype and out.is_contiguous()
     assert_matches_reference(out, sequences, scale, dtype)
-    flat_keys = key_cache.view(-1, num_kv_heads, HEAD_DIM)
+    flat_keys = key_cache.reshape(-1, num_kv_heads, HEAD_DIM)  # a copy when block-major
     assert torch.equal(flat_keys[batch.slot_mapping], key)
-    assert torch.equal(value_cache.view(-1, num_kv_heads, HEAD_DIM)[batch.slot_mapping], value)
+    assert torch.equal(value_cache.reshape(-1, num_kv_heads, HEAD_DIM)[batch.slot_mapping], value)
+    if block_major:
+        assert torch.equal(blocks[:, [0, 2]], others), "a slot write landed in another layer"
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)

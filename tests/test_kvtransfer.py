@@ -22,7 +22,7 @@ from kvtransfer import (
     LeaseState,
     block_checksums,
 )
-from kvtransfer.wire import MAX_DATA_MESSAGES, TransferHeader, plan_messages, wire_tag
+from kvtransfer.wire import MAX_DATA_MESSAGES, TransferHeader, plan_digest, plan_messages, wire_tag
 
 SMALL = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 SENTINEL = -7.0  # the receiver's fill: blocks not sent must still hold it
@@ -170,37 +170,68 @@ def test_lease_send_and_release_while_sending():
 # ---------------------------------------------------------------- wire
 
 
+_PERM = torch.randperm(600, generator=torch.Generator().manual_seed(3)).tolist()
+
+
 @pytest.mark.parametrize(
-    "num_blocks, message_bytes", [(1, 4 << 20), (64, 4 << 20), (512, 4 << 20), (7, 50_000)]
+    "src, dst, bytes_per_block, message_bytes",
+    [
+        (_PERM[:64], _PERM[64:128], 737_280, 4 << 20),  # scattered large blocks: one per message
+        (list(range(512)), list(range(7, 519)), 737_280, 4 << 20),  # one run, cut at 5 blocks
+        (list(range(10)), list(range(10)), 737_280, 100),  # blocks larger than a message travel alone
+        (_PERM[:500], _PERM[100:600], 46_080, 1 << 20),  # scattered small blocks: all staged
+        ([1, 2, 7, 30, 31, 32, 15, 16], [5, 6, 20, 33, 34, 35, 0, 9], 131_072, 600_000),  # mixed
+        ([], [], 1000, 1 << 20),
+    ],
 )
-def test_message_plan_covers_every_layer_and_block_once(num_blocks, message_bytes):
-    spec = KvLayoutSpec(30, 16, 3, 64, "float32")
-    plan = plan_messages(spec, num_blocks, message_bytes)
-    seen = torch.zeros(spec.num_layers, num_blocks, dtype=torch.int64)
-    for message in plan:
-        seen[message.layer_start : message.layer_stop, message.block_start : message.block_stop] += 1
-    assert bool((seen == 1).all())
-    assert len(plan) <= MAX_DATA_MESSAGES
-    sizes = [m.numel(spec) * spec.element_size for m in plan]
-    assert max(sizes) <= message_bytes
-    one_block = 2 * spec.block_numel * spec.element_size  # one layer's K and V
-    # Balanced: messages differ by at most one layer (whole layers) or one block (runs of blocks).
-    assert max(sizes) - min(sizes) <= (num_blocks * one_block if len(plan) < spec.num_layers else one_block)
+def test_message_plan_covers_every_position_once(src, dst, bytes_per_block, message_bytes):
+    plan = plan_messages(src, dst, bytes_per_block, message_bytes)
+    covered = [p for run in plan.runs for p in range(run.start, run.stop)] + list(plan.staged)
+    assert sorted(covered) == list(range(len(src)))
+    for run in plan.runs:
+        # In place: consecutive on both sides, long enough, no longer than a message (or one block).
+        assert src[run.start : run.stop] == list(range(src[run.start], src[run.start] + run.num_blocks))
+        assert dst[run.start : run.stop] == list(range(dst[run.start], dst[run.start] + run.num_blocks))
+        assert run.num_blocks == 1 or run.num_blocks * bytes_per_block <= message_bytes
+    staged_sizes = [(end - begin) * bytes_per_block for begin, end in plan.staged_slices()]
+    assert all(size <= max(message_bytes, bytes_per_block) for size in staged_sizes)
+    assert plan.num_messages == len(plan.runs) + len(staged_sizes) <= MAX_DATA_MESSAGES
+    assert plan.num_messages <= len(src)
+
+
+def test_message_plan_shapes():
+    scattered = plan_messages(_PERM[:64], _PERM[64:128], 737_280, 4 << 20)
+    assert len(scattered.runs) == 64 and not scattered.staged
+    one_run = plan_messages(list(range(512)), list(range(7, 519)), 737_280, 4 << 20)
+    sizes = [run.num_blocks for run in one_run.runs]  # 5 blocks fit in 4 MB
+    assert len(sizes) == -(-512 // 5) and max(sizes) == 5 and min(sizes) == 4  # balanced cuts: no runt
+    small = plan_messages(_PERM[:500], _PERM[100:600], 46_080, 1 << 20)
+    assert not small.runs and small.num_staged_messages == -(-500 // (small.staged_per_message))
+    mixed = plan_messages([1, 2, 7, 30, 31, 32, 15, 16], [5, 6, 20, 33, 34, 35, 0, 9], 131_072, 600_000)
+    assert [(r.start, r.stop) for r in mixed.runs] == [(0, 2), (3, 6)] and mixed.staged == (2, 6, 7)
 
 
 def test_message_plan_refuses_what_it_cannot_bound():
-    spec = KvLayoutSpec(30, 16, 3, 64, "float32")  # 24,576 bytes per block per layer
-    with pytest.raises(ValueError, match="over message_bytes"):
-        plan_messages(spec, 4, 20_000)
+    with pytest.raises(ValueError, match="sender blocks for"):
+        plan_messages([1, 2], [3], 1000, 1 << 20)
+    many = list(range(0, 2 * (MAX_DATA_MESSAGES + 1), 2))  # scattered, each block its own message
     with pytest.raises(ValueError, match="more than"):
-        plan_messages(spec, MAX_DATA_MESSAGES, 24_576)  # one message per (layer, block)
+        plan_messages(many, many, 1 << 20, 1 << 20)
+
+
+def test_plan_digest_sees_any_difference():
+    base = plan_digest([4, 5, 9], [0, 1, 2])
+    assert base == plan_digest([4, 5, 9], [0, 1, 2])
+    others = {plan_digest([4, 5, 8], [0, 1, 2]), plan_digest([4, 5, 9], [0, 2, 1]),
+              plan_digest([4, 5], [0, 1]), plan_digest([0, 1, 2], [4, 5, 9])}
+    assert base not in others and len(others) == 4 and all(0 <= d < 2**63 for d in others | {base})
 
 
 def test_wire_tags_and_header():
-    tags = {wire_tag(tag, index) for tag in (0, 1, 2**20 - 1) for index in (0, 1, MAX_DATA_MESSAGES)}
+    tags = {wire_tag(tag, index) for tag in (0, 1, 2**16 - 1) for index in (0, 1, MAX_DATA_MESSAGES)}
     assert len(tags) == 9 and all(0 <= t < 2**31 for t in tags)
     spec = KvLayoutSpec(30, 16, 3, 64, "bfloat16")
-    header = TransferHeader(spec, num_blocks=12, tag=2**40 + 5)
+    header = TransferHeader(spec, num_blocks=12, tag=2**40 + 5, digest=2**62 + 3)
     assert TransferHeader.decode(header.encode()) == header
     with pytest.raises(ValueError):
         TransferHeader.decode(torch.zeros_like(header.encode()))
@@ -232,36 +263,41 @@ def _join(port_queue, *, timeout_s: float, rank: int, **tuning) -> KvChannel:
                              device="cpu", timeout_s=timeout_s, **tuning)
 
 
-# (layout, sender ids, receiver ids) of each transfer on the happy path, all in one channel.
+# (layout, sender ids, receiver ids) of each transfer on the happy path, all in one channel
+# (message_bytes 600,000). Blocks: SMALL 1.5 KB, MEDIUM 128 KB, LARGE 256 KB (MIN_RUN_BYTES).
+MEDIUM = KVLayout(4, 16, 4, 64, torch.float32)
+LARGE = KVLayout(8, 16, 4, 64, torch.float32)
 _MANY = torch.randperm(40, generator=torch.Generator().manual_seed(5))[:33].tolist()
 TRANSFERS = [
-    (SMALL, [17, 3, 29, 4, 11], [5, 38, 0, 21, 12]),
-    (SMALL, _MANY, _MANY[::-1]),  # 51 messages of 1 KB: every layer split into runs of blocks
+    (SMALL, [17, 3, 29, 4, 11], [5, 38, 0, 21, 12]),  # staged: one message
+    (SMALL, _MANY, _MANY[::-1]),
     (KVLayout(2, 4, 2, 8, torch.float64), [1, 9, 6], [30, 2, 14]),
     (KVLayout(4, 2, 1, 16, torch.bfloat16), [0, 39, 20, 8], [8, 0, 1, 2]),
+    (LARGE, [3, 4, 5, 9, 20, 21, 22, 23], [10, 11, 12, 0, 30, 31, 32, 33]),  # in place, runs cut at 2
+    (LARGE, [37, 1, 14], [2, 19, 6]),  # in place, a block per message
+    (MEDIUM, [1, 2, 7, 30, 31, 32, 15, 16], [5, 6, 20, 33, 34, 35, 0, 9]),  # runs in place, the rest staged
 ]
 POOL = 40
 
 
 def sender(port_queue) -> list[list[int]]:
-    # Small messages and two slots, so the second transfer runs a long pipeline.
-    channel = _join(port_queue, timeout_s=TIMEOUT_S, rank=0, message_bytes=1024, num_slots=2)
+    channel = _join(port_queue, timeout_s=TIMEOUT_S, rank=0, message_bytes=600_000)
     checksums = []
-    for tag, (layout, src, _) in enumerate(TRANSFERS, start=1):
+    for tag, (layout, src, dst) in enumerate(TRANSFERS, start=1):
         cache = filled_cache(layout, POOL, seed=tag)
-        stats = channel.send_blocks(cache, src, tag)
+        stats = channel.send_blocks(cache, src, tag, dst)
         assert stats.num_blocks == len(src) and stats.num_bytes == len(src) * layout.bytes_per_block
         checksums.append(block_checksums(cache, src))
     # The receiver will expect float32 for a float64 cache: its header check fails.
     mismatched = filled_cache(KVLayout(3, 4, 2, 8, torch.float64), POOL, seed=99)
     with pytest.raises(KvTransferError):
-        channel.send_blocks(mismatched, [1, 2], 99)
+        channel.send_blocks(mismatched, [1, 2], 99, [3, 4])
     channel.close()
     return checksums
 
 
 def receiver(port_queue) -> list[list[int]]:
-    channel = _join(port_queue, timeout_s=TIMEOUT_S, rank=1, message_bytes=1024, num_slots=2)
+    channel = _join(port_queue, timeout_s=TIMEOUT_S, rank=1, message_bytes=600_000)
     assert channel.backend == "gloo"
     checksums = []
     for tag, (layout, src, dst) in enumerate(TRANSFERS, start=1):
@@ -269,7 +305,7 @@ def receiver(port_queue) -> list[list[int]]:
         for keys, values in cache.layers:
             keys.fill_(SENTINEL)
             values.fill_(SENTINEL)
-        stats = channel.recv_blocks(cache, dst, tag)
+        stats = channel.recv_blocks(cache, dst, tag, src)
         assert stats.num_blocks == len(dst)
         expected = filled_cache(layout, POOL, seed=tag)  # the sender's cache, rebuilt from its seed
         untouched = sorted(set(range(POOL)) - set(dst))
@@ -280,11 +316,11 @@ def receiver(port_queue) -> list[list[int]]:
                 assert bool((got[untouched] == SENTINEL).all()), (tag, layer, name)
         checksums.append(block_checksums(cache, dst))
     with pytest.raises(KvTransferError, match="dtype float32 != float64") as raised:
-        channel.recv_blocks(KVCache(SMALL, POOL, 0), [3, 4], 99)
+        channel.recv_blocks(KVCache(SMALL, POOL, 0), [3, 4], 99, [1, 2])
     assert isinstance(raised.value.__cause__, KvLayoutMismatchError)
     assert channel.is_broken
     with pytest.raises(KvTransferError, match="broken"):
-        channel.recv_blocks(KVCache(SMALL, POOL, 0), [3, 4], 100)
+        channel.recv_blocks(KVCache(SMALL, POOL, 0), [3, 4], 100, [1, 2])
     channel.close()
     return checksums
 
@@ -299,7 +335,7 @@ def waiting_receiver(port_queue, release: mp.Event) -> dict:
     channel = _join(port_queue, timeout_s=2.0, rank=1)
     started = time.monotonic()
     try:
-        channel.recv_blocks(KVCache(SMALL, POOL, 0), [1, 2, 3], tag=1)
+        channel.recv_blocks(KVCache(SMALL, POOL, 0), [1, 2, 3], 1, [1, 2, 3])
     except KvTransferError as error:
         waited, message = time.monotonic() - started, str(error)
     else:
@@ -316,14 +352,14 @@ def mistagged_sender(port_queue) -> dict:
     channel = _join(port_queue, timeout_s=20.0, rank=0)
     started = time.monotonic()
     with pytest.raises(KvTransferError) as raised:
-        channel.send_blocks(filled_cache(SMALL, POOL, seed=1), [1, 2, 3], tag=2)
+        channel.send_blocks(filled_cache(SMALL, POOL, seed=1), [1, 2, 3], 2, [1, 2, 3])
     return {"waited": time.monotonic() - started, "message": str(raised.value), "broken": channel.is_broken}
 
 
 def expecting_receiver(port_queue) -> None:
     channel = _join(port_queue, timeout_s=2.0, rank=1)
     with pytest.raises(KvTransferError, match="timed out"):
-        channel.recv_blocks(KVCache(SMALL, POOL, 0), [1, 2, 3], tag=1)
+        channel.recv_blocks(KVCache(SMALL, POOL, 0), [1, 2, 3], 1, [1, 2, 3])
     time.sleep(3)  # still alive, channel not closed by hand: the failure itself let go of the group
 
 

@@ -19,7 +19,7 @@ are laid out as G query rows of that head (`[KvH, G, Dh]`), so one call covers t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,9 @@ class TorchAttentionMetadata:
     # allocated once per forward (fresh multi-MB tensors per layer cost page faults).
     key_scratch: torch.Tensor
     value_scratch: torch.Tensor
+    # Block stride of the caches (in slots) -> slot_mapping as rows of the caches'
+    # flat slot view (_slot_view); filled by the first layer, reused by the others.
+    slot_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -128,9 +131,9 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [N, H, Dh]
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        key_slots, rows = _slot_view(key_cache, metadata)
+        key_slots.index_copy_(0, rows, key)
+        _slot_view(value_cache, metadata)[0].index_copy_(0, rows, value)
 
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         # NOTE: each attention call below finishes reading the scratch buffers
@@ -242,6 +245,29 @@ def _prefix_causal_bias(
     key_positions = torch.arange(num_cached + num_tokens, device=device)
     future = key_positions[None, :] > query_positions[:, None]
     return torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
+
+
+def _slot_view(cache: torch.Tensor, metadata: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """A view of `cache` with one row per token slot, and the rows of the batch's slots.
+
+    The cache is `[num_blocks, block_size, KvH, Dh]` with contiguous slots inside a
+    block but any block stride (a block-major KVCache strides by the whole block
+    row). Seen as rows of KvH * Dh elements from the cache's start, slot o of block b
+    is row b * (stride(0) / row) + o: the view spans the rows between blocks too,
+    which the computed rows never touch.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    row = num_kv_heads * head_dim
+    if cache.stride()[1:] != (row, head_dim, 1) or cache.stride(0) % row:
+        raise ValueError(f"cache slots must be contiguous rows, got strides {cache.stride()}")
+    stride_rows = cache.stride(0) // row
+    rows = metadata.slot_rows.get(stride_rows)
+    if rows is None:
+        slots = metadata.slot_mapping
+        rows = slots if stride_rows == block_size else slots // block_size * stride_rows + slots % block_size
+        metadata.slot_rows[stride_rows] = rows
+    num_rows = max(num_blocks - 1, 0) * stride_rows + block_size
+    return cache.as_strided((num_rows, num_kv_heads, head_dim), (row, head_dim, 1)), rows
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:

@@ -231,7 +231,7 @@ void decode_attention_impl(
   const int64_t num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between slots in the cache
-  const int64_t block_stride = block_size * token_stride;
+  const int64_t block_stride = key_cache.stride(0);  // any: a block-major cache strides by all layers
 
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
   const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
@@ -360,9 +360,11 @@ void paged_decode_attention(
     at::Tensor out) {
   TORCH_CHECK(query.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [D, H, Dh]");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "caches must be contiguous [num_blocks, block_size, KvH, Dh]");
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3) &&
+                  key_cache.stride(1) == key_cache.size(2) * key_cache.size(3),
+              "caches must be [num_blocks, block_size, KvH, Dh], contiguous within a block (any block stride)");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides(),
+              "key and value caches differ in shape or strides");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(query.sizes() == out.sizes(), "query and out differ in shape");
   TORCH_CHECK(query.size(2) == key_cache.size(3), "head_dim differs between query and cache");

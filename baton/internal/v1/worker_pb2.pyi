@@ -108,18 +108,20 @@ class OpenKvChannelResponse(_message.Message):
     def __init__(self, prefill_worker_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class SendKvRequest(_message.Message):
-    __slots__ = ("channel_id", "request_id", "tag", "num_blocks", "verify")
+    __slots__ = ("channel_id", "request_id", "tag", "num_blocks", "verify", "block_ids")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     request_id: str
     tag: int
     num_blocks: int
     verify: bool
-    def __init__(self, channel_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., verify: _Optional[bool] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, channel_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., verify: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SendKvEvent(_message.Message):
     __slots__ = ("accepted", "done")
@@ -130,10 +132,12 @@ class SendKvEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[SendKvAccepted, _Mapping]] = ..., done: _Optional[_Union[SendKvDone, _Mapping]] = ...) -> None: ...
 
 class SendKvAccepted(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "block_ids")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SendKvDone(_message.Message):
     __slots__ = ("block_checksums", "num_bytes", "seconds")
