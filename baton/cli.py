@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run a gateway, a prefill worker and a decode worker here")
     _add_model_flags(up)
     _flag(up, "port", type=int, default=50051, help="gateway port")
-    _flag(up, "threads", type=int, help="torch threads per worker (default: half the cores each)")
+    _flag(up, "threads", type=int, help="torch threads per worker (default: all cores each; an idle worker's threads sleep)")
     _flag(up, "kv-cache-memory", default="1G", help="KV cache budget per worker")
     _bool_flag(up, "verify-kv", help="checksum every transferred KV block on both sides")
     _bool_flag(up, "colocated", help="no prefill worker: the decode worker prefills")
@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(gateway)
     _flag(gateway, "startup-timeout-s", type=float, default=600.0, help="seconds to wait for a worker")
     _flag(gateway, "grace-s", type=float, default=10.0, help="SIGTERM: seconds for in-flight requests")
+    _flag(gateway, "max-local-prefill-tokens", type=int, default=0,
+          help="prompts this short are prefilled on their decode worker (no handoff)")
+    _flag(gateway, "max-prefill-queue-tokens", type=int, default=2048,
+          help="above this many queued prefill tokens, prompts go to a decode worker with fewer queued "
+               "(0: never)")
     _flag(gateway, "log-level", default="INFO", help="logging level")
 
     _add_worker_flags(commands.add_parser("prefill-worker", help="run a prefill worker"), "prefill")
@@ -166,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return up(args)
     if args.command == "gateway":
         from gateway.server import GatewaySettings, serve
+        from gateway.workers import RoutingPolicy
 
         serve(
             GatewaySettings(
@@ -175,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
                 model=args.model,
                 startup_timeout_s=args.startup_timeout_s,
                 grace_s=args.grace_s,
+                routing=RoutingPolicy(
+                    max_local_prefill_tokens=args.max_local_prefill_tokens,
+                    max_prefill_queue_tokens=args.max_prefill_queue_tokens,
+                ),
             )
         )
         return 0

@@ -15,7 +15,8 @@ STARTUP_TIMEOUT_S = 900.0
 
 
 def up(args: argparse.Namespace) -> int:
-    threads = args.threads or max(1, (os.cpu_count() or 2) // 2)
+    # Every worker may use every core: idle workers sleep (see start_deployment).
+    threads = args.threads or max(1, os.cpu_count() or 1)
     worker_args = ["--kv-cache-memory", args.kv_cache_memory, "--log-level", args.log_level]
     if args.verify_kv:
         worker_args.append("--verify-kv")

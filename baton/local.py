@@ -112,6 +112,7 @@ def start_deployment(
     worker_args: list[str] = (),
     prefill_args: list[str] = (),
     decode_args: list[str] = (),
+    gateway_args: list[str] = (),
     threads: int = 1,
     timeout_s: float = 300.0,
 ) -> Deployment:
@@ -120,11 +121,18 @@ def start_deployment(
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    if prefill:
+        # Two workers share this machine's cores. With OpenMP's passive wait a worker
+        # with nothing to do sleeps instead of spinning its threads, so the cores go
+        # to whichever worker has work: the prefill worker during a burst of prompts,
+        # the decode worker in between (benchmarks/serving.py measures the split).
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     common = ["--model", model, "--threads", str(threads), *worker_args]
     decode_address = f"127.0.0.1:{free_port()}"
     gateway_address = gateway_address or f"127.0.0.1:{free_port()}"
     deployment = Deployment(gateway_address)
-    gateway_args = ["gateway", "--listen", gateway_address, "--model", model, "--decode-workers", decode_address]
+    gateway_args = ["gateway", "--listen", gateway_address, "--model", model, "--decode-workers", decode_address,
+                    *gateway_args]
     if prefill:
         prefill_address = f"127.0.0.1:{free_port()}"
         args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *common, *prefill_args]

@@ -157,6 +157,10 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> SystemR
         worker_args=worker_args,
         prefill_args=["--threads", str(args.prefill_threads)],
         decode_args=["--threads", str(decode_threads)],
+        gateway_args=[f"--{flag}={value}" for flag, value in (
+            ("max-local-prefill-tokens", args.max_local_prefill_tokens),
+            ("max-prefill-queue-tokens", args.max_prefill_queue_tokens),
+        ) if value is not None],
         threads=decode_threads,
         timeout_s=900,
     )
@@ -167,6 +171,7 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> SystemR
         extra = {"mean_seqs_per_step": decode.mean_seqs_per_step}
         if disaggregated:
             extra.update(
+                prefilled_remotely=f"{decode.num_transfers}/{len(requests)}",
                 num_transfers=decode.num_transfers,
                 kv_bytes=decode.num_transferred_bytes,
                 kv_transfer_seconds=decode.transfer_seconds,
@@ -269,8 +274,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=2, help="threads of the engine and of a colocated worker")
-    p.add_argument("--prefill-threads", type=int, default=1, help="disaggregated: prefill worker threads")
-    p.add_argument("--decode-threads", type=int, default=1, help="disaggregated: decode worker threads")
+    p.add_argument("--prefill-threads", type=int, default=2,
+                   help="disaggregated: prefill worker threads (the workers share the cores; idle ones sleep)")
+    p.add_argument("--decode-threads", type=int, default=2,
+                   help="disaggregated: decode worker threads (the workers share the cores; idle ones sleep)")
+    p.add_argument("--max-local-prefill-tokens", type=int, default=None,
+                   help="gateway routing (default: the gateway's): prompts this short prefill on the decode worker")
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=None,
+                   help="gateway routing (default: the gateway's): prefill queue above which prompts may go local")
     p.add_argument("--verify-kv", action="store_true", help="checksum every handed-off block")
     p.add_argument("--kv-bench-blocks", type=int, default=64, help="blocks in the raw-vs-block KV comparison (0: skip)")
     p.add_argument("--kv-bench-repeats", type=int, default=9)

@@ -11,7 +11,7 @@ from baton.server import GrpcServer, install_uvloop
 from baton.v1 import generation_pb2, generation_pb2_grpc
 from engine.model.loader import load_tokenizer
 from gateway.service import GenerationService
-from gateway.workers import WorkerPool
+from gateway.workers import RoutingPolicy, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class GatewaySettings:
     model: str = "smollm2-135m"  # for the tokenizer; the workers must serve the same model
     startup_timeout_s: float = 600.0  # waiting for a worker to load its model
     grace_s: float = 10.0
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
 
     def __post_init__(self) -> None:
         if not self.decode_workers:
@@ -35,7 +36,7 @@ class GatewaySettings:
 
 
 async def run_gateway(settings: GatewaySettings, ready: asyncio.Event | None = None) -> None:
-    pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers))
+    pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers), settings.routing)
     service = GenerationService(pool)
     server = GrpcServer(settings.listen, [SERVICE_NAME])
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server.server)

@@ -244,7 +244,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         decode = self.pool.pick_decode(num_prompt + 1)
         if decode is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving")
-        prefill = self.pool.pick_prefill(num_prompt)
+        prefill = self.pool.pick_prefill(num_prompt, decode)
         decode_request = worker_pb2.DecodeRequest(request=work)
         handle: worker_pb2.KvHandle | None = None
         if prefill is not None:

@@ -3,8 +3,12 @@
 Routing follows the load each worker reported at its last poll, corrected by
 what this gateway sent it since (so a burst between two polls spreads out):
 
-- prefill: the worker with the fewest queued prefill tokens;
-- decode: the worker with the most free KV blocks.
+- decode: the worker with the most free KV blocks;
+- prefill: the prefill worker with the fewest queued prefill tokens, unless the
+  RoutingPolicy says the chosen decode worker should prefill the prompt itself
+  (conditional disaggregation): a prompt too short to be worth a handoff, or
+  prefill workers so backed up that the decode worker, with less prefill queued,
+  gets the prompt's first token out sooner.
 
 A worker that fails a poll or a call is marked down and skipped until a
 later poll finds it serving again.
@@ -28,6 +32,34 @@ POLL_INTERVAL_S = 0.1
 POLL_TIMEOUT_S = 2.0
 
 
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """When a prompt is prefilled on its decode worker instead of a prefill worker.
+
+    `max_local_prefill_tokens`: prompts of at most this many tokens are prefilled
+    locally: for them the handoff (a prefill RPC, a transfer, a second hop) costs
+    about what the prefill saves the decode batch. `max_prefill_queue_tokens`:
+    when the least-loaded prefill worker has more than this many prompt tokens
+    queued, a prompt goes to the decode worker if that one has fewer queued, so a
+    burst of prompts does not wait behind one prefill worker while decode workers
+    have room. Both 0: every prompt goes to a prefill worker while one is up.
+    """
+
+    max_local_prefill_tokens: int = 0
+    max_prefill_queue_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_local_prefill_tokens < 0 or self.max_prefill_queue_tokens < 0:
+            raise ValueError("routing thresholds must be >= 0")
+
+    def prefill_locally(self, num_prompt_tokens: int, prefill_queue: int, decode_queue: int) -> bool:
+        """Whether a prompt goes to its decode worker, given the queued prefill tokens of
+        the least-loaded prefill worker and of the decode worker."""
+        if num_prompt_tokens <= self.max_local_prefill_tokens:
+            return True
+        return 0 < self.max_prefill_queue_tokens < prefill_queue and decode_queue < prefill_queue
+
+
 @dataclass
 class Worker:
     """One worker as the gateway sees it."""
@@ -43,16 +75,24 @@ class Worker:
     pending_blocks: int = 0
     num_in_flight: int = 0
 
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens waiting to be prefilled here, as of the last poll plus since."""
+        return self.stats.num_queued_prefill_tokens + self.pending_prefill_tokens
+
     def load_key(self) -> tuple[int, int]:
         if self.role == "prefill":
-            return (self.stats.num_queued_prefill_tokens + self.pending_prefill_tokens, self.num_in_flight)
+            return (self.queued_prefill_tokens, self.num_in_flight)
         return (-(self.stats.num_kv_blocks_free - self.pending_blocks), self.num_in_flight)
 
 
 class WorkerPool:
     """Stubs for every configured worker, a background poller, and `pick_*`."""
 
-    def __init__(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
+    def __init__(
+        self, prefill_addresses: list[str], decode_addresses: list[str], policy: RoutingPolicy | None = None
+    ) -> None:
+        self.policy = policy or RoutingPolicy()
         self.prefill = [self._make(address, "prefill") for address in prefill_addresses]
         self.decode = [self._make(address, "decode") for address in decode_addresses]
         self._poller: asyncio.Task | None = None
@@ -119,11 +159,16 @@ class WorkerPool:
         worker.is_up = False
 
     # ------------------------------------------------------------------ routing
-    def pick_prefill(self, num_prompt_tokens: int) -> Worker | None:
-        """The prefill worker with the fewest queued prefill tokens; None when none is up."""
+    def pick_prefill(self, num_prompt_tokens: int, decode: Worker) -> Worker | None:
+        """The prefill worker for a prompt whose decode worker is `decode`: the one with
+        the fewest queued prefill tokens, or None when none is up or the policy keeps
+        the prompt on `decode` (the caller then prefills there)."""
         worker = min((w for w in self.prefill if w.is_up), key=Worker.load_key, default=None)
-        if worker is not None:
-            worker.pending_prefill_tokens += num_prompt_tokens
+        if worker is not None and self.policy.prefill_locally(
+            num_prompt_tokens, worker.queued_prefill_tokens, decode.queued_prefill_tokens
+        ):
+            worker = None
+        (worker or decode).pending_prefill_tokens += num_prompt_tokens
         return worker
 
     def pick_decode(self, num_tokens: int) -> Worker | None:

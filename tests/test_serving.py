@@ -43,6 +43,8 @@ def system(tiny_chat_model, tmp_path_factory):
         worker_args=worker_args,
         prefill_args=["--max-num-batched-tokens", "48"],
         decode_args=["--max-num-batched-tokens", "64"],
+        # Every prompt goes through the prefill worker and a handoff (no local prefill).
+        gateway_args=["--max-prefill-queue-tokens", "0"],
     )
     time.sleep(0.5)  # one gateway poll: every worker is marked up
     yield deployment
@@ -234,6 +236,39 @@ def test_colocated_gateway_matches(system, tiny_chat_model, tmp_path):
         assert system.stats("decode").num_transfers == transfers_before
     finally:
         assert colocated.stop() == {"gateway": 0}, colocated.logs()
+
+
+def test_gateway_prefills_on_the_decode_worker_when_the_prefill_queue_is_long(system, tiny_chat_model, tmp_path):
+    """Conditional disaggregation: a second gateway over the same workers that keeps a
+    prompt on its decode worker once the prefill worker has more than 1 token queued.
+    A burst then splits between handoffs and local prefills, and every output is exact."""
+    import os
+
+    from baton.local import Deployment, _spawn, free_port, wait_serving
+
+    model, path, _ = tiny_chat_model
+    address = f"127.0.0.1:{free_port()}"
+    args = ["gateway", "--listen", address, "--model", path, "--max-prefill-queue-tokens", "1",
+            "--prefill-workers", system.worker("prefill").address,
+            "--decode-workers", system.worker("decode").address]
+    gateway = Deployment(address, [_spawn("gateway", args, tmp_path, dict(os.environ))])
+    rng = random.Random(7)
+    cases = [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(20, 60))] for _ in range(12)]
+    try:
+        wait_serving(address, gateway, 120)
+        time.sleep(0.3)
+        transfers_before = system.stats("decode").num_transfers
+        with grpc.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+                results = list(pool.map(lambda prompt: stream_all(stub, greedy_request(prompt, 6)), cases))
+        for prompt, (tokens, _, _) in zip(cases, results):
+            assert tokens == hf_greedy(model, prompt, 6)
+        handed_off = system.stats("decode").num_transfers - transfers_before
+        assert 1 <= handed_off < len(cases), handed_off  # the first went remote, a later one local
+        wait_for_idle(system)
+    finally:
+        assert gateway.stop() == {"gateway": 0}, gateway.logs()
 
 
 CLIENT_SCRIPT = r"""
