@@ -36,11 +36,13 @@ from kvtransfer.wire import (
     wire_tag,
 )
 
-# Largest message: a run of consecutive blocks longer than this goes as several
-# messages. Measured with kvtransfer/bench.py over loopback Gloo on 2 cores: many
-# messages in flight beat one big one (the receiver's reads overlap the sender's
-# writes), and below ~1 MB the per-message cost starts to show.
-DEFAULT_MESSAGE_BYTES = 4 << 20
+# Largest message, per backend: a run of consecutive blocks longer than this goes as
+# several messages. Gloo: measured with kvtransfer/bench.py over loopback on 2 cores
+# (one run of 64 and 512 SmolLM2 blocks): 0.5-1 MB messages ran 1.5-1.9x a raw
+# send/recv of the same bytes, 2 MB 1.3-1.4x, 4 MB 1.1-1.4x; many messages in flight
+# overlap the receiver's reads with the sender's writes. NCCL: each send/recv is a
+# kernel launch, so fewer, larger messages; not yet measured (no GPU so far).
+DEFAULT_MESSAGE_BYTES = {"gloo": 1 << 20, "nccl": 64 << 20}
 
 
 class KvTransferError(RuntimeError):
@@ -116,23 +118,27 @@ class KvChannel:
         device: torch.device | str,
         timeout_s: float,
         store: StoreServer | None = None,
-        message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        message_bytes: int | None = None,
     ) -> KvChannel:
         """Join the two-rank group at host:port; returns once the peer has joined too.
 
         Rank 1 (receiver) passes the StoreServer it hosts; the channel keeps it alive
         and drops it on close(). `channel_id` must be new on that store for every
-        connect (an old channel's rendezvous keys stay there). `timeout_s` bounds the
+        connect (an old channel's rendezvous keys stay there). `message_bytes` (both
+        sides must agree; None: DEFAULT_MESSAGE_BYTES for the backend) caps a message.
+        `timeout_s` bounds the
         rendezvous and, later, every wait for a message. Gloo for a CPU device, NCCL
         for CUDA. Raises KvTransferError if the peer does not join in time.
         """
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 (sender) or 1 (receiver), got {rank}")
-        if message_bytes <= 0:
-            raise ValueError("message_bytes must be positive")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if message_bytes is None:
+            message_bytes = DEFAULT_MESSAGE_BYTES["nccl" if device.type == "cuda" else "gloo"]
+        if message_bytes <= 0:
+            raise ValueError("message_bytes must be positive")
         try:
             group, prefixed = join_group(channel_id, host, port, rank, device, timeout_s,
                                          agree={"message_bytes": str(message_bytes),
