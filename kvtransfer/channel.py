@@ -126,8 +126,7 @@ class KvChannel:
         and drops it on close(). `channel_id` must be new on that store for every
         connect (an old channel's rendezvous keys stay there). `message_bytes` (both
         sides must agree; None: DEFAULT_MESSAGE_BYTES for the backend) caps a message.
-        `timeout_s` bounds the
-        rendezvous and, later, every wait for a message. Gloo for a CPU device, NCCL
+        `timeout_s` bounds the rendezvous and, later, every wait for a message. Gloo for a CPU device, NCCL
         for CUDA. Raises KvTransferError if the peer does not join in time.
         """
         if rank not in (0, 1):
