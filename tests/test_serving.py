@@ -4,6 +4,8 @@ serving a tiny random Llama (float64, SmolLM2's tokenizer), checked against tran
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
 import random
 import time
 
@@ -214,61 +216,53 @@ def test_model_info(stub):
     assert info.has_chat_template
 
 
-def test_colocated_gateway_matches(system, tiny_chat_model, tmp_path):
-    """A second gateway that knows only the decode worker: it prefills there."""
-    import os
-
+@contextlib.contextmanager
+def extra_gateway(model_path: str, log_dir, *flags: str):
+    """A second gateway process in front of the module's workers (`flags` name them);
+    yields a stub on it once it serves and every worker is marked up."""
     from baton.local import Deployment, _spawn, free_port, wait_serving
 
-    model, path, _ = tiny_chat_model
     address = f"127.0.0.1:{free_port()}"
-    args = ["gateway", "--listen", address, "--model", path, "--decode-workers", system.worker("decode").address]
-    colocated = Deployment(address, [_spawn("gateway", args, tmp_path, dict(os.environ))])
+    args = ["gateway", "--listen", address, "--model", model_path, *flags]
+    gateway = Deployment(address, [_spawn("gateway", args, log_dir, dict(os.environ))])
     try:
-        wait_serving(address, colocated, 120)
-        time.sleep(0.3)
-        transfers_before = system.stats("decode").num_transfers
+        wait_serving(address, gateway, 120)
+        time.sleep(0.3)  # a few polls
         with grpc.insecure_channel(address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            prompt = list(range(1000, 1040))
-            tokens, _, _ = stream_all(stub, greedy_request(prompt, 12))
-        assert tokens == hf_greedy(model, prompt, 12)
-        assert system.stats("decode").num_transfers == transfers_before
+            yield generation_pb2_grpc.GenerationStub(channel)
     finally:
-        assert colocated.stop() == {"gateway": 0}, colocated.logs()
+        assert gateway.stop() == {"gateway": 0}, gateway.logs()
+
+
+def test_colocated_gateway_matches(system, tiny_chat_model, tmp_path):
+    """A second gateway that knows only the decode worker: it prefills there."""
+    model, path, _ = tiny_chat_model
+    with extra_gateway(path, tmp_path, "--decode-workers", system.worker("decode").address) as stub:
+        transfers_before = system.stats("decode").num_transfers
+        prompt = list(range(1000, 1040))
+        tokens, _, _ = stream_all(stub, greedy_request(prompt, 12))
+    assert tokens == hf_greedy(model, prompt, 12)
+    assert system.stats("decode").num_transfers == transfers_before
 
 
 def test_gateway_prefills_on_the_decode_worker_when_the_prefill_queue_is_long(system, tiny_chat_model, tmp_path):
     """Conditional disaggregation: a second gateway over the same workers that keeps a
     prompt on its decode worker once the prefill worker has more than 1 token queued.
     A burst then splits between handoffs and local prefills, and every output is exact."""
-    import os
-
-    from baton.local import Deployment, _spawn, free_port, wait_serving
-
     model, path, _ = tiny_chat_model
-    address = f"127.0.0.1:{free_port()}"
-    args = ["gateway", "--listen", address, "--model", path, "--max-prefill-queue-tokens", "1",
-            "--prefill-workers", system.worker("prefill").address,
-            "--decode-workers", system.worker("decode").address]
-    gateway = Deployment(address, [_spawn("gateway", args, tmp_path, dict(os.environ))])
     rng = random.Random(7)
     cases = [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(20, 60))] for _ in range(12)]
-    try:
-        wait_serving(address, gateway, 120)
-        time.sleep(0.3)
+    flags = ["--max-prefill-queue-tokens", "1", "--prefill-workers", system.worker("prefill").address,
+             "--decode-workers", system.worker("decode").address]
+    with extra_gateway(path, tmp_path, *flags) as stub:
         transfers_before = system.stats("decode").num_transfers
-        with grpc.insecure_channel(address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-                results = list(pool.map(lambda prompt: stream_all(stub, greedy_request(prompt, 6)), cases))
-        for prompt, (tokens, _, _) in zip(cases, results):
-            assert tokens == hf_greedy(model, prompt, 6)
-        handed_off = system.stats("decode").num_transfers - transfers_before
-        assert 1 <= handed_off < len(cases), handed_off  # the first went remote, a later one local
-        wait_for_idle(system)
-    finally:
-        assert gateway.stop() == {"gateway": 0}, gateway.logs()
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            results = list(pool.map(lambda prompt: stream_all(stub, greedy_request(prompt, 6)), cases))
+    for prompt, (tokens, _, _) in zip(cases, results):
+        assert tokens == hf_greedy(model, prompt, 6)
+    handed_off = system.stats("decode").num_transfers - transfers_before
+    assert 1 <= handed_off < len(cases), handed_off  # the first went remote, a later one local
+    wait_for_idle(system)
 
 
 CLIENT_SCRIPT = r"""
