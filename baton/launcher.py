@@ -16,7 +16,7 @@ STARTUP_TIMEOUT_S = 900.0
 
 def up(args: argparse.Namespace) -> int:
     # Every worker may use every core: idle workers sleep (see start_deployment).
-    threads = args.threads or max(1, os.cpu_count() or 1)
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)))
     worker_args = ["--kv-cache-memory", args.kv_cache_memory, "--log-level", args.log_level]
     if args.verify_kv:
         worker_args.append("--verify-kv")

@@ -121,12 +121,11 @@ def start_deployment(
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    if prefill:
-        # Two workers share this machine's cores. With OpenMP's passive wait a worker
-        # with nothing to do sleeps instead of spinning its threads, so the cores go
-        # to whichever worker has work: the prefill worker during a burst of prompts,
-        # the decode worker in between (benchmarks/serving.py measures the split).
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # The processes share this machine's cores. With OpenMP's passive wait a worker
+    # with nothing to do sleeps instead of spinning its threads, so the cores go to
+    # whichever worker has work: the prefill worker during a burst of prompts, the
+    # decode worker in between (benchmarks/serving.py measures the split).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     common = ["--model", model, "--threads", str(threads), *worker_args]
     decode_address = f"127.0.0.1:{free_port()}"
     gateway_address = gateway_address or f"127.0.0.1:{free_port()}"

@@ -171,7 +171,7 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> SystemR
         extra = {"mean_seqs_per_step": decode.mean_seqs_per_step}
         if disaggregated:
             extra.update(
-                prefilled_remotely=f"{decode.num_transfers}/{len(requests)}",
+                handed_off=f"{decode.num_transfers}/{len(requests)}",
                 num_transfers=decode.num_transfers,
                 kv_bytes=decode.num_transferred_bytes,
                 kv_transfer_seconds=decode.transfer_seconds,

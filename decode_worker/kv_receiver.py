@@ -17,11 +17,12 @@ from baton.server import CHANNEL_OPTIONS
 from baton.worker import layout_to_pb
 from engine.kv_cache import KVCache
 from kvtransfer import KvChannel, KvLayoutSpec, KvTransferError, block_checksums
+from kvtransfer.wire import TAG_BITS
 
 logger = logging.getLogger(__name__)
 
 # Tags are per channel and wrap well inside int32 (kvtransfer derives message tags from them).
-MAX_TAG = 1 << 20
+MAX_TAG = 1 << TAG_BITS  # the header carries the full tag; wire tags wrap here anyway
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,7 @@ class KVCache:
     @property
     def block_rows(self) -> torch.Tensor:
         """`[num_blocks, block_numel]`: block b's K and V of every layer as one contiguous row."""
-        return self.blocks.view(self.num_blocks, -1)
+        return self.blocks.view(self.num_blocks, self.layout.bytes_per_block // self.blocks.element_size())
 
     def _shape(self, num_blocks: int) -> tuple[int, ...]:
         layout = self.layout
@@ -86,8 +86,9 @@ class KVCache:
         src = torch.tensor([c.src for c in copies], dtype=torch.long, device=source.device)
         dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=destination.device)
         # Whole blocks (all layers at once) as rows: one gather and one scatter per swap.
-        rows = source.view(source.shape[0], -1).index_select(0, src)
-        destination.view(destination.shape[0], -1).index_copy_(0, dst, rows.to(destination.device))
+        row = self.layout.bytes_per_block // source.element_size()
+        rows = source.view(source.shape[0], row).index_select(0, src)
+        destination.view(destination.shape[0], row).index_copy_(0, dst, rows.to(destination.device))
         if self.blocks.device.type == "cuda":
             torch.cuda.synchronize(self.blocks.device)
         return len(copies) * self.layout.bytes_per_block

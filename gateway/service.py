@@ -248,7 +248,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         decode_request = worker_pb2.DecodeRequest(request=work)
         handle: worker_pb2.KvHandle | None = None
         if prefill is not None:
-            response = await self._prefill(prefill, work, context)
+            response = await self._prefill(prefill, decode, work, context)
             if response is not None:
                 self.num_disaggregated += 1
                 first = TokenEvent(
@@ -271,7 +271,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         async for event in self._decode(decode, decode_request, handle, context):
             yield event
 
-    async def _prefill(self, worker: Worker, work, context) -> worker_pb2.PrefillResponse | None:
+    async def _prefill(self, worker: Worker, decode: Worker, work, context) -> worker_pb2.PrefillResponse | None:
         """Prefill on `worker`; None if it is unreachable (the caller then runs colocated)."""
         call = worker.stub.Prefill(worker_pb2.PrefillRequest(request=work), timeout=context.time_remaining())
         worker.num_in_flight += 1
@@ -282,6 +282,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 logger.warning("prefill worker %s unavailable; running %s colocated", worker.address,
                                work.request_id)
                 self.pool.mark_down(worker)
+                self.pool.prefill_moved(worker, decode, len(work.prompt_token_ids))
                 return None
             raise RequestError(error.code(), error.details() or "prefill failed") from None
         finally:

@@ -171,6 +171,12 @@ class WorkerPool:
         (worker or decode).pending_prefill_tokens += num_prompt_tokens
         return worker
 
+    @staticmethod
+    def prefill_moved(prefill: Worker, decode: Worker, num_prompt_tokens: int) -> None:
+        """A prompt sent to `prefill` is prefilled on `decode` after all (prefill unreachable)."""
+        prefill.pending_prefill_tokens = max(0, prefill.pending_prefill_tokens - num_prompt_tokens)
+        decode.pending_prefill_tokens += num_prompt_tokens
+
     def pick_decode(self, num_tokens: int) -> Worker | None:
         """The decode worker with the most free KV blocks; None when none is up."""
         worker = min((w for w in self.decode if w.is_up), key=Worker.load_key, default=None)

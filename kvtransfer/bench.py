@@ -17,11 +17,13 @@ import time
 
 import torch
 
+from kvtransfer.wire import TAG_BITS
+
 # SmolLM2-135M's KV block: 30 layers, 3 KV heads of 64, blocks of 16 tokens, float32
 # (737,280 bytes per block: 64 blocks are 47 MB, 512 blocks 377 MB).
 SMOLLM2 = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 
-_START_TAG = 1_000_000  # raw start signals; transfer tags count up from 1
+_START_TAG = 1 << (TAG_BITS - 1)  # raw start signals; transfer tags count up from 1, far below
 
 
 def measure(

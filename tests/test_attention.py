@@ -271,3 +271,43 @@ def test_auto_backend_is_native_on_cpu():
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="torch"):
         get_attention_backend("flash")
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_caches_with_overlapping_blocks_are_refused(backend_name):
+    """A block stride shorter than a block would alias slots of two blocks: refused, not garbage."""
+    batch, _, query, key, value, key_cache, value_cache = make_step(8, 2, torch.float64)
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    row = num_kv_heads * head_dim
+    overlapping = [c.as_strided(c.shape, ((block_size - 1) * row, row, head_dim, 1)) for c in (key_cache, value_cache)]
+    backend = get_attention_backend(backend_name)
+    metadata = backend.build_metadata(batch, BLOCK_SIZE, 8, 2, HEAD_DIM, torch.float64)
+    with pytest.raises((ValueError, RuntimeError), match="disjoint"):
+        backend.forward(query, key, value, *overlapping, metadata, 0.25)
+
+
+def test_empty_block_major_cache():
+    from engine.kv_cache import KVCache, KVLayout
+
+    cache = KVCache(KVLayout(2, 4, 2, 8, torch.float32), 0, 0)
+    assert cache.block_rows.shape == (0, 2 * 2 * 4 * 2 * 8)
+    assert cache.layers[1][0].shape == (0, 4, 2, 8)
+
+
+def test_decode_kernel_refuses_overlapping_blocks_and_reads_block_major_caches():
+    from engine.kernels import paged_decode_attention
+
+    get_attention_backend("cpu")  # builds the kernels
+    batch, sequences, query, key, value, key_cache, value_cache = make_step(
+        8, 2, torch.float64, prefills=(), block_major=True
+    )
+    backend = get_attention_backend("torch")
+    metadata = backend.build_metadata(batch, BLOCK_SIZE, 8, 2, HEAD_DIM, torch.float64)
+    backend.forward(query, key, value, key_cache, value_cache, metadata, 0.25)  # writes this step's slots
+    out = torch.empty_like(query)
+    paged_decode_attention(query, key_cache, value_cache, batch.decode_block_tables, batch.decode_seq_lens, 0.25, out)
+    assert_matches_reference(out, sequences, 0.25, torch.float64)
+    row = key_cache.shape[2] * HEAD_DIM
+    overlapping = [c.as_strided(c.shape, ((BLOCK_SIZE - 1) * row, row, HEAD_DIM, 1)) for c in (key_cache, value_cache)]
+    with pytest.raises(RuntimeError, match="disjoint"):
+        paged_decode_attention(query, *overlapping, batch.decode_block_tables, batch.decode_seq_lens, 0.25, out)

@@ -143,3 +143,11 @@ def test_scheduler_interleavings_keep_every_block_in_one_place(config, ops, fini
     s.check_integrity()
     assert s.kv.num_free_blocks == num_blocks
     assert s.kv.swap_pool.num_free == num_swap_blocks
+
+
+def test_fresh_pool_hands_out_ascending_runs_and_reuses_a_freed_table_in_order():
+    pool = BlockPool(10)
+    first, second = pool.allocate(3), pool.allocate(2)
+    assert (first, second) == ([0, 1, 2], [3, 4])
+    pool.free(first)
+    assert pool.allocate(4) == [0, 1, 2, 5]  # the freed table first, in its order

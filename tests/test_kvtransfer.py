@@ -206,7 +206,7 @@ def test_message_plan_shapes():
     sizes = [run.num_blocks for run in one_run.runs]  # 5 blocks fit in 4 MB
     assert len(sizes) == -(-512 // 5) and max(sizes) == 5 and min(sizes) == 4  # balanced cuts: no runt
     small = plan_messages(_PERM[:500], _PERM[100:600], 46_080, 1 << 20)
-    assert not small.runs and small.num_staged_messages == -(-500 // (small.staged_per_message))
+    assert not small.runs and small.staged_per_message == 22 and small.num_staged_messages == 23  # 1 MB / 45 KB
     mixed = plan_messages([1, 2, 7, 30, 31, 32, 15, 16], [5, 6, 20, 33, 34, 35, 0, 9], 131_072, 600_000)
     assert [(r.start, r.stop) for r in mixed.runs] == [(0, 2), (3, 6)] and mixed.staged == (2, 6, 7)
 
@@ -301,10 +301,7 @@ def receiver(port_queue) -> list[list[int]]:
     assert channel.backend == "gloo"
     checksums = []
     for tag, (layout, src, dst) in enumerate(TRANSFERS, start=1):
-        cache = KVCache(layout, POOL, 0)
-        for keys, values in cache.layers:
-            keys.fill_(SENTINEL)
-            values.fill_(SENTINEL)
+        cache = sentinel_cache(layout)
         stats = channel.recv_blocks(cache, dst, tag, src)
         assert stats.num_blocks == len(dst)
         expected = filled_cache(layout, POOL, seed=tag)  # the sender's cache, rebuilt from its seed
@@ -315,14 +312,40 @@ def receiver(port_queue) -> list[list[int]]:
                 assert same, (tag, layer, name)
                 assert bool((got[untouched] == SENTINEL).all()), (tag, layer, name)
         checksums.append(block_checksums(cache, dst))
+    rejecting = sentinel_cache(SMALL)
     with pytest.raises(KvTransferError, match="dtype float32 != float64") as raised:
-        channel.recv_blocks(KVCache(SMALL, POOL, 0), [3, 4], 99, [1, 2])
+        channel.recv_blocks(rejecting, [3, 4], 99, [1, 2])
     assert isinstance(raised.value.__cause__, KvLayoutMismatchError)
+    assert bool((rejecting.blocks == SENTINEL).all()), "a rejected transfer wrote into the cache"
     assert channel.is_broken
     with pytest.raises(KvTransferError, match="broken"):
         channel.recv_blocks(KVCache(SMALL, POOL, 0), [3, 4], 100, [1, 2])
     channel.close()
     return checksums
+
+
+def sentinel_cache(layout: KVLayout) -> KVCache:
+    cache = KVCache(layout, POOL, 0)
+    cache.blocks.fill_(SENTINEL)
+    return cache
+
+
+def other_ids_sender(port_queue) -> str:
+    channel = _join(port_queue, timeout_s=TIMEOUT_S, rank=0)
+    with pytest.raises(KvTransferError) as raised:
+        channel.send_blocks(filled_cache(LARGE, POOL, seed=1), [1, 2, 3], 1, [4, 5, 6])
+    return str(raised.value)
+
+
+def other_ids_receiver(port_queue) -> str:
+    """Same layout, count and tag, but the two sides were given different receiver ids."""
+    channel = _join(port_queue, timeout_s=TIMEOUT_S, rank=1)
+    cache = sentinel_cache(LARGE)
+    with pytest.raises(KvTransferError, match="different block ids") as raised:
+        channel.recv_blocks(cache, [4, 5, 7], 1, [1, 2, 3])
+    assert bool((cache.blocks == SENTINEL).all()), "a rejected transfer wrote into the cache"
+    channel.close()
+    return str(raised.value)
 
 
 def silent_sender(port_queue, release: mp.Event) -> None:
@@ -398,6 +421,12 @@ def test_transfers_between_two_processes():
     results = run_pair(sender, receiver)
     assert results["sender"] == results["receiver"]  # checksums agree, transfer by transfer
     assert [len(c) for c in results["sender"]] == [len(src) for _, src, _ in TRANSFERS]
+
+
+def test_sides_given_different_block_ids_fail_cleanly():
+    results = run_pair(other_ids_sender, other_ids_receiver)
+    assert "different block ids" in results["other_ids_receiver"]
+    assert "transfer failed" in results["other_ids_sender"]
 
 
 def test_receiver_times_out_when_nothing_is_sent():

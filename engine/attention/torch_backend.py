@@ -131,6 +131,8 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [N, H, Dh]
+        if key_cache.stride() != value_cache.stride():
+            raise ValueError("key and value caches differ in strides")
         key_slots, rows = _slot_view(key_cache, metadata)
         key_slots.index_copy_(0, rows, key)
         _slot_view(value_cache, metadata)[0].index_copy_(0, rows, value)
@@ -258,15 +260,15 @@ def _slot_view(cache: torch.Tensor, metadata: TorchAttentionMetadata) -> tuple[t
     """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     row = num_kv_heads * head_dim
-    if cache.stride()[1:] != (row, head_dim, 1) or cache.stride(0) % row:
-        raise ValueError(f"cache slots must be contiguous rows, got strides {cache.stride()}")
+    if cache.stride()[1:] != (row, head_dim, 1) or cache.stride(0) % row or cache.stride(0) < block_size * row:
+        raise ValueError(f"cache blocks must be disjoint runs of contiguous slot rows, got strides {cache.stride()}")
     stride_rows = cache.stride(0) // row
     rows = metadata.slot_rows.get(stride_rows)
     if rows is None:
         slots = metadata.slot_mapping
         rows = slots if stride_rows == block_size else slots // block_size * stride_rows + slots % block_size
         metadata.slot_rows[stride_rows] = rows
-    num_rows = max(num_blocks - 1, 0) * stride_rows + block_size
+    num_rows = (num_blocks - 1) * stride_rows + block_size if num_blocks else 0
     return cache.as_strided((num_rows, num_kv_heads, head_dim), (row, head_dim, 1)), rows
 
 

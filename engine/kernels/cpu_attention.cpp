@@ -361,8 +361,9 @@ void paged_decode_attention(
   TORCH_CHECK(query.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [D, H, Dh]");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3) &&
-                  key_cache.stride(1) == key_cache.size(2) * key_cache.size(3),
-              "caches must be [num_blocks, block_size, KvH, Dh], contiguous within a block (any block stride)");
+                  key_cache.stride(1) == key_cache.size(2) * key_cache.size(3) &&
+                  key_cache.stride(0) >= key_cache.size(1) * key_cache.stride(1),
+              "caches must be [num_blocks, block_size, KvH, Dh], contiguous within a block, blocks disjoint");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides(),
               "key and value caches differ in shape or strides");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
