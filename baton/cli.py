@@ -74,6 +74,7 @@ def _add_worker_flags(parser: argparse.ArgumentParser, role: str) -> None:
     _bool_flag(parser, "verify-kv", help="checksum every transferred KV block on both sides")
     _flag(parser, "transfer-host", default="127.0.0.1", help="decode: host of the KV rendezvous store")
     _flag(parser, "grace-s", type=float, default=10.0, help="SIGTERM: seconds for in-flight requests")
+    _flag(parser, "metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
     _flag(parser, "log-level", default="INFO", help="logging level")
 
 
@@ -103,6 +104,7 @@ def _worker_settings(args: argparse.Namespace, role: str):
         verify_kv=args.verify_kv,
         transfer_host=args.transfer_host,
         grace_s=args.grace_s,
+        metrics_port=args.metrics_port,
         **extra,
     )
 
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(gateway)
     _flag(gateway, "startup-timeout-s", type=float, default=600.0, help="seconds to wait for a worker")
     _flag(gateway, "grace-s", type=float, default=10.0, help="SIGTERM: seconds for in-flight requests")
+    _flag(gateway, "metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
     _flag(gateway, "max-local-prefill-tokens", type=int, default=0,
           help="prompts this short are prefilled on their decode worker (no handoff)")
     _flag(gateway, "max-prefill-queue-tokens", type=int, default=2048,
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 model=args.model,
                 startup_timeout_s=args.startup_timeout_s,
                 grace_s=args.grace_s,
+                metrics_port=args.metrics_port,
                 routing=RoutingPolicy(
                     max_local_prefill_tokens=args.max_local_prefill_tokens,
                     max_prefill_queue_tokens=args.max_prefill_queue_tokens,

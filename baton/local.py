@@ -32,6 +32,7 @@ class Process:
     address: str
     popen: subprocess.Popen
     log_path: Path | None  # None: output goes to this process's stdout
+    metrics_port: int | None = None  # its Prometheus endpoint, when it serves one
 
     def log(self) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -83,7 +84,8 @@ def _spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str]
         env=env,
     )
     address = args[args.index("--listen") + 1]
-    return Process(role, address, popen, log_path)
+    metrics_port = int(args[args.index("--metrics-port") + 1]) if "--metrics-port" in args else None
+    return Process(role, address, popen, log_path, metrics_port)
 
 
 def wait_serving(address: str, deployment: Deployment, timeout_s: float) -> None:
@@ -113,11 +115,17 @@ def start_deployment(
     prefill_args: list[str] = (),
     decode_args: list[str] = (),
     gateway_args: list[str] = (),
+    metrics: bool = False,
     threads: int = 1,
     timeout_s: float = 300.0,
 ) -> Deployment:
     """Start the processes (logs to `log_dir`, or to our stdout when None) and wait
-    until the gateway and every worker are SERVING."""
+    until the gateway and every worker are SERVING. `metrics`: each serves Prometheus
+    metrics on a free port of its own (`Process.metrics_port`)."""
+
+    def metrics_args() -> list[str]:
+        return ["--metrics-port", str(free_port())] if metrics else []
+
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
@@ -131,13 +139,15 @@ def start_deployment(
     gateway_address = gateway_address or f"127.0.0.1:{free_port()}"
     deployment = Deployment(gateway_address)
     gateway_args = ["gateway", "--listen", gateway_address, "--model", model, "--decode-workers", decode_address,
-                    *gateway_args]
+                    *metrics_args(), *gateway_args]
     if prefill:
         prefill_address = f"127.0.0.1:{free_port()}"
-        args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *common, *prefill_args]
+        args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *common,
+                *metrics_args(), *prefill_args]
         deployment.processes.append(_spawn("prefill", args, log_dir, env))
         gateway_args += ["--prefill-workers", prefill_address]
-    args = ["decode-worker", "--listen", decode_address, "--worker-id", "decode-0", *common, *decode_args]
+    args = ["decode-worker", "--listen", decode_address, "--worker-id", "decode-0", *common,
+            *metrics_args(), *decode_args]
     deployment.processes.append(_spawn("decode", args, log_dir, env))
     deployment.processes.append(_spawn("gateway", gateway_args, log_dir, env))
     try:

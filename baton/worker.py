@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.internal.v1 import worker_pb2
+from baton.metrics import WorkerMetrics, engine_snapshot, serve_metrics
 from baton.server import GrpcServer
 from baton.v1 import generation_pb2 as pb
 from engine.async_engine import AsyncEngine
@@ -38,6 +39,7 @@ class WorkerSettings:
     verify_kv: bool = False  # compare per-block checksums on both sides of every transfer
     transfer_host: str = "127.0.0.1"  # decode: where it hosts the rendezvous store
     grace_s: float = 10.0  # SIGTERM: seconds in-flight requests get to finish
+    metrics_port: int | None = None  # Prometheus /metrics on the listen host; None: off
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -141,6 +143,7 @@ class WorkerBase:
         self.llm: LLMEngine | None = None
         self.engine: AsyncEngine | None = None
         self._model_info: pb.ModelInfo | None = None
+        self.metrics: WorkerMetrics | None = None  # set by load
 
     async def load(self, address: str) -> None:
         """Build and warm the engine off the event loop, then start its thread."""
@@ -150,6 +153,8 @@ class WorkerBase:
         self._model_info = model_info(llm)
         self.engine = AsyncEngine(llm, on_kv_receive=self._on_kv_receive)
         self.engine.start()
+        self.metrics = WorkerMetrics(self._model_info.model, self.settings.role)
+        self.metrics.watch_engine(engine_snapshot(self.engine, asyncio.get_running_loop()))
 
     def _on_kv_receive(self, receive) -> None:
         raise AssertionError(f"{self.settings.role} worker got a KV receive")
@@ -197,6 +202,10 @@ async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service,
     logger.info("%s worker %s listening on %s; loading %s", settings.role,
                 settings.worker_id, server.address, settings.engine.model)
     await service.load(address)
+    if settings.metrics_port is not None:
+        host = settings.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+        port = serve_metrics(service.metrics.registry, settings.metrics_port, host)
+        logger.info("%s worker %s metrics on port %d", settings.role, settings.worker_id, port)
     await server.set_serving(True)
     logger.info("%s worker %s serving on %s", settings.role, settings.worker_id, address)
     await server.serve_until_signal(service.stop, settings.grace_s)

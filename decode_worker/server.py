@@ -150,6 +150,10 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             result = ReceiveResult(ok=False, error="request gone")
         else:
             result = await self.receiver.receive(handle, receive.block_ids)
+            if result.ok:
+                self.metrics.record_transfer(result.num_bytes, result.seconds)
+            else:
+                self.metrics.transfer_failures.inc()
         # NOTE: the engine keeps the blocks of a request aborted meanwhile until this call,
         # so the receive above never writes into blocks that belong to someone else.
         await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok))

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from baton.metrics import GatewayMetrics, serve_metrics
 from baton.server import GrpcServer, install_uvloop
 from baton.v1 import generation_pb2, generation_pb2_grpc
 from engine.model.loader import load_tokenizer
@@ -29,6 +30,7 @@ class GatewaySettings:
     startup_timeout_s: float = 600.0  # waiting for a worker to load its model
     grace_s: float = 10.0
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    metrics_port: int | None = None  # Prometheus /metrics on the listen host; None: off
 
     def __post_init__(self) -> None:
         if not self.decode_workers:
@@ -45,6 +47,10 @@ async def run_gateway(settings: GatewaySettings, ready: asyncio.Event | None = N
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
     info = await pool.model_info(settings.startup_timeout_s)
     await pool.start()
+    if settings.metrics_port is not None:
+        service.metrics = GatewayMetrics(info.model)
+        port = serve_metrics(service.metrics.registry, settings.metrics_port, _host(settings.listen))
+        logger.info("gateway metrics on port %d", port)
     service.load(tokenizer, info)
     await server.set_serving(True)
     logger.info("gateway serving %s on %s (prefill: %s; decode: %s)", info.model, server.address,
@@ -52,6 +58,11 @@ async def run_gateway(settings: GatewaySettings, ready: asyncio.Event | None = N
     if ready is not None:
         ready.set()
     await server.serve_until_signal(pool.close, settings.grace_s)
+
+
+def _host(listen: str) -> str:
+    """The host part of a listen address ("[::]:50051" -> "::")."""
+    return listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
 
 
 def serve(settings: GatewaySettings) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,7 +29,10 @@ from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from baton.metrics import GatewayMetrics
 from gateway.workers import Worker, WorkerPool
+
+_FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +68,15 @@ class PreparedRequest:
     params: SamplingParams
     sampling: pb.SamplingParams  # forwarded to workers, stop strings removed
     priority: int
+    arrival: float = field(default_factory=time.monotonic)  # for the latency metrics
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     """baton.v1.Generation over a pool of prefill and decode workers."""
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics | None = None) -> None:
         self.pool = pool
+        self.metrics = metrics  # None: not recorded
         # Set by `load` (the gateway listens before its workers are up).
         self.tokenizer = None
         self.info: pb.ModelInfo | None = None
@@ -203,10 +209,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
         num_output = 0
+        token_times: list[float] = []
+        outcome = "error"  # until it finishes or is cancelled
         events = self._token_events(prepared, context)
         try:
             async for event in events:
                 num_output += len(event.token_ids)
+                token_times.extend([time.monotonic()] * len(event.token_ids))
                 message = pb.GenerateStreamResponse(
                     request_id=prepared.request_id, token_ids=event.token_ids, logprobs=event.logprobs
                 )
@@ -225,11 +234,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     message.usage.CopyFrom(
                         pb.Usage(prompt_tokens=len(prepared.prompt_token_ids), completion_tokens=num_output)
                     )
+                    outcome = _FINISH_NAMES.get(finish_reason, "error")
                     yield message
                     return  # a stop string ends it here: closing `events` aborts the workers
                 yield message
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "abort"
+            raise
+        except RequestError as error:
+            if error.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                outcome = "abort"
+            raise
         finally:
             await events.aclose()
+            if self.metrics is not None:
+                self.metrics.record_request(
+                    arrival=prepared.arrival, token_times=token_times, finished_at=time.monotonic(),
+                    num_prompt_tokens=len(prepared.prompt_token_ids), finish_reason=outcome,
+                )
 
     # ----------------------------------------------------------------- routing
     async def _token_events(self, prepared: PreparedRequest, context) -> AsyncIterator[TokenEvent]:

@@ -209,10 +209,12 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
                     )
             except KvTransferError as error:
                 self.num_transfer_failures += 1
+                self.metrics.transfer_failures.inc()
                 logger.warning("KV send of %s failed: %s", request_id, error)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV send failed: {error}")
             self.num_transfers += 1
             self.num_transferred_bytes += stats.num_bytes
+            self.metrics.record_transfer(stats.num_bytes, stats.seconds)
             self.transfer_seconds += stats.seconds
             yield worker_pb2.SendKvEvent(
                 done=worker_pb2.SendKvDone(

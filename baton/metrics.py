@@ -1,0 +1,163 @@
+"""Prometheus metrics: every Baton process serves its own on an HTTP port.
+
+Names start with `baton_` and carry one `model` label (the served model), so the
+gateway's and the workers' series of one deployment line up. What each process
+measures is what it sees:
+
+- gateway: the client's view of a request: time to first token, time per output
+  token, inter-token latency, end-to-end latency; prompt and generation tokens;
+  finished requests by finish reason.
+- workers: the engine's state, read at scrape time (requests running, waiting and
+  swapped, KV blocks used and total, preemptions by kind, steps) and, on the
+  transfer path, KV bytes, transfer time and failures.
+
+The worker's engine state is read by a collector that asks the engine thread for a
+snapshot between steps (`AsyncEngine.call`), on the scrape's thread: a scrape never
+runs on the event loop and never touches the engine while it steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+# Latency buckets (seconds), from a fast decode step on a GPU to a long queue on a CPU.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class GatewayMetrics:
+    """The client-side view of requests, recorded by the gateway as it streams."""
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.model = model
+        self.registry = registry or CollectorRegistry()
+        labels = ["model"]
+        r = self.registry
+        self.ttft = Histogram("baton_time_to_first_token_seconds", "Request arrival to its first token",
+                              labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
+        self.tpot = Histogram("baton_time_per_output_token_seconds",
+                              "Per request: (end - first token) / (output tokens - 1)",
+                              labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
+        self.itl = Histogram("baton_inter_token_latency_seconds", "Time between two streamed tokens",
+                             labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
+        self.e2e = Histogram("baton_e2e_request_latency_seconds", "Request arrival to its last token",
+                             labels, registry=r, buckets=_REQUEST_BUCKETS).labels(model)
+        self.prompt_tokens = Counter("baton_prompt_tokens", "Prompt tokens of finished requests",
+                                     labels, registry=r).labels(model)
+        self.generation_tokens = Counter("baton_generation_tokens", "Tokens generated for clients",
+                                         labels, registry=r).labels(model)
+        finished = Counter("baton_requests_finished", "Finished requests by finish reason",
+                           ["model", "finish_reason"], registry=r)
+        self.finished = {reason: finished.labels(model, reason) for reason in FINISH_REASONS}
+
+    def record_request(self, *, arrival: float, token_times: list[float], finished_at: float,
+                       num_prompt_tokens: int, finish_reason: str) -> None:
+        """One finished request (times from time.monotonic())."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(len(token_times))
+        self.finished[finish_reason if finish_reason in self.finished else "error"].inc()
+        self.e2e.observe(finished_at - arrival)
+        if not token_times:
+            return
+        self.ttft.observe(token_times[0] - arrival)
+        for previous, current in zip(token_times, token_times[1:]):
+            self.itl.observe(current - previous)
+        if len(token_times) > 1:
+            self.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+
+
+class WorkerMetrics:
+    """A worker's engine state (read at scrape time) and its KV transfers."""
+
+    def __init__(self, model: str, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.model = model
+        self.role = role
+        self.registry = registry or CollectorRegistry()
+        labels = ["model"]
+        r = self.registry
+        self.transfer_time = Histogram("baton_kv_transfer_seconds", "One KV handoff, on this side",
+                                       labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
+        self.transferred_bytes = Counter("baton_kv_transferred_bytes", "KV bytes sent or received",
+                                         labels, registry=r).labels(model)
+        self.transfer_failures = Counter("baton_kv_transfer_failures", "KV handoffs that failed",
+                                         labels, registry=r).labels(model)
+        self._engine_collector: _EngineCollector | None = None
+
+    def watch_engine(self, snapshot: Callable[[], object]) -> None:
+        """Report the engine's SchedulerStats from `snapshot()` at every scrape."""
+        self._engine_collector = _EngineCollector(self.model, snapshot)
+        self.registry.register(self._engine_collector)
+
+    def record_transfer(self, num_bytes: int, seconds: float) -> None:
+        self.transferred_bytes.inc(num_bytes)
+        self.transfer_time.observe(seconds)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model: str, snapshot: Callable[[], object]) -> None:
+        self.model = model
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator:
+        try:
+            stats = self.snapshot()
+        except Exception as error:  # engine stopped or busy past the timeout: report nothing
+            logger.debug("no engine snapshot for a scrape: %r", error)
+            return
+        model = [self.model]
+
+        def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, documentation, labels=["model"])
+            family.add_metric(model, value)
+            return family
+
+        yield gauge("baton_num_requests_running", "Requests in the running batch", stats.num_running)
+        yield gauge("baton_num_requests_waiting", "Requests queued, not yet admitted", stats.num_waiting)
+        yield gauge("baton_num_requests_swapped", "Requests preempted to the CPU swap pool", stats.num_swapped)
+        yield gauge("baton_num_requests_kv_handoff",
+                    "Requests whose KV is held for a handoff or arriving", stats.num_held + stats.num_receiving)
+        yield gauge("baton_kv_cache_blocks_used", "KV cache blocks in use", stats.num_kv_blocks_used)
+        yield gauge("baton_kv_cache_blocks_total", "KV cache blocks in all", stats.num_kv_blocks_total)
+        yield gauge("baton_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
+                    stats.num_kv_blocks_used / stats.num_kv_blocks_total if stats.num_kv_blocks_total else 0.0)
+        yield gauge("baton_num_queued_prefill_tokens", "Prompt tokens not yet prefilled",
+                    stats.num_queued_prefill_tokens)
+        preemptions = CounterMetricFamily("baton_preemptions", "Preemptions by kind", labels=["model", "kind"])
+        preemptions.add_metric([self.model, "recompute"], stats.num_preemptions_recompute)
+        preemptions.add_metric([self.model, "swap"], stats.num_preemptions_swap)
+        yield preemptions
+        steps = CounterMetricFamily("baton_engine_steps", "Engine steps run", labels=["model"])
+        steps.add_metric(model, stats.num_steps)
+        yield steps
+        tokens = CounterMetricFamily("baton_scheduled_tokens", "Tokens run through the model",
+                                     labels=["model"])
+        tokens.add_metric(model, stats.num_tokens_scheduled_total)
+        yield tokens
+
+
+def engine_snapshot(engine, loop: asyncio.AbstractEventLoop, timeout_s: float = 2.0) -> Callable[[], object]:
+    """A callable for a scrape thread: the engine's SchedulerStats, taken between steps."""
+
+    def snapshot() -> object:
+        call = engine.call(lambda llm: llm.get_metrics(with_queue_times=False))
+        return asyncio.run_coroutine_threadsafe(call, loop).result(timeout_s)
+
+    return snapshot
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> int:
+    """Serve `registry` as Prometheus text on http://host:port/metrics from a daemon
+    thread; returns the port (port 0: a free one)."""
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server.server_port

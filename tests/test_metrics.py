@@ -1,0 +1,130 @@
+"""Prometheus metrics of every process after a known workload, scraped over HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from baton.local import start_deployment
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc
+from engine.model.loader import load_tokenizer
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.timeout(600)
+
+VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-metrics")
+    _, path = make_tiny_model(directory, "llama", 4, 2, 16, True, dtype=torch.float64, vocab_size=VOCAB_SIZE)
+    load_tokenizer("smollm2-135m").save_pretrained(directory)
+    deployment = start_deployment(
+        path,
+        tmp_path_factory.mktemp("logs"),
+        worker_args=["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "300"],
+        gateway_args=["--max-prefill-queue-tokens", "0"],  # every prompt is handed off
+        metrics=True,
+    )
+    time.sleep(0.5)
+    yield deployment
+    assert deployment.stop() == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample as {(name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    matches = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
+    assert len(matches) == 1, (name, labels, matches)
+    return matches[0]
+
+
+def request(prompt: list[int], max_tokens: int, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling),
+    )
+
+
+def test_counters_match_the_workload_and_kv_returns_to_zero(system):
+    prompts = [list(range(100 + i, 100 + i + 10 + 7 * i)) for i in range(6)]
+    with grpc.insecure_channel(system.gateway) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            streams = list(pool.map(lambda p: list(stub.GenerateStream(request(p, 5), timeout=60)), prompts))
+        received = sum(len(m.token_ids) for messages in streams for m in messages)
+        # One request stopped by a stop token id: its second generated token.
+        probe = list(stub.GenerateStream(request(list(range(300, 320)), 6), timeout=60))
+        probe_tokens = [t for m in probe for t in m.token_ids]
+        stopped = list(stub.GenerateStream(request(list(range(300, 320)), 6, stop_token_ids=[probe_tokens[1]]),
+                                           timeout=60))
+        # One cancelled mid-stream.
+        call = stub.GenerateStream(request(list(range(400, 430)), 4000), timeout=60)
+        cancelled = 0
+        for message in call:
+            cancelled += len(message.token_ids)
+            if cancelled >= 3:
+                break
+        call.cancel()
+    assert received == 6 * 5
+    stopped_tokens = sum(len(m.token_ids) for m in stopped)
+    assert stopped_tokens == 2 and stopped[-1].finish_reason == pb.FINISH_REASON_STOP
+
+    deadline = time.monotonic() + 30
+    while True:  # the workers see the cancel a moment after the client does
+        workers = {role: scrape(system.worker(role).metrics_port) for role in ("prefill", "decode")}
+        idle = all(value(s, "baton_kv_cache_blocks_used") == 0 and value(s, "baton_num_requests_running") == 0
+                   for s in workers.values())
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for role, samples in workers.items():
+        assert value(samples, "baton_kv_cache_blocks_used") == 0, role
+        assert value(samples, "baton_kv_cache_blocks_total") == 300, role
+        assert value(samples, "baton_num_requests_waiting") == 0, role
+        assert value(samples, "baton_preemptions_total", kind="recompute") == 0, role
+        assert value(samples, "baton_kv_transfer_failures_total") == 0, role
+    # Every request but the cancelled one may have been handed off; both sides counted the same bytes.
+    sent, got = (value(workers[r], "baton_kv_transferred_bytes_total") for r in ("prefill", "decode"))
+    assert sent == got > 0
+    assert value(workers["decode"], "baton_kv_transfer_seconds_count") == system.stats("decode").num_transfers
+
+    gateway = scrape(system.processes[-1].metrics_port)
+    num_prompt = sum(map(len, prompts)) + 20 + 20 + 30
+    assert value(gateway, "baton_prompt_tokens_total") == num_prompt
+    exact = received + len(probe_tokens) + stopped_tokens
+    # The gateway may have streamed a few more tokens of the cancelled request than we read.
+    cancelled_at_gateway = value(gateway, "baton_generation_tokens_total") - exact
+    assert cancelled_at_gateway >= cancelled
+    assert value(gateway, "baton_requests_finished_total", finish_reason="length") == 7
+    assert value(gateway, "baton_requests_finished_total", finish_reason="stop") == 1
+    assert value(gateway, "baton_requests_finished_total", finish_reason="abort") == 1
+    assert value(gateway, "baton_requests_finished_total", finish_reason="error") == 0
+    assert value(gateway, "baton_e2e_request_latency_seconds_count") == 9
+    assert value(gateway, "baton_time_to_first_token_seconds_count") == 9
+    assert value(gateway, "baton_time_per_output_token_seconds_count") == 9  # each got 2+ tokens
+    # Inter-token gaps: tokens - 1 per request.
+    assert value(gateway, "baton_inter_token_latency_seconds_count") == (
+        6 * 4 + (len(probe_tokens) - 1) + (stopped_tokens - 1) + (cancelled_at_gateway - 1)
+    )
+    # One model label on every process's series.
+    models = {dict(labels).get("model") for samples in (gateway, *workers.values())
+              for (name, labels) in samples if name.startswith("baton_")}
+    assert len(models) == 1 and None not in models, models
