@@ -5,6 +5,7 @@
     baton prefill-worker --listen ADDR ...
     baton decode-worker --listen ADDR ...
     baton generate "prompt" [--stream] [--max-tokens N] [--chat] ...
+    baton status [--gateway ADDR] [--queue-slo-ms MS] [--json]
 
 Every flag of a server role also reads an environment variable (BATON_ plus
 the flag's name in capitals, e.g. --max-num-seqs <- BATON_MAX_NUM_SEQS); a
@@ -65,6 +66,9 @@ def _add_worker_flags(parser: argparse.ArgumentParser, role: str) -> None:
     _flag(parser, "num-kv-blocks", type=int, help="KV blocks (default: from --kv-cache-memory)")
     _flag(parser, "kv-cache-memory", type=_size, default=_size("1G"), help="KV cache budget, e.g. 512M, 2G")
     _flag(parser, "max-num-seqs", type=int, default=256, help="sequences per step")
+    _flag(parser, "preemption-mode", default="auto",
+          help="auto (cheaper of recompute and swap, per sequence), recompute or swap")
+    _flag(parser, "swap-space", type=_size, default=_size("256M"), help="CPU swap pool for swap preemption")
     _flag(parser, "max-num-batched-tokens", type=int, default=512 if role == "prefill" else 2048,
           help="token budget per step (prefill chunks + decodes)")
     _flag(parser, "threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads")
@@ -92,6 +96,8 @@ def _worker_settings(args: argparse.Namespace, role: str):
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
         attention_backend=args.attention_backend,
+        preemption_mode=args.preemption_mode,
+        swap_space_bytes=args.swap_space,
     )
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(
@@ -156,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--timeout-s", type=float, default=600.0)
+
+    status = commands.add_parser("status", help="each worker's health, load and scheduling, with findings")
+    _flag(status, "gateway", default=DEFAULT_GATEWAY, help="gateway address")
+    status.add_argument("--queue-slo-ms", type=float, default=1000.0,
+                        help="report mean queue times (arrival to admission) above this")
+    status.add_argument("--json", action="store_true", help="print the status and findings as JSON")
+    status.add_argument("--timeout-s", type=float, default=10.0)
     return parser
 
 
@@ -165,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         from baton.client import generate_command
 
         return generate_command(args)
+    if args.command == "status":
+        from baton.status import status_command
+
+        return status_command(args)
     from baton.server import configure_logging
 
     configure_logging(args.log_level)

@@ -82,5 +82,27 @@ def worker_stats_to_pb(stats: SchedulerStats, **fields) -> worker_pb2.WorkerStat
         mean_seqs_per_step=stats.mean_seqs_per_step,
         mean_queue_seconds=stats.mean_queue_time,
         num_finished=stats.num_finished,
+        recent=recent_stats_to_pb(stats.recent),
         **fields,
+    )
+
+
+def recent_stats_to_pb(recent) -> worker_pb2.RecentStats:
+    return worker_pb2.RecentStats(
+        window_seconds=recent.window_s,
+        seconds=recent.seconds,
+        seconds_since_last_step=min(recent.seconds_since_last_step, 1e12),
+        num_steps=recent.num_steps,
+        mean_batch_size=recent.mean_batch_size,
+        mean_tokens_per_step=recent.mean_tokens_per_step,
+        mean_kv_usage=recent.mean_kv_usage,
+        mean_num_waiting=recent.mean_num_waiting,
+        num_admissions=recent.num_admissions,
+        num_preemptions_recompute=recent.num_preemptions_recompute,
+        num_preemptions_swap=recent.num_preemptions_swap,
+        num_swapped_blocks_out=recent.num_swapped_blocks_out,
+        num_queued=recent.num_queued,
+        mean_queue_seconds=recent.mean_queue_time,
+        num_steps_kv_blocked=recent.num_steps_kv_blocked,
+        num_steps_seq_capped=recent.num_steps_seq_capped,
     )

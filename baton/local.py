@@ -118,17 +118,19 @@ def start_deployment(
     metrics: bool = False,
     threads: int = 1,
     timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
 ) -> Deployment:
     """Start the processes (logs to `log_dir`, or to our stdout when None) and wait
     until the gateway and every worker are SERVING. `metrics`: each serves Prometheus
-    metrics on a free port of its own (`Process.metrics_port`)."""
+    metrics on a free port of its own (`Process.metrics_port`). `env`: extra environment
+    variables of the processes, over ours (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
 
     def metrics_args() -> list[str]:
         return ["--metrics-port", str(free_port())] if metrics else []
 
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(env or {})}
     # The processes share this machine's cores. With OpenMP's passive wait a worker
     # with nothing to do sleeps instead of spinning its threads, so the cores go to
     # whichever worker has work: the prefill worker during a burst of prompts, the

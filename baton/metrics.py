@@ -8,7 +8,8 @@ measures is what it sees:
   token, inter-token latency, end-to-end latency; prompt and generation tokens;
   finished requests by finish reason.
 - workers: the engine's state, read at scrape time (requests running, waiting and
-  swapped, KV blocks used and total, preemptions by kind, steps) and, on the
+  swapped, KV blocks used and total, preemptions by kind, steps); each request's
+  queue time and prefill time, from the timings on its last output; and, on the
   transfer path, KV bytes, transfer time and failures.
 
 The worker's engine state is read by a collector that asks the engine thread for a
@@ -92,12 +93,25 @@ class WorkerMetrics:
                                          labels, registry=r).labels(model)
         self.transfer_failures = Counter("baton_kv_transfer_failures", "KV handoffs that failed",
                                          labels, registry=r).labels(model)
+        self.queue_time = Histogram("baton_request_queue_time_seconds",
+                                    "Arrival at the engine to admission into the batch",
+                                    labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
+        self.prefill_time = Histogram("baton_request_prefill_time_seconds",
+                                      "Admission to first token, for prompts prefilled here",
+                                      labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
         self._engine_collector: _EngineCollector | None = None
 
     def watch_engine(self, snapshot: Callable[[], object]) -> None:
         """Report the engine's SchedulerStats from `snapshot()` at every scrape."""
         self._engine_collector = _EngineCollector(self.model, snapshot)
         self.registry.register(self._engine_collector)
+
+    def record_timings(self, timings) -> None:
+        """A request's RequestTimings, at its last output on this worker."""
+        if timings.queue_time is not None:
+            self.queue_time.observe(timings.queue_time)
+        if timings.prefill_time is not None:
+            self.prefill_time.observe(timings.prefill_time)
 
     def record_transfer(self, num_bytes: int, seconds: float) -> None:
         self.transferred_bytes.inc(num_bytes)

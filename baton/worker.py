@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton import tracing
 from baton.internal.v1 import worker_pb2
 from baton.metrics import WorkerMetrics, engine_snapshot, serve_metrics
 from baton.server import GrpcServer
@@ -62,6 +63,7 @@ def engine_config(
     num_threads: int | None = None,
     attention_backend: str = "auto",
     preemption_mode: str = "auto",
+    swap_space_bytes: int = 256 * 1024**2,
     seed: int = 0,
 ) -> EngineConfig:
     return EngineConfig(
@@ -72,6 +74,7 @@ def engine_config(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            swap_space_bytes=swap_space_bytes,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -185,11 +188,39 @@ class WorkerBase:
             role=self.settings.role,
             model=self._model_info.model,
             serving=engine.is_alive,
+            max_num_seqs=self.settings.engine.scheduler.max_num_seqs,
+            max_num_batched_tokens=self.settings.engine.scheduler.max_num_batched_tokens,
+            kv_block_bytes=self.llm.kv_layout.bytes_per_block,
             **self.extra_stats(),
         )
 
     def extra_stats(self) -> dict:
         return {}
+
+    # ----------------------------------------------------------------- tracing
+    def _start_span(self, name: str, context, request_id: str, attributes: dict | None = None):
+        """A SERVER span for one call, child of the caller's span (None: tracing off)."""
+        if not tracing.enabled():
+            return None
+        return tracing.start_span(name, tracing.extract(context.invocation_metadata()), tracing.SERVER, {
+            "baton.request_id": request_id,
+            "baton.worker_id": self.worker_id,
+            "gen_ai.request.model": self._model_info.model if self._model_info else "",
+            **(attributes or {}),
+        })
+
+    def _observe(self, output, span) -> None:
+        """A request's last output here: its timings into the metrics and onto its span."""
+        timings = output.timings
+        if timings is None:
+            return
+        self.metrics.record_timings(timings)
+        if tracing.recording(span):
+            if timings.queue_time is not None:
+                span.set_attribute("baton.queue_time_s", timings.queue_time)
+            if timings.prefill_time is not None:
+                span.set_attribute("baton.prefill_time_s", timings.prefill_time)
+            span.set_attribute("baton.num_preemptions", timings.num_preemptions)
 
 
 async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service, service_name: str) -> None:

@@ -1,17 +1,22 @@
 """Online serving benchmark: the engine benchmark's mixed workload, arriving as a Poisson
 process, against a running Baton deployment over gRPC.
 
-Three systems, one after the other in one run, on the same arrival schedule:
+Four systems, one after the other in this order in one run, on the same arrival schedule:
 
-    disaggregated   gateway + 1 prefill worker + 1 decode worker (separate processes)
-    colocated       gateway + 1 decode worker that prefills itself
-    engine          the in-process engine (AsyncEngine, no gRPC), the reference
+    disaggregated           gateway + 1 prefill worker + 1 decode worker (separate processes)
+    disaggregated+tracing   the same, with OpenTelemetry tracing on: every process exports
+                            its spans over OTLP/gRPC (default batch span processor) to an
+                            in-memory receiver in this process (baton.otlp_sink)
+    colocated               gateway + 1 decode worker that prefills itself
+    engine                  the in-process engine (AsyncEngine, no gRPC), the reference
 
 Reported per system: TTFT, TPOT, ITL and end-to-end latency (p50/p90/p99),
 output tokens/s and requests/s over the run, plus the KV handoff's observed
-bandwidth. Then a raw-vs-block KV transfer comparison between two processes
-(kvtransfer.bench). Targets: disaggregated output tokens/s >= 0.9x engine;
-KV block transfer bandwidth >= 0.9x a raw send/recv of the same bytes.
+bandwidth and, with tracing, the spans and traces received. Then a raw-vs-block KV
+transfer comparison between two processes (kvtransfer.bench). Targets:
+disaggregated output tokens/s >= 0.9x engine; disaggregated+tracing output
+tokens/s >= 0.97x disaggregated (tracing on / off); KV block transfer bandwidth
+>= 0.9x a raw send/recv of the same bytes.
 
     python -m benchmarks.serving --rate 4 --num-requests 64
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -32,7 +38,7 @@ import numpy as np
 
 from benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
 
-ALL_SYSTEMS = ("disaggregated", "colocated", "engine")
+ALL_SYSTEMS = ("disaggregated", "disaggregated+tracing", "colocated", "engine")
 
 
 @dataclass
@@ -144,42 +150,54 @@ async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[f
 
 def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> SystemResult:
     from baton.local import start_deployment
+    from baton.otlp_sink import OtlpSink
 
-    disaggregated = name == "disaggregated"
+    disaggregated = name in ("disaggregated", "disaggregated+tracing")
+    tracing = name == "disaggregated+tracing"
     worker_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.verify_kv:
         worker_args.append("--verify-kv")
     decode_threads = args.decode_threads if disaggregated else args.threads
-    deployment = start_deployment(
-        args.model,
-        log_dir / name,
-        prefill=disaggregated,
-        worker_args=worker_args,
-        prefill_args=["--threads", str(args.prefill_threads)],
-        decode_args=["--threads", str(decode_threads)],
-        gateway_args=[f"--{flag}={value}" for flag, value in (
-            ("max-local-prefill-tokens", args.max_local_prefill_tokens),
-            ("max-prefill-queue-tokens", args.max_prefill_queue_tokens),
-        ) if value is not None],
-        threads=decode_threads,
-        timeout_s=900,
-    )
-    try:
-        time.sleep(0.5)
-        timings = asyncio.run(drive_grpc(deployment.gateway, requests, offsets))
-        decode = deployment.stats("decode")
-        extra = {"mean_seqs_per_step": decode.mean_seqs_per_step}
-        if disaggregated:
-            extra.update(
-                handed_off=f"{decode.num_transfers}/{len(requests)}",
-                num_transfers=decode.num_transfers,
-                kv_bytes=decode.num_transferred_bytes,
-                kv_transfer_seconds=decode.transfer_seconds,
-                kv_observed_gbps=decode.num_transferred_bytes / max(decode.transfer_seconds, 1e-9) / 1e9,
-                transfer_failures=decode.num_transfer_failures,
-            )
-    finally:
-        deployment.stop()
+    with OtlpSink() if tracing else contextlib.nullcontext() as sink:
+        # Tracing off for the other systems, whatever this shell's OTEL_* variables say.
+        env = {"OTEL_SDK_DISABLED": "true"}
+        if tracing:  # every process exports its spans to the sink
+            env = {"OTEL_SDK_DISABLED": "false", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": sink.endpoint,
+                   "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+        deployment = start_deployment(
+            args.model,
+            log_dir / name,
+            prefill=disaggregated,
+            worker_args=worker_args,
+            prefill_args=["--threads", str(args.prefill_threads)],
+            decode_args=["--threads", str(decode_threads)],
+            gateway_args=[f"--{flag}={value}" for flag, value in (
+                ("max-local-prefill-tokens", args.max_local_prefill_tokens),
+                ("max-prefill-queue-tokens", args.max_prefill_queue_tokens),
+            ) if value is not None],
+            threads=decode_threads,
+            timeout_s=900,
+            env=env,
+        )
+        try:
+            time.sleep(0.5)
+            timings = asyncio.run(drive_grpc(deployment.gateway, requests, offsets))
+            decode = deployment.stats("decode")
+            extra = {"mean_seqs_per_step": decode.mean_seqs_per_step}
+            if disaggregated:
+                extra.update(
+                    handed_off=f"{decode.num_transfers}/{len(requests)}",
+                    num_transfers=decode.num_transfers,
+                    kv_bytes=decode.num_transferred_bytes,
+                    kv_transfer_seconds=decode.transfer_seconds,
+                    kv_observed_gbps=decode.num_transferred_bytes / max(decode.transfer_seconds, 1e-9) / 1e9,
+                    transfer_failures=decode.num_transfer_failures,
+                )
+        finally:
+            deployment.stop()
+        if tracing:
+            spans = sink.spans()  # all of them: the processes flush their spans as they exit
+            extra.update(spans_exported=len(spans), traces_exported=len({span.trace_id for span in spans}))
     return summarize(name, timings, extra)
 
 
@@ -227,7 +245,8 @@ def run_engine(args, requests, offsets) -> SystemResult:
 def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> list[tuple[str, float, float, bool]]:
     print(f"\nworkload: {args.num_requests} requests, Poisson rate {args.rate}/s, seed {args.seed}, "
           f"prompts {args.min_prompt_len}-{args.max_prompt_len}, outputs {args.min_output_len}-{args.max_output_len}")
-    header = f"{'system':<14} {'out tok/s':>9} {'req/s':>6} " + " ".join(
+    width = max([14, *(len(name) for name in results)])
+    header = f"{'system':<{width}} {'out tok/s':>9} {'req/s':>6} " + " ".join(
         f"{m + ' p50/p90/p99 ms':>26}" for m in ("TTFT", "TPOT", "ITL", "E2E")
     )
     print(header)
@@ -235,7 +254,7 @@ def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> lis
         cells = []
         for metric in (result.ttft, result.tpot, result.itl, result.e2e):
             cells.append(f"{metric['p50'] * 1e3:8.1f}/{metric['p90'] * 1e3:8.1f}/{metric['p99'] * 1e3:8.1f}")
-        print(f"{result.name:<14} {result.output_tokens_per_s:9.1f} {result.requests_per_s:6.2f} " + " ".join(
+        print(f"{result.name:<{width}} {result.output_tokens_per_s:9.1f} {result.requests_per_s:6.2f} " + " ".join(
             f"{c:>26}" for c in cells))
     for result in results.values():
         if result.extra:
@@ -245,6 +264,9 @@ def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> lis
     if "disaggregated" in results and "engine" in results:
         ratio = results["disaggregated"].output_tokens_per_s / results["engine"].output_tokens_per_s
         checks.append(("disaggregated / engine output tok/s", ratio, 0.9, ratio >= 0.9))
+    if "disaggregated+tracing" in results and "disaggregated" in results:
+        ratio = results["disaggregated+tracing"].output_tokens_per_s / results["disaggregated"].output_tokens_per_s
+        checks.append(("tracing on / off output tok/s", ratio, 0.97, ratio >= 0.97))
     if "colocated" in results and "engine" in results:
         ratio = results["colocated"].output_tokens_per_s / results["engine"].output_tokens_per_s
         checks.append(("colocated / engine output tok/s", ratio, 0.0, True))
@@ -295,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(ALL_SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
+    systems = [s for s in ALL_SYSTEMS if s in systems]  # in ALL_SYSTEMS' order: tracing on right after off
     from transformers import AutoConfig  # noqa: F401  (fail early if transformers is broken)
 
     from engine.model.loader import load_tokenizer

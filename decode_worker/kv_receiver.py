@@ -99,14 +99,17 @@ class KvReceiver:
             peer = self._peers[address] = _Peer(address)
         return peer
 
-    async def receive(self, handle: worker_pb2.KvHandle, block_ids: list[int]) -> ReceiveResult:
+    async def receive(
+        self, handle: worker_pb2.KvHandle, block_ids: list[int], trace_metadata=None
+    ) -> ReceiveResult:
         """Pull the KV `handle` names into `block_ids`. Never raises: a failure is reported
-        (the caller then prefills the prompt itself)."""
+        (the caller then prefills the prompt itself). `trace_metadata` goes with the
+        calls to the prefill worker."""
         started = time.perf_counter()
         peer = self._peer(handle.prefill_address)
         try:
             async with peer.lock:
-                result = await self._pull(peer, handle, block_ids)
+                result = await self._pull(peer, handle, block_ids, trace_metadata)
         except (KvTransferError, grpc.aio.AioRpcError, asyncio.TimeoutError, ValueError) as error:
             self.num_transfer_failures += 1
             message = _describe(error)
@@ -120,11 +123,13 @@ class KvReceiver:
         self.transfer_seconds += seconds
         return ReceiveResult(True, result.verified, result.num_bytes, seconds)
 
-    async def _pull(self, peer: _Peer, handle: worker_pb2.KvHandle, block_ids: list[int]) -> ReceiveResult:
+    async def _pull(
+        self, peer: _Peer, handle: worker_pb2.KvHandle, block_ids: list[int], trace_metadata
+    ) -> ReceiveResult:
         if len(block_ids) != handle.num_blocks:
             raise ValueError(f"allocated {len(block_ids)} blocks for {handle.num_blocks} held")
         if peer.channel is None or peer.channel.is_broken:
-            await self._open(peer)
+            await self._open(peer, trace_metadata)
         loop = asyncio.get_running_loop()
         tag = peer.next_tag()
         call = peer.stub.SendKv(
@@ -137,6 +142,7 @@ class KvReceiver:
                 block_ids=block_ids,
             ),
             timeout=self.timeout_s * 2,
+            metadata=trace_metadata,
         )
         try:
             accepted = await call.read()
@@ -165,7 +171,7 @@ class KvReceiver:
             raise
         return ReceiveResult(True, verified, stats.num_bytes, stats.seconds)
 
-    async def _open(self, peer: _Peer) -> None:
+    async def _open(self, peer: _Peer, trace_metadata=None) -> None:
         """Rendezvous a two-rank group with the prefill worker: we host the store (rank 1)."""
         if peer.channel is not None:
             peer.executor.submit(peer.channel.close)
@@ -197,6 +203,7 @@ class KvReceiver:
                     timeout_seconds=self.timeout_s,
                 ),
                 timeout=self.timeout_s * 2,
+                metadata=trace_metadata,
             )
         except BaseException:
             # Our side of the rendezvous times out on its own; its thread is then free.

@@ -9,6 +9,7 @@ import logging
 
 import grpc
 
+from baton import tracing
 from baton.convert import finish_reason_to_pb, logprobs_to_pb, sampling_params_from_pb
 from baton.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.worker import WorkerBase, WorkerSettings, kv_layout_spec, layout_from_pb, run_worker
@@ -30,6 +31,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         # Requests admitted with a handle: the handle, and the future their pull resolves.
         self._handles: dict[str, worker_pb2.KvHandle] = {}
         self._pulls: dict[str, asyncio.Future[ReceiveResult]] = {}
+        self._spans: dict[str, object] = {}  # traced requests' decode spans, for their kv_transfer
         self._tasks: set[asyncio.Task] = set()
 
     async def load(self, address: str) -> None:
@@ -61,13 +63,33 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
 
     # ------------------------------------------------------------------ decode
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
+        work = request.request
+        span = self._start_span("decode", context, work.request_id, {
+            "gen_ai.usage.input_tokens": len(work.prompt_token_ids),
+            "baton.kv.handoff": request.HasField("kv_handle"),
+        })
+        error = None
+        try:
+            async for event in self._decode(request, context, span):
+                yield event
+        except BaseException as caught:
+            error = caught
+            raise
+        finally:
+            tracing.end_call_span(span, context, error)
+
+    async def _decode(self, request: worker_pb2.DecodeRequest, context, span):
         engine = await self._require_engine(context)
         work = request.request
         request_id = work.request_id
         prompt = list(work.prompt_token_ids)
         has_handle = request.HasField("kv_handle")
+        traced = tracing.recording(span)
         try:
             params = sampling_params_from_pb(work.sampling, with_stop_strings=False)
+            if traced:
+                span.set_attributes(tracing.request_attributes(
+                    self._model_info.model, params, operation="text_completion"))
             if has_handle:
                 if not request.HasField("first_token_id"):
                     raise ValueError("a KV handle needs first_token_id")
@@ -79,11 +101,13 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                     )
                 self._handles[request_id] = request.kv_handle
                 self._pulls[request_id] = asyncio.get_running_loop().create_future()
+                if span is not None:
+                    self._spans[request_id] = span
                 stream = await engine.add_prefilled_request(
-                    request_id, prompt, request.first_token_id, params, priority=work.priority
+                    request_id, prompt, request.first_token_id, params, priority=work.priority, trace=traced
                 )
             else:
-                stream = await engine.add_request(request_id, prompt, params, priority=work.priority)
+                stream = await engine.add_request(request_id, prompt, params, priority=work.priority, trace=traced)
         except KvLayoutMismatchError as error:
             self._forget(request_id)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
@@ -104,6 +128,15 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                     error=result.error,
                 )
             async for output in stream:
+                if output.events is not None:
+                    tracing.add_events(span, output.events)
+                if output.finished:
+                    self._observe(output, span)
+                    if traced:
+                        span.set_attributes({
+                            "gen_ai.response.finish_reasons": [output.finish_reason],
+                            "gen_ai.usage.output_tokens": output.num_output_tokens,
+                        })
                 if output.finish_reason == "abort":
                     finished = True
                     await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
@@ -132,6 +165,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
 
     def _forget(self, request_id: str) -> None:
         self._handles.pop(request_id, None)
+        self._spans.pop(request_id, None)
         pull = self._pulls.pop(request_id, None)
         if pull is not None and not pull.done():
             pull.cancel()
@@ -149,11 +183,25 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         if handle is None:  # the Decode call already ended; the engine aborts it when told
             result = ReceiveResult(ok=False, error="request gone")
         else:
-            result = await self.receiver.receive(handle, receive.block_ids)
+            span = tracing.start_span("kv_transfer", self._spans.get(request_id), tracing.CLIENT, {
+                "baton.request_id": request_id,
+                "baton.kv.direction": "receive",
+                "baton.kv.peer": handle.prefill_address,
+            }) if request_id in self._spans else None
+            result = await self.receiver.receive(handle, receive.block_ids, tracing.metadata(span))
             if result.ok:
                 self.metrics.record_transfer(result.num_bytes, result.seconds)
             else:
                 self.metrics.transfer_failures.inc()
+            if span is not None:
+                span.set_attributes(tracing.transfer_attributes(
+                    num_blocks=len(receive.block_ids), num_bytes=result.num_bytes, seconds=result.seconds,
+                    verified=result.verified,
+                ))
+                if result.ok:
+                    tracing.end_span(span)
+                else:
+                    tracing.end_span(span, grpc.StatusCode.UNAVAILABLE, result.error)
         # NOTE: the engine keeps the blocks of a request aborted meanwhile until this call,
         # so the receive above never writes into blocks that belong to someone else.
         await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok))
@@ -177,9 +225,14 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
 def serve(settings: WorkerSettings) -> None:
     """Run a decode worker in this process until SIGTERM."""
     from baton.server import install_uvloop
+    from baton.tracing import configure_tracing, shutdown_tracing
 
     install_uvloop()
+    configure_tracing("decode-worker", settings.worker_id)
     service = DecodeWorkerService(settings)
-    asyncio.run(
-        run_worker(settings, service, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, SERVICE_NAME)
-    )
+    try:
+        asyncio.run(
+            run_worker(settings, service, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, SERVICE_NAME)
+        )
+    finally:
+        shutdown_tracing()

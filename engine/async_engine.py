@@ -134,6 +134,7 @@ class AsyncEngine:
         *,
         priority: int = 0,
         prefill_only: bool = False,
+        trace: bool = False,
     ) -> RequestStream:
         """Queue a request; raises ValueError on bad input (nothing is then queued)."""
         return await self._add(
@@ -144,6 +145,7 @@ class AsyncEngine:
                 request_id=request_id,
                 priority=priority,
                 prefill_only=prefill_only,
+                trace=trace,
             ),
         )
 
@@ -155,6 +157,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
+        trace: bool = False,
     ) -> RequestStream:
         """Queue a request whose prompt KV will be received (see LLMEngine.add_prefilled_request)."""
         return await self._add(
@@ -165,6 +168,7 @@ class AsyncEngine:
                 params,
                 request_id=request_id,
                 priority=priority,
+                trace=trace,
             ),
         )
 

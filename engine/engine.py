@@ -90,14 +90,18 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         prefill_only: bool = False,
+        trace: bool = False,
     ) -> Request:
         """Queue a request; it joins the batch at the next step. Raises ValueError on bad input.
 
         With `prefill_only`, the request stops after its first sampled token
         (unless that token ends it) and holds its KV for a handoff: its output
-        that step carries `kv_block_ids`, and `release_kv` frees them.
+        that step carries `kv_block_ids`, and `release_kv` frees them. With
+        `trace`, the request records its timeline (admission, each prefill chunk
+        and the batch it ran in, preemptions, the first decode step) and its
+        outputs carry it off in `events`.
         """
-        request = self._new_request(prompt, sampling_params, request_id, priority)
+        request = self._new_request(prompt, sampling_params, request_id, priority, trace)
         request.prefill_only = prefill_only
         self.scheduler.add_request(request)
         return request
@@ -110,6 +114,7 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        trace: bool = False,
     ) -> Request:
         """Queue a request whose prompt another engine prefilled and sampled `first_token_id` for.
 
@@ -119,7 +124,7 @@ class LLMEngine:
         had been prefilled here (a seeded request's generator skips the draw
         the other engine made).
         """
-        request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority)
+        request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority, trace)
         self._check_token_ids([first_token_id])
         request.all_token_ids.append(first_token_id)
         request.kv_remote = True
@@ -149,6 +154,7 @@ class LLMEngine:
         sampling_params: SamplingParams | None,
         request_id: str | None,
         priority: int,
+        trace: bool = False,
     ) -> Request:
         params = sampling_params if sampling_params is not None else SamplingParams()
         prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -164,6 +170,8 @@ class LLMEngine:
             priority=priority,
             eos_token_ids=self.eos_token_ids,
         )
+        if trace:
+            request.events = []
         if params.stop and self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -198,21 +206,32 @@ class LLMEngine:
         started = time.perf_counter()
         scheduler = self.scheduler
         sched_out = scheduler.schedule()
+        # Traced requests scheduled this step, with where their work starts.
+        traced = [
+            (request, request.num_computed_tokens, num_new)
+            for request, num_new in zip(sched_out.requests, sched_out.num_scheduled_tokens)
+            if request.events is not None
+        ]
         runner_out = self.runner.execute(sched_out)
         finished = scheduler.update_from_output(
             sched_out, runner_out.requests, runner_out.token_ids
         )
+        if traced:
+            self._record_work(traced, sched_out)
         finished_ids = {request.request_id for request in finished}
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sampler_out = runner_out.sampler_output
+        now = time.monotonic()
         for index, (request, token_id) in enumerate(zip(runner_out.requests, runner_out.token_ids)):
             new_logprobs = None
             if request.logprobs is not None and sampler_out is not None and sampler_out.logprobs:
                 entry = sampler_out.logprobs[index]
                 request.logprobs.append(entry)
                 new_logprobs = [entry]
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
+            if request.first_token_time is None and request.kv_ready_time is None:
+                request.first_token_time = now  # its prompt was prefilled here
+            elif request.first_decode_time is None:
+                request.first_decode_time = now
             detokenizer = request.detokenizer
             if detokenizer is not None and detokenizer.stop_matched is None:
                 # Every token reaches the detokenizer, also the one that ended the request by
@@ -240,6 +259,8 @@ class LLMEngine:
                         num_output_tokens=request.num_output_tokens,
                         new_logprobs=new_logprobs,
                         kv_block_ids=kv_block_ids,
+                        timings=None if kv_block_ids is None else request.timings(),
+                        events=None if request.events is None else request.take_events(),
                     )
                 )
         seconds = time.perf_counter() - started
@@ -266,6 +287,27 @@ class LLMEngine:
             step_seconds=seconds,
         )
 
+    def _record_work(self, traced: list[tuple[Request, int, int]], sched_out) -> None:
+        """Timeline events of traced requests for the step just run: each prefill chunk
+        (where it started, its tokens, the batch it ran in) and the first decode step."""
+        batch = {
+            "baton.step": self.scheduler.step_index,
+            "baton.batch.num_seqs": len(sched_out.requests),
+            "baton.batch.num_tokens": sched_out.total_num_scheduled_tokens,
+        }
+        for request, start, num_new in traced:
+            if num_new > 1 or start < request.num_prompt_tokens:
+                request.record("prefill_chunk", {
+                    "baton.chunk.start": start,
+                    "baton.chunk.tokens": num_new,
+                    "baton.chunk.recompute": request.num_preemptions > 0,
+                    **batch,
+                })
+            elif request.first_decode_time is None and (
+                request.first_token_time is not None or request.kv_ready_time is not None
+            ):
+                request.record("first_decode_step", batch)
+
     def _final_output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list | None = None
     ) -> RequestOutput:
@@ -278,6 +320,8 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             text=self.output_text(request),
             new_logprobs=new_logprobs,
+            timings=request.timings(),
+            events=None if request.events is None else request.take_events(),
         )
 
     def output_text(self, request: Request) -> str | None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.request import RequestTimings
 
 
 @dataclass(slots=True)
@@ -19,6 +23,10 @@ class RequestOutput:
     new_logprobs: list | None = None
     # Set when a prefill_only request's KV is now held for a handoff: its blocks, in order.
     kv_block_ids: list[int] | None = None
+    # Set on a request's last output here (finished, or held for a handoff).
+    timings: RequestTimings | None = None
+    # Traced requests: timeline events since the last output, (wall-clock ns, name, attributes).
+    events: list[tuple[int, str, dict]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

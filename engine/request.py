@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,15 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_HANDED_OFF: "handoff",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Where a request's time went on this engine (seconds; None: did not happen here)."""
+
+    queue_time: float | None  # arrival to admission
+    prefill_time: float | None  # admission to first token, when its prompt was prefilled here
+    num_preemptions: int
 
 
 class Request:
@@ -72,6 +82,9 @@ class Request:
         "prefill_only",
         "kv_remote",
         "abort_requested",
+        "kv_ready_time",
+        "first_decode_time",
+        "events",
     )
 
     def __init__(
@@ -119,6 +132,11 @@ class Request:
         self.prefill_only = prefill_only
         self.kv_remote = False
         self.abort_requested = False  # aborted while RECEIVING: ends when the receive does
+        self.kv_ready_time: float | None = None  # a received prompt's KV landed (monotonic)
+        self.first_decode_time: float | None = None  # end of its first decode step (monotonic)
+        # Timeline events for tracing (None: not traced, nothing recorded). Each is
+        # (wall-clock ns, name, attributes); outputs carry them off as they come.
+        self.events: list[tuple[int, str, dict]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +168,31 @@ class Request:
         if self.first_scheduled_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+    def record(self, name: str, attributes: dict) -> None:
+        """Add a timeline event (traced requests only: check `events is not None` first)."""
+        self.events.append((time.time_ns(), name, attributes))
+
+    def take_events(self) -> list[tuple[int, str, dict]] | None:
+        """The events recorded since the last call (None when there are none)."""
+        events = self.events
+        if not events:
+            return None
+        self.events = []
+        return events
+
+    def timings(self) -> RequestTimings:
+        return RequestTimings(
+            queue_time=self.queue_time,
+            prefill_time=(
+                self.first_token_time - self.first_scheduled_time
+                if self.kv_ready_time is None
+                and self.first_token_time is not None
+                and self.first_scheduled_time is not None
+                else None
+            ),
+            num_preemptions=self.num_preemptions,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockCopy, KVCacheManager, cdiv
@@ -93,6 +94,54 @@ class SchedulerStats:
     num_finished: int
     mean_queue_time: float
     queue_times: tuple[float, ...]
+    recent: RecentStats
+
+
+@dataclass(frozen=True, slots=True)
+class RecentStats:
+    """What the scheduler did over its recent steps: the last `window_s` seconds, or
+    fewer steps if it has been idle (steps happen only while there is work)."""
+
+    window_s: float
+    seconds: float  # from the window's first step to its last
+    seconds_since_last_step: float  # inf: no step yet
+    num_steps: int
+    mean_batch_size: float  # sequences per step
+    mean_tokens_per_step: float
+    mean_kv_usage: float  # fraction of KV blocks in use after each step
+    mean_num_waiting: float  # requests left waiting after each step
+    num_admissions: int  # entries into the running batch: admissions, readmissions, swap-ins
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_swapped_blocks_out: int
+    num_queued: int  # requests admitted for the first time
+    mean_queue_time: float  # their mean arrival-to-admission time
+    # Steps that ended with requests waiting because KV blocks were short (admission
+    # refused for lack of free blocks, or held back by a preemption or swapped requests),
+    # and because max_num_seqs sequences were already running.
+    num_steps_kv_blocked: int
+    num_steps_seq_capped: int
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
+
+    @property
+    def preemption_rate(self) -> float:
+        """Preemptions per entry into the running batch."""
+        return self.num_preemptions / self.num_admissions if self.num_admissions else 0.0
+
+    @property
+    def mean_swap_blocks(self) -> float:
+        """Blocks moved out per swap preemption."""
+        return self.num_swapped_blocks_out / self.num_preemptions_swap if self.num_preemptions_swap else 0.0
+
+
+# Cumulative counters snapshotted after every step, for RecentStats (see Scheduler._totals).
+_TOTALS = ("steps", "seqs", "tokens", "kv_used", "waiting", "admissions", "preempt_recompute",
+           "preempt_swap", "swap_blocks", "queued", "queue_time", "kv_blocked", "seq_capped")
+RECENT_WINDOW_S = 60.0
+_MAX_RECENT_STEPS = 1 << 16
 
 
 class Scheduler:
@@ -135,6 +184,15 @@ class Scheduler:
         self._num_finished = 0
         self._queue_time_total = 0.0
         self.queue_times: list[float] = []
+        self._num_entries = 0  # admissions, readmissions and swap-ins
+        self._kv_used_total = 0
+        self._waiting_total = 0
+        self._num_steps_kv_blocked = 0
+        self._num_steps_seq_capped = 0
+        self._step_blocked_by_kv = False  # this step left a request waiting for KV blocks
+        # (time, totals) after each step of the recent window; the first is its baseline.
+        self._recent: deque[tuple[float, tuple]] = deque(maxlen=_MAX_RECENT_STEPS)
+        self._recent.append((time.monotonic(), self._totals()))
 
     # ------------------------------------------------------------- requests
     @property
@@ -243,7 +301,10 @@ class Scheduler:
             return None
         del self.receiving[request_id]
         request.kv_remote = False
+        if request.events is not None:
+            request.record("kv_received" if ok else "kv_receive_failed", {})
         if ok:
+            request.kv_ready_time = time.monotonic()
             request.num_computed_tokens = request.num_prompt_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_sort_key)
@@ -289,6 +350,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        self._step_blocked_by_kv = bool(out.preempted)
         if not out.preempted:
             now = time.monotonic()
             budget = self._schedule_swapped(out, budget, chunk_cap)
@@ -312,6 +374,9 @@ class Scheduler:
             assert copies is not None
             out.swap_in.extend(copies)
             self.swapped.pop(0)
+            self._num_entries += 1
+            if request.events is not None:
+                request.record("swapped_in", {"baton.preemption.blocks": len(copies)})
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_sort_key)
             budget = self._schedule_admitted(out, request, num_new, budget)
@@ -323,6 +388,7 @@ class Scheduler:
         while waiting and budget > 0 and self._num_seqs < self.config.max_num_seqs:
             request = waiting[0][2]
             if not self._can_admit(request, promised):
+                self._step_blocked_by_kv = True
                 break  # head-of-line: lower-priority requests do not jump ahead
             heapq.heappop(waiting)
             budget = self._admit(out, request, budget, chunk_cap, now)
@@ -409,10 +475,18 @@ class Scheduler:
         )
         request.sort_key = (effective_priority, self._num_admissions)
         self._num_admissions += 1
-        if request.first_scheduled_time is None:
+        self._num_entries += 1
+        first = request.first_scheduled_time is None
+        if first:
             request.first_scheduled_time = now
             self.queue_times.append(now - request.arrival_time)
             self._queue_time_total += now - request.arrival_time
+        if request.events is not None:
+            request.record("admitted", {
+                "baton.queue_time_s": now - request.arrival_time,
+                "baton.readmitted": not first,
+                "baton.kv_remote": request.kv_remote,
+            })
         if request.kv_remote:
             num_tokens = request.num_prompt_tokens
             if reserve:
@@ -455,6 +529,12 @@ class Scheduler:
                 kind = self.cost_model.choose(
                     request.num_computed_tokens, len(kv.get_block_ids(request_id))
                 )
+        if request.events is not None:
+            request.record("preempted", {
+                "baton.preemption.kind": kind.value,
+                "baton.preemption.blocks": len(kv.get_block_ids(request_id)),
+                "baton.computed_tokens": request.num_computed_tokens,
+            })
         self.running.remove(request)
         request.num_preemptions += 1
         self.num_preemptions[kind] += 1
@@ -527,6 +607,60 @@ class Scheduler:
             self._kv_efficiency_total += held / (used * self.block_size)
         else:
             self._kv_efficiency_total += 1.0
+        self._kv_used_total += used
+        num_waiting = self.num_waiting
+        self._waiting_total += num_waiting
+        if num_waiting:
+            if self._step_blocked_by_kv or self.swapped:
+                self._num_steps_kv_blocked += 1
+            elif self._num_seqs >= self.config.max_num_seqs:
+                self._num_steps_seq_capped += 1
+        now = time.monotonic()
+        recent = self._recent
+        recent.append((now, self._totals()))
+        while len(recent) > 2 and recent[1][0] < now - RECENT_WINDOW_S:
+            recent.popleft()
+
+    def _totals(self) -> tuple:
+        """The cumulative counters named in _TOTALS, in that order."""
+        return (
+            self.step_index, self._num_seqs_total, self.num_tokens_total, self._kv_used_total,
+            self._waiting_total, self._num_entries, self.num_preemptions[PreemptionKind.RECOMPUTE],
+            self.num_preemptions[PreemptionKind.SWAP], self.num_swapped_blocks_out, len(self.queue_times),
+            self._queue_time_total, self._num_steps_kv_blocked, self._num_steps_seq_capped,
+        )
+
+    def recent_stats(self, now: float | None = None) -> RecentStats:
+        """Counts and means over the steps of the last RECENT_WINDOW_S seconds."""
+        now = time.monotonic() if now is None else now
+        recent = self._recent
+        while len(recent) > 1 and recent[1][0] < now - RECENT_WINDOW_S:
+            recent.popleft()
+        (first_time, first), (last_time, last) = recent[0], recent[-1]
+        if len(recent) == 1 or last_time < now - RECENT_WINDOW_S:
+            first = last  # idle for the whole window
+        delta = dict(zip(_TOTALS, (b - a for a, b in zip(first, last))))
+        steps = delta["steps"]
+        per_step = 1 / steps if steps else 0.0
+        total_blocks = self.kv.pool.num_blocks
+        return RecentStats(
+            window_s=RECENT_WINDOW_S,
+            seconds=last_time - first_time if steps else 0.0,
+            seconds_since_last_step=now - last_time if self.step_index else float("inf"),
+            num_steps=steps,
+            mean_batch_size=delta["seqs"] * per_step,
+            mean_tokens_per_step=delta["tokens"] * per_step,
+            mean_kv_usage=delta["kv_used"] * per_step / total_blocks if total_blocks else 0.0,
+            mean_num_waiting=delta["waiting"] * per_step,
+            num_admissions=delta["admissions"],
+            num_preemptions_recompute=delta["preempt_recompute"],
+            num_preemptions_swap=delta["preempt_swap"],
+            num_swapped_blocks_out=delta["swap_blocks"],
+            num_queued=delta["queued"],
+            mean_queue_time=delta["queue_time"] / delta["queued"] if delta["queued"] else 0.0,
+            num_steps_kv_blocked=delta["kv_blocked"],
+            num_steps_seq_capped=delta["seq_capped"],
+        )
 
     def stats(self, with_queue_times: bool = True) -> SchedulerStats:
         steps = max(self.step_index, 1)
@@ -555,6 +689,7 @@ class Scheduler:
             num_finished=self._num_finished,
             mean_queue_time=self._queue_time_total / max(len(self.queue_times), 1),
             queue_times=tuple(self.queue_times) if with_queue_times else (),
+            recent=self.recent_stats(),
         )
 
     def _num_queued_prefill_tokens(self) -> int:

@@ -9,14 +9,18 @@ from dataclasses import dataclass, field
 
 from baton.metrics import GatewayMetrics, serve_metrics
 from baton.server import GrpcServer, install_uvloop
+from baton.tracing import configure_tracing, shutdown_tracing
+from baton.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.v1 import generation_pb2, generation_pb2_grpc
 from engine.model.loader import load_tokenizer
+from gateway.admin import GatewayAdminService
 from gateway.service import GenerationService
 from gateway.workers import RoutingPolicy, WorkerPool
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,10 @@ class GatewaySettings:
 async def run_gateway(settings: GatewaySettings, ready: asyncio.Event | None = None) -> None:
     pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers), settings.routing)
     service = GenerationService(pool)
-    server = GrpcServer(settings.listen, [SERVICE_NAME])
+    admin = GatewayAdminService(pool)
+    server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME])
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
+    worker_pb2_grpc.add_GatewayAdminServicer_to_server(admin, server.server)
     await server.start()
     logger.info("gateway listening on %s; waiting for workers", server.address)
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
@@ -52,6 +58,7 @@ async def run_gateway(settings: GatewaySettings, ready: asyncio.Event | None = N
         port = serve_metrics(service.metrics.registry, settings.metrics_port, _host(settings.listen))
         logger.info("gateway metrics on port %d", port)
     service.load(tokenizer, info)
+    admin.model = info.model
     await server.set_serving(True)
     logger.info("gateway serving %s on %s (prefill: %s; decode: %s)", info.model, server.address,
                 ", ".join(settings.prefill_workers) or "none, colocated", ", ".join(settings.decode_workers))
@@ -68,4 +75,8 @@ def _host(listen: str) -> str:
 def serve(settings: GatewaySettings) -> None:
     """Run a gateway in this process until SIGTERM."""
     install_uvloop()
-    asyncio.run(run_gateway(settings))
+    configure_tracing("gateway")
+    try:
+        asyncio.run(run_gateway(settings))
+    finally:
+        shutdown_tracing()

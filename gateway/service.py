@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from baton import tracing
 from baton.convert import sampling_params_from_pb
 from baton.internal.v1 import worker_pb2
 from baton.v1 import generation_pb2 as pb
@@ -33,6 +34,8 @@ from baton.metrics import GatewayMetrics
 from gateway.workers import Worker, WorkerPool
 
 _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+# gen_ai.operation.name by prompt kind.
+_OPERATIONS = {"messages": "chat", "text": "text_completion", "token_ids": "text_completion"}
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ class PreparedRequest:
     sampling: pb.SamplingParams  # forwarded to workers, stop strings removed
     priority: int
     arrival: float = field(default_factory=time.monotonic)  # for the latency metrics
+    span: object | None = None  # its `generate` span (None: tracing off)
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -99,56 +103,100 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return self.info
 
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
-        prepared = await self._prepare(request, context)
-        try:
-            async for message in self._text_stream(prepared, context):
-                yield message
-        except RequestError as error:
-            await context.abort(error.code, error.details)
-        finally:
-            self._in_flight.discard(prepared.request_id)
+        async for message in self._serve(request, context, "GenerateStream"):
+            yield message
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        prepared = await self._prepare(request, context)
-        response = pb.GenerateResponse(request_id=prepared.request_id)
+        response = pb.GenerateResponse()
         text = []
-        try:
-            async for message in self._text_stream(prepared, context):
-                text.append(message.text)
-                response.token_ids.extend(message.token_ids)
-                response.logprobs.extend(message.logprobs)
-                if message.finish_reason:
-                    response.finish_reason = message.finish_reason
-                    response.usage.CopyFrom(message.usage)
-                    which = message.WhichOneof("stop_reason")
-                    if which is not None:
-                        setattr(response, which, getattr(message, which))
-        except RequestError as error:
-            await context.abort(error.code, error.details)
-        finally:
-            self._in_flight.discard(prepared.request_id)
+        async for message in self._serve(request, context, "Generate"):
+            response.request_id = message.request_id
+            text.append(message.text)
+            response.token_ids.extend(message.token_ids)
+            response.logprobs.extend(message.logprobs)
+            if message.finish_reason:
+                response.finish_reason = message.finish_reason
+                response.usage.CopyFrom(message.usage)
+                which = message.WhichOneof("stop_reason")
+                if which is not None:
+                    setattr(response, which, getattr(message, which))
         response.text = "".join(text)
         return response
 
-    # ------------------------------------------------------------- validation
-    async def _prepare(self, request: pb.GenerateRequest, context) -> PreparedRequest:
-        if self.info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "gateway is starting: no worker is serving yet")
+    async def _serve(self, request: pb.GenerateRequest, context, method: str) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """One request, start to end: its span, validation, the stream; a RequestError
+        ends the call with its status."""
+        span = self._start_span(context, method)
+        prepared = None
+        failure: RequestError | None = None
         try:
-            prepared = self._validate(request)
+            prepared = self._prepare(request, span)
+            async for message in self._text_stream(prepared, context):
+                yield message
         except RequestError as error:
+            failure = error
             await context.abort(error.code, error.details)
+        except (asyncio.CancelledError, GeneratorExit):
+            failure = RequestError(grpc.StatusCode.CANCELLED, "the client cancelled")
+            raise
+        except Exception as error:
+            failure = RequestError(grpc.StatusCode.INTERNAL, repr(error))
+            raise
+        finally:
+            if prepared is not None:
+                self._in_flight.discard(prepared.request_id)
+            self._end_span(span, failure)
+
+    # ----------------------------------------------------------------- tracing
+    def _start_span(self, context, method: str):
+        """The request's `generate` span: a child of the caller's span when its call
+        carried a traceparent, else a new trace's root (None: tracing off)."""
+        if not tracing.enabled():
+            return None
+        return tracing.start_span(
+            "generate",
+            tracing.extract(context.invocation_metadata()),
+            tracing.SERVER,
+            {"rpc.system": "grpc", "rpc.service": "baton.v1.Generation", "rpc.method": method},
+        )
+
+    @staticmethod
+    def _end_span(span, failure: RequestError | None) -> None:
+        if span is None:
+            return
+        if failure is None:
+            tracing.end_span(span)
+        else:
+            tracing.end_span(span, failure.code, failure.details)
+
+    # ------------------------------------------------------------- validation
+    def _prepare(self, request: pb.GenerateRequest, span=None) -> PreparedRequest:
+        """Validate and tokenize; raises RequestError. The request is then in flight."""
+        if self.info is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "gateway is starting: no worker is serving yet")
+        prepared = self._validate(request, span)
+        prepared.span = span
+        if tracing.recording(span):
+            span.set_attributes({
+                **tracing.request_attributes(
+                    self.info.model, prepared.params, operation=_OPERATIONS[request.WhichOneof("prompt")]
+                ),
+                "gen_ai.response.id": prepared.request_id,
+                "gen_ai.usage.input_tokens": len(prepared.prompt_token_ids),
+                "baton.request_id": prepared.request_id,
+                "baton.priority": prepared.priority,
+            })
         self._in_flight.add(prepared.request_id)
         return prepared
 
-    def _validate(self, request: pb.GenerateRequest) -> PreparedRequest:
+    def _validate(self, request: pb.GenerateRequest, span=None) -> PreparedRequest:
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         request_id = request.request_id or f"{self._prefix}-{next(self._ids)}"
         if len(request_id) > MAX_REQUEST_ID_LENGTH:
             raise RequestError(invalid, f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
         if request_id in self._in_flight:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
-        prompt_token_ids = self._tokenize(request)
+        prompt_token_ids = self._traced_tokenize(request, span)
         if not prompt_token_ids:
             raise RequestError(invalid, "the prompt is empty")
         vocab_size = self.info.vocab_size
@@ -172,6 +220,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         sampling.CopyFrom(request.sampling)
         del sampling.stop[:]
         return PreparedRequest(request_id, prompt_token_ids, params, sampling, request.priority)
+
+    def _traced_tokenize(self, request: pb.GenerateRequest, parent) -> list[int]:
+        span = tracing.start_span("tokenize", parent, attributes={"baton.prompt.kind": request.WhichOneof("prompt") or ""})
+        failure = None
+        try:
+            token_ids = self._tokenize(request)
+        except RequestError as error:
+            failure = error
+            raise
+        finally:
+            if span is not None and failure is None:
+                span.set_attribute("baton.prompt.tokens", len(token_ids))
+            self._end_span(span, failure)
+        return token_ids
 
     def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
         invalid = grpc.StatusCode.INVALID_ARGUMENT
@@ -252,6 +314,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     arrival=prepared.arrival, token_times=token_times, finished_at=time.monotonic(),
                     num_prompt_tokens=len(prepared.prompt_token_ids), finish_reason=outcome,
                 )
+            span = prepared.span
+            if tracing.recording(span):
+                span.set_attributes({
+                    "gen_ai.response.model": self.info.model,
+                    "gen_ai.response.finish_reasons": [outcome],
+                    "gen_ai.usage.output_tokens": num_output,
+                })
+                if token_times:
+                    span.set_attribute("baton.time_to_first_token_s", token_times[0] - prepared.arrival)
 
     # ----------------------------------------------------------------- routing
     async def _token_events(self, prepared: PreparedRequest, context) -> AsyncIterator[TokenEvent]:
@@ -269,8 +340,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prefill = self.pool.pick_prefill(num_prompt, decode)
         decode_request = worker_pb2.DecodeRequest(request=work)
         handle: worker_pb2.KvHandle | None = None
+        span = prepared.span
+        trace_metadata = tracing.metadata(span)
+        if tracing.recording(span):
+            span.set_attributes({
+                "baton.route": "disaggregated" if prefill is not None else "colocated",
+                "baton.decode_worker": decode.address,
+            })
+            if prefill is not None:
+                span.set_attribute("baton.prefill_worker", prefill.address)
         if prefill is not None:
-            response = await self._prefill(prefill, decode, work, context)
+            response = await self._prefill(prefill, decode, work, context, trace_metadata)
+            if response is None and tracing.recording(span):
+                span.set_attribute("baton.route", "colocated")  # the prefill worker was unreachable
             if response is not None:
                 self.num_disaggregated += 1
                 first = TokenEvent(
@@ -290,12 +372,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 yield first
         if handle is None:
             self.num_colocated += 1
-        async for event in self._decode(decode, decode_request, handle, context):
+        async for event in self._decode(decode, decode_request, handle, context, trace_metadata):
             yield event
 
-    async def _prefill(self, worker: Worker, decode: Worker, work, context) -> worker_pb2.PrefillResponse | None:
+    async def _prefill(
+        self, worker: Worker, decode: Worker, work, context, trace_metadata=None
+    ) -> worker_pb2.PrefillResponse | None:
         """Prefill on `worker`; None if it is unreachable (the caller then runs colocated)."""
-        call = worker.stub.Prefill(worker_pb2.PrefillRequest(request=work), timeout=context.time_remaining())
+        call = worker.stub.Prefill(
+            worker_pb2.PrefillRequest(request=work), timeout=context.time_remaining(), metadata=trace_metadata
+        )
         worker.num_in_flight += 1
         try:
             return await call
@@ -312,8 +398,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if not call.done():  # cancelled while waiting: abort it on the worker
                 call.cancel()
 
-    async def _decode(self, worker: Worker, request, handle, context) -> AsyncIterator[TokenEvent]:
-        call = worker.stub.Decode(request, timeout=context.time_remaining())
+    async def _decode(self, worker: Worker, request, handle, context, trace_metadata=None) -> AsyncIterator[TokenEvent]:
+        call = worker.stub.Decode(request, timeout=context.time_remaining(), metadata=trace_metadata)
         worker.num_in_flight += 1
         got_event = False
         try:
@@ -336,13 +422,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 call.cancel()  # the client went away or a stop string matched: abort on the worker
             if handle is not None and not got_event:
                 # The decode side may never have pulled the KV: drop the lease now, not at expiry.
-                self._spawn(self._release(handle))
+                self._spawn(self._release(handle, trace_metadata))
 
-    async def _release(self, handle: worker_pb2.KvHandle) -> None:
+    async def _release(self, handle: worker_pb2.KvHandle, trace_metadata=None) -> None:
         for worker in self.pool.prefill:
             if worker.address == handle.prefill_address or worker.stats.worker_id == handle.prefill_worker_id:
                 try:
-                    await worker.stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=handle.request_id), timeout=5)
+                    await worker.stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=handle.request_id),
+                                                timeout=5, metadata=trace_metadata)
                 except grpc.aio.AioRpcError:
                     pass
                 return

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from baton import tracing
 from baton.convert import finish_reason_to_pb, logprobs_to_pb, sampling_params_from_pb
 from baton.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.worker import WorkerBase, WorkerSettings, kv_layout_spec, layout_from_pb, layout_to_pb, run_worker
@@ -70,8 +71,20 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
 
     # ----------------------------------------------------------------- prefill
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
-        engine = await self._require_engine(context)
         work = request.request
+        span = self._start_span("prefill", context, work.request_id,
+                                {"gen_ai.usage.input_tokens": len(work.prompt_token_ids)})
+        error = None
+        try:
+            return await self._prefill(work, context, span)
+        except BaseException as caught:
+            error = caught
+            raise
+        finally:
+            tracing.end_call_span(span, context, error)
+
+    async def _prefill(self, work: worker_pb2.WorkRequest, context, span) -> worker_pb2.PrefillResponse:
+        engine = await self._require_engine(context)
         try:
             params = sampling_params_from_pb(work.sampling, with_stop_strings=False)
             stream = await engine.add_request(
@@ -80,6 +93,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
                 params,
                 priority=work.priority,
                 prefill_only=True,
+                trace=tracing.recording(span),
             )
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -90,8 +104,16 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             # The gateway gave up (client cancel, deadline): nothing may stay behind.
             await engine.abort(request_id)
             raise
+        tracing.add_events(span, output.events)
+        self._observe(output, span)
         if output.finish_reason == "abort":
             await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+        if tracing.recording(span):
+            span.set_attributes({
+                "baton.prefill.chunks": sum(name == "prefill_chunk" for _, name, _ in output.events or ()),
+                "baton.first_token_id": output.new_token_ids[0],
+                "baton.kv.blocks": len(output.kv_block_ids or ()),
+            })
         response = worker_pb2.PrefillResponse(
             first_token_id=output.new_token_ids[0],
             finish_reason=finish_reason_to_pb(output.finish_reason if output.finished else None),
@@ -171,6 +193,19 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.OpenKvChannelResponse(prefill_worker_id=self.worker_id, backend=channel.backend)
 
     async def SendKv(self, request: worker_pb2.SendKvRequest, context):
+        span = self._start_span("kv_transfer", context, request.request_id,
+                                {"baton.kv.direction": "send", "baton.kv.channel": request.channel_id})
+        error = None
+        try:
+            async for event in self._send_kv(request, context, span):
+                yield event
+        except BaseException as caught:
+            error = caught
+            raise
+        finally:
+            tracing.end_call_span(span, context, error)
+
+    async def _send_kv(self, request: worker_pb2.SendKvRequest, context, span):
         engine = await self._require_engine(context)
         entry = self.channels.get(request.channel_id)
         if entry is None or entry.channel.is_broken:
@@ -216,6 +251,12 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             self.num_transferred_bytes += stats.num_bytes
             self.metrics.record_transfer(stats.num_bytes, stats.seconds)
             self.transfer_seconds += stats.seconds
+            if tracing.recording(span):
+                # The sender computes checksums; the receiver compares them (its span says verified).
+                span.set_attributes(tracing.transfer_attributes(
+                    num_blocks=len(block_ids), num_bytes=stats.num_bytes, seconds=stats.seconds,
+                ))
+                span.set_attributes({"baton.kv.checksummed": request.verify, "baton.kv.backend": entry.channel.backend})
             yield worker_pb2.SendKvEvent(
                 done=worker_pb2.SendKvDone(
                     block_checksums=[c & 0xFFFF_FFFF_FFFF_FFFF for c in checksums],
@@ -232,9 +273,14 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
 def serve(settings: WorkerSettings) -> None:
     """Run a prefill worker in this process until SIGTERM."""
     from baton.server import install_uvloop
+    from baton.tracing import configure_tracing, shutdown_tracing
 
     install_uvloop()
+    configure_tracing("prefill-worker", settings.worker_id)
     service = PrefillWorkerService(settings)
-    asyncio.run(
-        run_worker(settings, service, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, SERVICE_NAME)
-    )
+    try:
+        asyncio.run(
+            run_worker(settings, service, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, SERVICE_NAME)
+        )
+    finally:
+        shutdown_tracing()

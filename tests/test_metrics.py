@@ -105,6 +105,13 @@ def test_counters_match_the_workload_and_kv_returns_to_zero(system):
     sent, got = (value(workers[r], "baton_kv_transferred_bytes_total") for r in ("prefill", "decode"))
     assert sent == got > 0
     assert value(workers["decode"], "baton_kv_transfer_seconds_count") == system.stats("decode").num_transfers
+    # Queue and prefill time: every request was prefilled on the prefill worker, none on the
+    # decode worker; the cancelled request's last output may end unread on the decode side.
+    assert value(workers["prefill"], "baton_request_queue_time_seconds_count") == 9
+    assert value(workers["prefill"], "baton_request_prefill_time_seconds_count") == 9
+    assert value(workers["prefill"], "baton_request_prefill_time_seconds_sum") > 0
+    assert value(workers["decode"], "baton_request_queue_time_seconds_count") in (8, 9)
+    assert value(workers["decode"], "baton_request_prefill_time_seconds_count") == 0
 
     gateway = scrape(system.processes[-1].metrics_port)
     num_prompt = sum(map(len, prompts)) + 20 + 20 + 30

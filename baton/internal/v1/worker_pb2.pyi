@@ -196,7 +196,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "mean_queue_seconds", "num_finished", "serving")
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "mean_queue_seconds", "num_finished", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "recent")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,10 @@ class WorkerStats(_message.Message):
     MEAN_QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -245,4 +249,70 @@ class WorkerStats(_message.Message):
     mean_queue_seconds: float
     num_finished: int
     serving: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., mean_queue_seconds: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_block_bytes: int
+    recent: RecentStats
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., mean_queue_seconds: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ...) -> None: ...
+
+class RecentStats(_message.Message):
+    __slots__ = ("window_seconds", "seconds", "seconds_since_last_step", "num_steps", "mean_batch_size", "mean_tokens_per_step", "mean_kv_usage", "mean_num_waiting", "num_admissions", "num_preemptions_recompute", "num_preemptions_swap", "num_swapped_blocks_out", "num_queued", "mean_queue_seconds", "num_steps_kv_blocked", "num_steps_seq_capped")
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEAN_KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_SWAP_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_BLOCKS_OUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_KV_BLOCKED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_SEQ_CAPPED_FIELD_NUMBER: _ClassVar[int]
+    window_seconds: float
+    seconds: float
+    seconds_since_last_step: float
+    num_steps: int
+    mean_batch_size: float
+    mean_tokens_per_step: float
+    mean_kv_usage: float
+    mean_num_waiting: float
+    num_admissions: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_swapped_blocks_out: int
+    num_queued: int
+    mean_queue_seconds: float
+    num_steps_kv_blocked: int
+    num_steps_seq_capped: int
+    def __init__(self, window_seconds: _Optional[float] = ..., seconds: _Optional[float] = ..., seconds_since_last_step: _Optional[float] = ..., num_steps: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., mean_tokens_per_step: _Optional[float] = ..., mean_kv_usage: _Optional[float] = ..., mean_num_waiting: _Optional[float] = ..., num_admissions: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_swapped_blocks_out: _Optional[int] = ..., num_queued: _Optional[int] = ..., mean_queue_seconds: _Optional[float] = ..., num_steps_kv_blocked: _Optional[int] = ..., num_steps_seq_capped: _Optional[int] = ...) -> None: ...
+
+class GetDeploymentStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("address", "role", "reachable", "error", "stats")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: str
+    reachable: bool
+    error: str
+    stats: WorkerStats
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+
+class DeploymentStatus(_message.Message):
+    __slots__ = ("model", "workers")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...

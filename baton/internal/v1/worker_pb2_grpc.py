@@ -498,3 +498,81 @@ class DecodeWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class GatewayAdminStub:
+    """The gateway's operator view of its deployment (`baton status`).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetDeploymentStatus = channel.unary_unary(
+                '/baton.internal.v1.GatewayAdmin/GetDeploymentStatus',
+                request_serializer=baton_dot_internal_dot_v1_dot_worker__pb2.GetDeploymentStatusRequest.SerializeToString,
+                response_deserializer=baton_dot_internal_dot_v1_dot_worker__pb2.DeploymentStatus.FromString,
+                _registered_method=True)
+
+
+class GatewayAdminServicer:
+    """The gateway's operator view of its deployment (`baton status`).
+    """
+
+    def GetDeploymentStatus(self, request, context):
+        """Every configured worker, asked for its stats now (not the routing poll's
+        last answer): reachable or not, and its load, KV usage and recent
+        scheduling.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_GatewayAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetDeploymentStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDeploymentStatus,
+                    request_deserializer=baton_dot_internal_dot_v1_dot_worker__pb2.GetDeploymentStatusRequest.FromString,
+                    response_serializer=baton_dot_internal_dot_v1_dot_worker__pb2.DeploymentStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'baton.internal.v1.GatewayAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('baton.internal.v1.GatewayAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class GatewayAdmin:
+    """The gateway's operator view of its deployment (`baton status`).
+    """
+
+    @staticmethod
+    def GetDeploymentStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.internal.v1.GatewayAdmin/GetDeploymentStatus',
+            baton_dot_internal_dot_v1_dot_worker__pb2.GetDeploymentStatusRequest.SerializeToString,
+            baton_dot_internal_dot_v1_dot_worker__pb2.DeploymentStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,216 @@
+"""`baton status`: each worker's health, load and recent scheduling, then plain-language
+findings about what holds the deployment back and what to change.
+
+The figures come from the gateway (GatewayAdmin.GetDeploymentStatus), which asks
+every worker for its stats at that moment. "Recent" figures cover a worker's last
+minute of engine steps; steps happen only while there is work, so a worker that has
+been idle for a minute shows none.
+
+What is diagnosed, per worker (thresholds below):
+
+- unreachable or not serving;
+- batch held small by memory pressure: the batch stays under half of
+  max_num_seqs while requests wait or are preempted, and the KV cache is
+  nearly full or most steps leave requests waiting for blocks;
+- waiting requests not admitted although KV blocks are not the limit;
+- a high preemption rate (preemptions per entry into the batch), with the mean
+  swap size;
+- mean queue time (arrival to admission) above the given SLO;
+- failing KV transfers and expiring KV leases.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from baton.internal.v1 import worker_pb2
+
+# Memory pressure: the mean share of KV blocks in use.
+KV_PRESSURE_USAGE = 0.9
+# A batch under this share of max_num_seqs is small (if requests are waiting).
+SMALL_BATCH_SHARE = 0.5
+# Preemptions per entry into the running batch above this are high.
+HIGH_PREEMPTION_RATE = 0.1
+# Requests waiting on average, at least, before "not admitted" is reported.
+MIN_MEAN_WAITING = 0.5
+
+
+@dataclass(frozen=True)
+class Finding:
+    worker: str
+    problem: str
+    detail: str
+    advice: str
+
+    def __str__(self) -> str:
+        return f"{self.worker}: {self.problem}. {self.detail}.\n    -> {self.advice}."
+
+
+def worker_name(status: worker_pb2.WorkerStatus) -> str:
+    return status.stats.worker_id if status.reachable and status.stats.worker_id else status.address
+
+
+def diagnose(status: worker_pb2.WorkerStatus, queue_slo_s: float) -> list[Finding]:
+    """What is wrong with one worker, in words, each with what to change."""
+    name = worker_name(status)
+    if not status.reachable:
+        return [Finding(name, f"{status.role} worker unreachable", status.error or "no answer",
+                        "check that the process runs and listens at this address; the gateway routes "
+                        "around it meanwhile")]
+    stats = status.stats
+    findings = []
+    if not stats.serving:
+        findings.append(Finding(name, "not serving", "it is loading its model or shutting down",
+                                "wait for it to load; if it stays so, read its log"))
+    findings += _scheduling(name, stats, queue_slo_s)
+    if stats.num_transfer_failures:
+        total = stats.num_transfers + stats.num_transfer_failures
+        findings.append(Finding(
+            name, "KV transfers failing",
+            f"{stats.num_transfer_failures} of {total} KV transfers failed since start",
+            "check the link between the workers and --transfer-timeout-s; a failed handoff is "
+            "prefilled again on the decode worker, which costs it a prefill",
+        ))
+    if stats.num_leases_expired:
+        findings.append(Finding(
+            name, "KV leases expiring",
+            f"{stats.num_leases_expired} prefilled prompts were dropped unpulled since start",
+            "decode workers pull too late: add decode workers, or raise --lease-s",
+        ))
+    return findings
+
+
+def _scheduling(name: str, stats: worker_pb2.WorkerStats, queue_slo_s: float) -> list[Finding]:
+    recent = stats.recent
+    if recent.num_steps == 0:
+        return []
+    findings = []
+    max_seqs = stats.max_num_seqs or 1
+    small = recent.mean_batch_size < SMALL_BATCH_SHARE * max_seqs
+    preemptions = recent.num_preemptions_recompute + recent.num_preemptions_swap
+    short_of_kv = recent.mean_num_waiting > 0 or preemptions > 0 or recent.num_steps_kv_blocked > 0
+    blocked_share = recent.num_steps_kv_blocked / recent.num_steps
+    if small and short_of_kv and (recent.mean_kv_usage >= KV_PRESSURE_USAGE or blocked_share >= 0.5):
+        findings.append(Finding(
+            name, "batch held small by memory pressure",
+            f"the batch averaged {recent.mean_batch_size:.1f} of {stats.max_num_seqs} sequences while "
+            f"{recent.mean_num_waiting:.1f} requests waited on average; {recent.num_steps_kv_blocked} of "
+            f"{recent.num_steps} steps left requests waiting for KV blocks, with the cache "
+            f"{recent.mean_kv_usage:.0%} full on average (a request is admitted only when its prompt plus "
+            f"room to grow fits, and preempted requests come back first)",
+            "give the KV cache more memory (--kv-cache-memory or --num-kv-blocks), lower --max-model-len so "
+            "requests grow less, or add a worker",
+        ))
+    elif small and recent.mean_num_waiting >= MIN_MEAN_WAITING:
+        findings.append(Finding(
+            name, "waiting requests not admitted",
+            f"{recent.mean_num_waiting:.1f} requests waited on average while the batch averaged "
+            f"{recent.mean_batch_size:.1f} of {stats.max_num_seqs} sequences and KV blocks were free "
+            f"(the cache was {recent.mean_kv_usage:.0%} full on average)",
+            f"the step's token budget (--max-num-batched-tokens {stats.max_num_batched_tokens}) goes to "
+            f"running requests and prefill chunks before newcomers: raise it; if that does not help, look "
+            f"for allocation failures in the worker's log",
+        ))
+    if recent.num_admissions and preemptions / recent.num_admissions > HIGH_PREEMPTION_RATE:
+        detail = (f"{preemptions / recent.num_admissions:.0%} of entries into the batch ended in a preemption "
+                  f"({preemptions} in {recent.num_steps} steps: {recent.num_preemptions_recompute} by recompute, "
+                  f"{recent.num_preemptions_swap} by swap)")
+        if recent.num_preemptions_swap:
+            blocks = recent.num_swapped_blocks_out / recent.num_preemptions_swap
+            detail += (f"; the average swap moved {blocks:.1f} blocks "
+                       f"({blocks * stats.kv_block_bytes / 2**20:.2f} MiB) to the CPU and back")
+        findings.append(Finding(
+            name, "high preemption rate", detail,
+            "each preemption recomputes or moves KV: give the KV cache more memory, lower --max-num-seqs so "
+            "fewer sequences compete for blocks, or shorten --max-model-len",
+        ))
+    if recent.num_queued and recent.mean_queue_seconds > queue_slo_s:
+        findings.append(Finding(
+            name, "queue time above the SLO",
+            f"requests waited {recent.mean_queue_seconds * 1e3:.0f} ms on average from arrival to admission "
+            f"({recent.num_queued} requests; SLO {queue_slo_s * 1e3:.0f} ms)",
+            "add workers for this load, or lower --max-num-batched-tokens / --max-num-seqs to trade "
+            "throughput for latency",
+        ))
+    return findings
+
+
+# ------------------------------------------------------------------ report
+def render(status: worker_pb2.DeploymentStatus, findings: list[Finding]) -> str:
+    lines = [f"model: {status.model}", ""]
+    for worker in status.workers:
+        lines += _render_worker(worker)
+        lines.append("")
+    if findings:
+        lines.append("findings:")
+        lines += [f"  - {finding}" for finding in findings]
+    else:
+        lines.append("findings: none; every worker looks healthy.")
+    return "\n".join(lines)
+
+
+def _render_worker(worker: worker_pb2.WorkerStatus) -> list[str]:
+    name = worker_name(worker)
+    if not worker.reachable:
+        return [f"{name}  {worker.role}  {worker.address}  UNREACHABLE ({worker.error})"]
+    stats = worker.stats
+    recent = stats.recent
+    health = "SERVING" if stats.serving else "NOT SERVING"
+    usage = stats.num_kv_blocks_used / stats.num_kv_blocks_total if stats.num_kv_blocks_total else 0.0
+    lines = [
+        f"{name}  {worker.role}  {worker.address}  {health}",
+        f"  requests    running {stats.num_running}, waiting {stats.num_waiting}, swapped {stats.num_swapped}, "
+        f"KV handoffs pending {stats.num_kv_handoffs_pending}",
+        f"  KV cache    {usage:.0%} used now ({stats.num_kv_blocks_used}/{stats.num_kv_blocks_total} blocks)",
+    ]
+    if recent.num_steps:
+        preemptions = recent.num_preemptions_recompute + recent.num_preemptions_swap
+        rate = preemptions / recent.num_admissions if recent.num_admissions else 0.0
+        lines += [
+            f"  recent      {recent.num_steps} steps over {recent.seconds:.1f} s, the last "
+            f"{recent.seconds_since_last_step:.1f} s ago",
+            f"  KV usage    {recent.mean_kv_usage:.0%} mean",
+            f"  batch       {recent.mean_batch_size:.1f} sequences per step (max {stats.max_num_seqs}), "
+            f"{recent.mean_tokens_per_step:.0f} tokens per step, {recent.mean_num_waiting:.1f} waiting",
+            f"  preemption  {rate:.0%} of {recent.num_admissions} entries into the batch "
+            f"({recent.num_preemptions_recompute} recompute, {recent.num_preemptions_swap} swap)",
+            f"  queue time  {recent.mean_queue_seconds * 1e3:.0f} ms mean over {recent.num_queued} requests",
+        ]
+    else:
+        lines.append(f"  recent      idle: no steps in the last {recent.window_seconds:.0f} s")
+    if stats.num_transfers or stats.num_transfer_failures:
+        lines.append(f"  transfers   {stats.num_transfers} done, {stats.num_transfer_failures} failed, "
+                     f"{stats.num_transferred_bytes / 2**20:.1f} MiB")
+    return lines
+
+
+def to_json(status: worker_pb2.DeploymentStatus, findings: list[Finding]) -> str:
+    from google.protobuf.json_format import MessageToDict
+
+    return json.dumps({
+        "status": MessageToDict(status, preserving_proto_field_name=True),
+        "findings": [asdict(finding) for finding in findings],
+    }, indent=2)
+
+
+def status_command(args) -> int:
+    """`baton status`: print the deployment's status and findings; 1 if the gateway
+    cannot be reached."""
+    import sys
+
+    import grpc
+
+    from baton.internal.v1 import worker_pb2_grpc
+
+    with grpc.insecure_channel(args.gateway) as channel:
+        stub = worker_pb2_grpc.GatewayAdminStub(channel)
+        try:
+            status = stub.GetDeploymentStatus(worker_pb2.GetDeploymentStatusRequest(), timeout=args.timeout_s)
+        except grpc.RpcError as error:
+            print(f"baton status: gateway {args.gateway}: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    slo_s = args.queue_slo_ms / 1e3
+    findings = [finding for worker in status.workers for finding in diagnose(worker, slo_s)]
+    print(to_json(status, findings) if args.json else render(status, findings))
+    return 0

@@ -1,0 +1,239 @@
+"""OpenTelemetry tracing: one trace per request across the gateway, the prefill worker,
+the KV handoff and the decode worker.
+
+Configured the standard way, from the environment, in every process:
+
+- OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) turns it on:
+  spans go over OTLP (gRPC by default; http/protobuf if that exporter is
+  installed) through a batch processor, off the request path. With no endpoint,
+  or OTEL_SDK_DISABLED=true, tracing is off: every helper here returns at once
+  and no span object is ever made.
+- OTEL_SERVICE_NAME names the process (default: baton-gateway,
+  baton-prefill-worker, baton-decode-worker); every process also carries the
+  resource attribute `baton.role`.
+- OTEL_TRACES_SAMPLER / _ARG, OTEL_PROPAGATORS, OTEL_BSP_* and the exporter's
+  own variables (headers, TLS, compression, timeout) work as they do anywhere.
+
+Context travels as W3C `traceparent` / `tracestate` in the gRPC metadata of every
+call a request makes (Prefill, Decode, SendKv, ReleaseKv, OpenKvChannel), injected
+and extracted with the configured propagator. A client's own `traceparent` on a
+Generate call makes the gateway's `generate` span a child of the caller's span.
+Only request calls are traced: health checks, stats polls and reflection make no
+spans.
+
+Contexts are passed explicitly (a span in, metadata out), never through the
+current-context variable: the handlers are async generators that grpc may close
+from another task.
+
+Spans (names and attributes: docs/ARCHITECTURE.md, Tracing):
+
+    generate (gateway, SERVER)          GenAI request/response attributes
+      tokenize
+      prefill (prefill worker, SERVER)  one event per chunk, with its batch
+      decode (decode worker, SERVER)    admission, preemptions, first decode step
+        kv_transfer (decode, CLIENT)    blocks, bytes, duration, bandwidth, verified
+          kv_transfer (prefill, SERVER)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+logger = logging.getLogger(__name__)
+
+SERVER = SpanKind.SERVER
+CLIENT = SpanKind.CLIENT
+INTERNAL = SpanKind.INTERNAL
+
+# Metadata keys a propagator may read; anything else in a call's metadata is ignored.
+_CONTEXT_KEYS = frozenset({"traceparent", "tracestate", "baggage"})
+
+_tracer: trace.Tracer | None = None  # None: tracing is off
+_provider = None
+
+
+def configure_tracing(role: str, instance_id: str | None = None) -> bool:
+    """Set up this process's tracing from the environment (see the module docstring).
+
+    `role` is "gateway", "prefill-worker" or "decode-worker". Returns whether
+    spans are exported.
+    """
+    global _tracer, _provider
+    env = os.environ
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not endpoint or env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporter = _exporter()
+    if exporter is None:
+        return False
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    attributes = {"baton.role": role}
+    if not env.get("OTEL_SERVICE_NAME"):
+        attributes["service.name"] = f"baton-{role}"
+    if instance_id:
+        attributes["service.instance.id"] = instance_id
+    provider = TracerProvider(resource=Resource.create(attributes))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    _tracer = provider.get_tracer("baton")
+    logger.info("tracing: exporting spans to %s", endpoint)
+    return True
+
+
+def _exporter():
+    protocol = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    ).strip().lower()
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        elif protocol == "http/protobuf":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        else:
+            logger.error("tracing off: OTLP protocol %r is not supported (use grpc or http/protobuf)", protocol)
+            return None
+    except ImportError as error:
+        logger.error("tracing off: no OTLP exporter for %s (%s)", protocol, error)
+        return None
+    return OTLPSpanExporter()
+
+
+def shutdown_tracing() -> None:
+    """Export what is still buffered and stop (at process exit)."""
+    global _tracer, _provider
+    if _provider is not None:
+        _provider.shutdown()
+    _tracer = _provider = None
+
+
+def enabled() -> bool:
+    return _tracer is not None
+
+
+# ------------------------------------------------------------------ spans
+def start_span(
+    name: str, parent: Context | Span | None, kind: SpanKind = INTERNAL, attributes: dict | None = None
+) -> Span | None:
+    """A started span (end it yourself), child of `parent` (a span, or a context from
+    `extract`); None when tracing is off."""
+    if _tracer is None:
+        return None
+    if isinstance(parent, Span):
+        parent = trace.set_span_in_context(parent)
+    return _tracer.start_span(name, context=parent, kind=kind, attributes=attributes)
+
+
+def recording(span: Span | None) -> bool:
+    """Whether `span` records (tracing on and the trace sampled): gate costly attributes on it."""
+    return span is not None and span.is_recording()
+
+
+def add_events(span: Span | None, events: Iterable[tuple[int, str, dict]] | None) -> None:
+    """Add engine timeline events, (wall-clock ns, name, attributes), with their own times."""
+    if span is None or not events:
+        return
+    for time_ns, name, attributes in events:
+        span.add_event(name, attributes, timestamp=time_ns)
+
+
+def end_span(span: Span | None, error_code=None, error: str = "") -> None:
+    """End `span`; with `error_code` (a grpc.StatusCode) it ends in error."""
+    if span is None:
+        return
+    if error_code is not None:
+        span.set_attribute("rpc.grpc.status_code", error_code.value[0])
+        span.set_status(Status(StatusCode.ERROR, f"{error_code.name}: {error}" if error else error_code.name))
+    span.end()
+
+
+# ---------------------------------------------------------- propagation
+def extract(metadata: Sequence[tuple[str, str | bytes]] | None) -> Context | None:
+    """The caller's trace context from a call's invocation metadata (None: none, or off)."""
+    if _tracer is None or not metadata:
+        return None
+    carrier = {key: value for key, value in metadata if key in _CONTEXT_KEYS and isinstance(value, str)}
+    if not carrier:
+        return None
+    return propagate.extract(carrier)
+
+
+def metadata(span: Span | None) -> tuple[tuple[str, str], ...] | None:
+    """Call metadata carrying `span`'s context to the next hop (None when off)."""
+    if span is None:
+        return None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return tuple(carrier.items()) or None
+
+
+# ------------------------------------------------------------ attributes
+def request_attributes(model: str, params, *, operation: str) -> dict:
+    """OpenTelemetry GenAI request attributes of one generation request."""
+    attributes = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": params.max_tokens,
+        "gen_ai.request.temperature": params.temperature,
+        "gen_ai.request.top_p": params.top_p,
+    }
+    if params.top_k:
+        attributes["gen_ai.request.top_k"] = params.top_k
+    if params.seed is not None:
+        attributes["gen_ai.request.seed"] = params.seed
+    if params.stop:
+        attributes["gen_ai.request.stop_sequences"] = list(params.stop)
+    return attributes
+
+
+def end_call_span(span: Span | None, context, error: BaseException | None) -> None:
+    """End a server handler's span: in error with the call's status when `error` ended
+    the handler (an abort's code, CANCELLED for a cancelled call, else INTERNAL)."""
+    if span is None:
+        return
+    if error is None:
+        span.end()
+        return
+    import asyncio
+
+    import grpc
+
+    code = _status_code(context.code())
+    if code is None:
+        cancelled = isinstance(error, (asyncio.CancelledError, GeneratorExit))
+        code = grpc.StatusCode.CANCELLED if cancelled else grpc.StatusCode.INTERNAL
+    end_span(span, code, context.details() or repr(error))
+
+
+def _status_code(code):
+    """A grpc.StatusCode from what ServicerContext.code() gives (a StatusCode, an int or None)."""
+    import grpc
+
+    if code is None or isinstance(code, grpc.StatusCode):
+        return None if code == grpc.StatusCode.OK else code
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return None if status == grpc.StatusCode.OK else status
+    return None
+
+
+def transfer_attributes(*, num_blocks: int, num_bytes: int, seconds: float, verified: bool | None = None) -> dict:
+    """A KV transfer's attributes (either side; only the receiver can say `verified`)."""
+    attributes = {
+        "baton.kv.blocks": num_blocks,
+        "baton.kv.bytes": num_bytes,
+        "baton.kv.duration_s": seconds,
+        "baton.kv.bandwidth_gbps": num_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+    }
+    if verified is not None:
+        attributes["baton.kv.verified"] = verified
+    return attributes

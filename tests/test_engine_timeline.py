@@ -1,0 +1,133 @@
+"""What the engine reports for observability: a traced request's timeline events, the
+timings on its last output, and the scheduler's recent-window statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.config import CacheConfig
+from engine.scheduler import RECENT_WINDOW_S
+from tests.test_engine import make_engine
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    return make_tiny_model(directory, "llama", 4, 2, 16, True, dtype=torch.float64)
+
+
+def drain(engine, max_steps: int = 2000) -> dict[str, list]:
+    """Step to the end; every output per request."""
+    outputs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return outputs
+        for output in engine.step().outputs:
+            outputs.setdefault(output.request_id, []).append(output)
+    raise AssertionError("engine did not finish")
+
+
+def events_of(outputs) -> list[tuple[int, str, dict]]:
+    return [event for output in outputs for event in (output.events or [])]
+
+
+def test_traced_request_records_chunks_batch_and_first_decode(tiny):
+    _, model_dir = tiny
+    engine = make_engine(model_dir, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request(list(range(3, 43)), params, request_id="traced", trace=True)  # 40 tokens
+    engine.add_request(list(range(5, 15)), params, request_id="plain")
+    outputs = drain(engine)
+
+    assert all(output.events is None for output in outputs["plain"])
+    events = events_of(outputs["traced"])
+    names = [name for _, name, _ in events]
+    assert names[0] == "admitted"
+    assert events[0][2]["baton.queue_time_s"] >= 0 and events[0][2]["baton.readmitted"] is False
+    chunks = [attrs for _, name, attrs in events if name == "prefill_chunk"]
+    # 40 prompt tokens under a 16-token budget shared with a 10-token prompt.
+    assert sum(chunk["baton.chunk.tokens"] for chunk in chunks) == 40
+    starts = [chunk["baton.chunk.start"] for chunk in chunks]
+    assert starts == sorted(starts) and starts[0] == 0
+    for chunk in chunks:
+        assert 1 <= chunk["baton.batch.num_seqs"] <= 2
+        assert chunk["baton.chunk.tokens"] <= chunk["baton.batch.num_tokens"] <= 16
+        assert chunk["baton.chunk.recompute"] is False
+    steps = [chunk["baton.step"] for chunk in chunks]
+    assert steps == sorted(set(steps))
+    assert names.count("first_decode_step") == 1
+    assert names.index("first_decode_step") > max(i for i, n in enumerate(names) if n == "prefill_chunk")
+    times = [time_ns for time_ns, _, _ in events]
+    assert times == sorted(times)
+
+    last = outputs["traced"][-1]
+    assert last.finished and last.timings is not None
+    assert last.timings.queue_time >= 0 and last.timings.prefill_time > 0
+    assert last.timings.num_preemptions == 0
+    assert all(output.timings is None for output in outputs["traced"][:-1])
+
+
+def test_preemptions_are_events_and_recent_stats_count_them(tiny):
+    _, model_dir = tiny
+    # 12 blocks of 4 tokens: six requests growing to 20 tokens each cannot all fit.
+    engine = make_engine(
+        model_dir,
+        cache=CacheConfig(block_size=4, num_kv_blocks=12, num_swap_blocks=8),
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+    )
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for i in range(6):
+        engine.add_request([3 + i] * 4, params, request_id=f"r{i}", trace=True)
+    outputs = drain(engine)
+    preempted = [attrs for request_outputs in outputs.values()
+                 for _, name, attrs in events_of(request_outputs) if name == "preempted"]
+    assert preempted, "the starved cache must preempt"
+    for attrs in preempted:
+        assert attrs["baton.preemption.kind"] in ("swap", "recompute")
+        assert attrs["baton.preemption.blocks"] >= 1
+    swap_ins = sum(name == "swapped_in" for request_outputs in outputs.values()
+                   for _, name, _ in events_of(request_outputs))
+    stats = engine.get_metrics(with_queue_times=False)
+    assert swap_ins == stats.num_preemptions_swap
+    assert len(preempted) == stats.num_preemptions_recompute + stats.num_preemptions_swap
+    assert sum(o[-1].timings.num_preemptions for o in outputs.values()) == len(preempted)
+
+    recent = stats.recent
+    assert recent.num_steps == stats.num_steps
+    assert recent.num_preemptions_swap == stats.num_preemptions_swap
+    assert recent.num_preemptions_recompute == stats.num_preemptions_recompute
+    assert recent.num_swapped_blocks_out == stats.num_swapped_blocks_out
+    assert recent.mean_swap_blocks == pytest.approx(stats.num_swapped_blocks_out / max(stats.num_preemptions_swap, 1))
+    # Entries: six first admissions plus every return from a preemption.
+    assert recent.num_admissions == 6 + len(preempted)
+    assert recent.preemption_rate == pytest.approx(len(preempted) / recent.num_admissions)
+    assert recent.num_queued == 6
+    assert recent.num_steps_kv_blocked > 0
+    assert 0.5 < recent.mean_kv_usage <= 1.0
+    assert recent.mean_batch_size == pytest.approx(stats.mean_seqs_per_step)
+
+    # After a window with no steps, the recent stats are empty (idle), the totals stay.
+    later = engine.scheduler.recent_stats(now=engine.scheduler._recent[-1][0] + RECENT_WINDOW_S + 1)
+    assert later.num_steps == 0 and later.num_preemptions == 0 and later.mean_batch_size == 0.0
+    assert later.seconds_since_last_step > RECENT_WINDOW_S
+
+
+def test_received_request_has_no_prefill_time_and_a_first_decode_step(tiny):
+    _, model_dir = tiny
+    engine = make_engine(model_dir)
+    prompt = list(range(4, 14))
+    engine.add_prefilled_request(prompt, 7, SamplingParams(max_tokens=3, ignore_eos=True),
+                                 request_id="moved", trace=True)
+    step = engine.step()
+    assert [receive.request_id for receive in step.kv_receives] == ["moved"]
+    assert engine.complete_kv_receive("moved", True)
+    outputs = drain(engine)["moved"]
+    names = [name for _, name, _ in events_of(outputs)]
+    assert names[:2] == ["admitted", "kv_received"]
+    assert "prefill_chunk" not in names and names.count("first_decode_step") == 1
+    timings = outputs[-1].timings
+    assert timings.prefill_time is None and timings.queue_time >= 0

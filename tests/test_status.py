@@ -1,0 +1,181 @@
+"""`baton status`: findings from a worker's stats, and the real command against a
+deployment whose decode worker is starved of KV blocks."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+from baton.internal.v1 import worker_pb2
+from baton.local import start_deployment
+from baton.otlp_sink import OtlpSink
+from baton.status import diagnose, render
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc
+from engine.model.loader import load_tokenizer
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.timeout(600)
+
+VOCAB_SIZE = 49152
+DECODE_BLOCKS = 24  # 4-token blocks: a request grows to 18 of them, so few fit at once
+NUM_REQUESTS = 16
+MAX_TOKENS = 60
+
+
+def stats(**fields) -> worker_pb2.WorkerStats:
+    recent = fields.pop("recent", {})
+    base = dict(worker_id="w", role="decode", serving=True, max_num_seqs=256, max_num_batched_tokens=2048,
+                kv_block_bytes=2**20, num_kv_blocks_total=100)
+    return worker_pb2.WorkerStats(**{**base, **fields}, recent=worker_pb2.RecentStats(
+        **{"window_seconds": 60, "seconds": 10, "num_steps": 100, "mean_batch_size": 50,
+           "mean_kv_usage": 0.5, "num_admissions": 100, "num_queued": 100, "mean_queue_seconds": 0.01,
+           **recent}))
+
+
+def problems(worker_stats: worker_pb2.WorkerStats, slo_s: float = 1.0) -> list[str]:
+    status = worker_pb2.WorkerStatus(address="a:1", role="decode", reachable=True, stats=worker_stats)
+    return [finding.problem for finding in diagnose(status, slo_s)]
+
+
+def test_diagnose_each_finding():
+    assert problems(stats()) == []
+    assert problems(stats(recent={"num_steps": 0})) == []  # idle: nothing to say about load
+    unreachable = worker_pb2.WorkerStatus(address="a:1", role="prefill", error="UNAVAILABLE: refused")
+    [finding] = diagnose(unreachable, 1.0)
+    assert finding.problem == "prefill worker unreachable" and finding.worker == "a:1"
+    assert problems(stats(serving=False)) == ["not serving"]
+
+    pressure = stats(recent={"mean_kv_usage": 0.97, "mean_batch_size": 4, "mean_num_waiting": 6,
+                             "num_steps_kv_blocked": 80})
+    assert problems(pressure) == ["batch held small by memory pressure"]
+    # A full cache with nobody waiting or preempted is a well-used cache, not pressure.
+    assert problems(stats(recent={"mean_kv_usage": 0.97, "mean_batch_size": 4})) == []
+
+    # Short of blocks in most steps with the cache not full on average: still memory pressure
+    # (a whole prompt must fit to be admitted).
+    blocked = stats(recent={"mean_batch_size": 4, "mean_num_waiting": 3, "num_steps_kv_blocked": 70})
+    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, stats=blocked), 1.0)
+    assert finding.problem == "batch held small by memory pressure"
+    assert "70 of 100 steps left requests waiting for KV blocks, with the cache 50% full" in finding.detail
+    budget = stats(recent={"mean_batch_size": 4, "mean_num_waiting": 3, "num_steps_kv_blocked": 10})
+    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, stats=budget), 1.0)
+    assert finding.problem == "waiting requests not admitted" and "--max-num-batched-tokens 2048" in finding.advice
+
+    swapping = stats(recent={"num_admissions": 40, "num_preemptions_recompute": 2, "num_preemptions_swap": 8,
+                             "num_swapped_blocks_out": 20})
+    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, stats=swapping), 1.0)
+    assert finding.problem == "high preemption rate"
+    assert "25% of entries" in finding.detail and "2.5 blocks (2.50 MiB)" in finding.detail
+    assert problems(stats(recent={"num_admissions": 40, "num_preemptions_recompute": 4})) == []  # 10%: not high
+
+    assert problems(stats(recent={"mean_queue_seconds": 2.5})) == ["queue time above the SLO"]
+    assert problems(stats(recent={"mean_queue_seconds": 2.5}), slo_s=3.0) == []
+    assert problems(stats(num_transfers=9, num_transfer_failures=1, num_leases_expired=2)) == [
+        "KV transfers failing", "KV leases expiring"]
+
+
+@pytest.fixture(scope="module")
+def starved(tmp_path_factory):
+    """A deployment whose decode worker has too few KV blocks for its load; `baton status`
+    runs while the load is on. Traced, so the preemptions show on the decode spans."""
+    directory = tmp_path_factory.mktemp("tiny-status")
+    _, path = make_tiny_model(directory, "llama", 4, 2, 16, True, dtype=torch.float64, vocab_size=VOCAB_SIZE)
+    load_tokenizer("smollm2-135m").save_pretrained(directory)
+    sink = OtlpSink().start()
+    deployment = start_deployment(
+        path,
+        tmp_path_factory.mktemp("logs"),
+        worker_args=["--dtype", "float64", "--block-size", "4"],
+        prefill_args=["--num-kv-blocks", "300"],
+        decode_args=["--num-kv-blocks", str(DECODE_BLOCKS), "--preemption-mode", "swap", "--swap-space", "64M"],
+        gateway_args=["--max-prefill-queue-tokens", "0"],
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
+             "OTEL_BSP_SCHEDULE_DELAY": "200"},
+    )
+    run = {}
+    try:
+        with grpc.insecure_channel(deployment.gateway) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            def generate(i: int) -> list[int]:
+                request = pb.GenerateRequest(
+                    request_id=f"starved-{i}", token_ids=pb.TokenIds(ids=[100 + i] * 12),
+                    sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+                return [t for message in stub.GenerateStream(request, timeout=300) for t in message.token_ids]
+
+            with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
+                futures = [pool.submit(generate, i) for i in range(NUM_REQUESTS)]
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:  # until the starvation shows
+                    decode = deployment.stats("decode")
+                    if decode.num_preemptions_swap >= 5 and decode.num_steps >= 60:
+                        break
+                    time.sleep(0.1)
+                command = [sys.executable, "-m", "baton.cli", "status", "--gateway", deployment.gateway,
+                           "--queue-slo-ms", "1"]
+                run["text"] = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
+                run["json"] = json.loads(subprocess.run(
+                    [*command, "--json"], capture_output=True, text=True, timeout=60, check=True).stdout)
+                run["outputs"] = [future.result() for future in futures]
+        time.sleep(0.5)
+        run["decode_after"] = deployment.stats("decode")
+    finally:
+        codes = deployment.stop()
+        sink.stop()
+    assert codes == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
+    run["spans"] = sink.spans()
+    return run
+
+
+def test_status_reports_memory_pressure_and_preemption_on_the_starved_worker(starved):
+    text = starved["text"]
+    assert "decode-0  decode" in text and "prefill-0  prefill" in text and "SERVING" in text
+    assert "decode-0: batch held small by memory pressure" in text, text
+    assert "decode-0: high preemption rate" in text, text
+    assert "the average swap moved" in text and "MiB) to the CPU and back" in text, text
+    assert "decode-0: queue time above the SLO" in text, text
+    assert "--kv-cache-memory" in text  # what to change
+
+    findings = starved["json"]["findings"]
+    decode = {f["problem"] for f in findings if f["worker"] == "decode-0"}
+    assert {"batch held small by memory pressure", "high preemption rate"} <= decode
+    prefill = {f["problem"] for f in findings if f["worker"] == "prefill-0"}
+    assert not prefill & {"batch held small by memory pressure", "high preemption rate"}
+    workers = {w["stats"]["worker_id"]: w for w in starved["json"]["status"]["workers"]}
+    recent = workers["decode-0"]["stats"]["recent"]
+    assert int(recent["num_steps_kv_blocked"]) * 2 >= int(recent["num_steps"])
+    assert int(recent["num_preemptions_swap"]) >= 5
+
+    # Nothing was lost to the starvation: every request got all its tokens, and no block leaked.
+    assert [len(tokens) for tokens in starved["outputs"]] == [MAX_TOKENS] * NUM_REQUESTS
+    after = starved["decode_after"]
+    assert after.num_kv_blocks_used == 0 and after.num_swapped == 0 and after.num_running == 0
+
+
+def test_decode_spans_carry_preemptions_with_their_kind(starved):
+    decode_spans = [s for s in starved["spans"] if s.name == "decode"]
+    assert len(decode_spans) == NUM_REQUESTS
+    preempted = [e for s in decode_spans for e in s.events if e.name == "preempted"]
+    swapped_in = [e for s in decode_spans for e in s.events if e.name == "swapped_in"]
+    assert len(preempted) >= 5 and {e.attributes["baton.preemption.kind"] for e in preempted} == {"swap"}
+    assert all(e.attributes["baton.preemption.blocks"] >= 1 for e in preempted)
+    assert len(swapped_in) == len(preempted)  # every swapped request came back
+    assert sum(s.attributes["baton.num_preemptions"] for s in decode_spans) == len(preempted)
+    assert starved["decode_after"].num_preemptions_swap == len(preempted)
+
+
+def test_render_lists_an_unreachable_worker():
+    status = worker_pb2.DeploymentStatus(model="m", workers=[
+        worker_pb2.WorkerStatus(address="10.0.0.1:1", role="decode", error="UNAVAILABLE: refused")])
+    findings = [f for w in status.workers for f in diagnose(w, 1.0)]
+    text = render(status, findings)
+    assert "10.0.0.1:1  decode  10.0.0.1:1  UNREACHABLE" in text
+    assert "findings:\n  - 10.0.0.1:1: decode worker unreachable" in text
