@@ -83,6 +83,7 @@ def worker_stats_to_pb(stats: SchedulerStats, **fields) -> worker_pb2.WorkerStat
         mean_queue_seconds=stats.mean_queue_time,
         num_finished=stats.num_finished,
         recent=recent_stats_to_pb(stats.recent),
+        oldest_queued_seconds=stats.oldest_queued_time,
         **fields,
     )
 

@@ -15,7 +15,8 @@ What is diagnosed, per worker (thresholds below):
 - waiting requests not admitted although KV blocks are not the limit;
 - a high preemption rate (preemptions per entry into the batch), with the mean
   swap size;
-- mean queue time (arrival to admission) above the given SLO;
+- queue time (arrival to admission) above the given SLO: the mean of recently
+  admitted requests, or the age of the oldest request still waiting;
 - failing KV transfers and expiring KV leases.
 """
 
@@ -34,6 +35,8 @@ SMALL_BATCH_SHARE = 0.5
 HIGH_PREEMPTION_RATE = 0.1
 # Requests waiting on average, at least, before "not admitted" is reported.
 MIN_MEAN_WAITING = 0.5
+# "Not admitted" is about other limits than KV: blocks were short in at most this share of steps.
+RARELY = 0.1
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,12 @@ def _scheduling(name: str, stats: worker_pb2.WorkerStats, queue_slo_s: float) ->
     short_of_kv = recent.mean_num_waiting > 0 or preemptions > 0 or recent.num_steps_kv_blocked > 0
     blocked_share = recent.num_steps_kv_blocked / recent.num_steps
     if small and short_of_kv and (recent.mean_kv_usage >= KV_PRESSURE_USAGE or blocked_share >= 0.5):
+        advice = ("give the KV cache more memory (--kv-cache-memory or --num-kv-blocks), lower --max-model-len "
+                  "so requests grow less, or add a worker")
+        if stats.role == "prefill":
+            advice = (f"a prefilled prompt keeps its blocks until a decode worker pulls them "
+                      f"({stats.num_kv_handoffs_pending} waiting now): add decode workers, or give the KV cache "
+                      f"more memory (--kv-cache-memory or --num-kv-blocks)")
         findings.append(Finding(
             name, "batch held small by memory pressure",
             f"the batch averaged {recent.mean_batch_size:.1f} of {stats.max_num_seqs} sequences while "
@@ -99,18 +108,17 @@ def _scheduling(name: str, stats: worker_pb2.WorkerStats, queue_slo_s: float) ->
             f"{recent.num_steps} steps left requests waiting for KV blocks, with the cache "
             f"{recent.mean_kv_usage:.0%} full on average (a request is admitted only when its prompt plus "
             f"room to grow fits, and preempted requests come back first)",
-            "give the KV cache more memory (--kv-cache-memory or --num-kv-blocks), lower --max-model-len so "
-            "requests grow less, or add a worker",
+            advice,
         ))
-    elif small and recent.mean_num_waiting >= MIN_MEAN_WAITING:
+    elif small and recent.mean_num_waiting >= MIN_MEAN_WAITING and blocked_share <= RARELY:
         findings.append(Finding(
             name, "waiting requests not admitted",
             f"{recent.mean_num_waiting:.1f} requests waited on average while the batch averaged "
-            f"{recent.mean_batch_size:.1f} of {stats.max_num_seqs} sequences and KV blocks were free "
-            f"(the cache was {recent.mean_kv_usage:.0%} full on average)",
+            f"{recent.mean_batch_size:.1f} of {stats.max_num_seqs} sequences, and KV blocks were short in only "
+            f"{recent.num_steps_kv_blocked} of {recent.num_steps} steps (the cache was "
+            f"{recent.mean_kv_usage:.0%} full on average)",
             f"the step's token budget (--max-num-batched-tokens {stats.max_num_batched_tokens}) goes to "
-            f"running requests and prefill chunks before newcomers: raise it; if that does not help, look "
-            f"for allocation failures in the worker's log",
+            f"running requests and prefill chunks before newcomers: raise it",
         ))
     if recent.num_admissions and preemptions / recent.num_admissions > HIGH_PREEMPTION_RATE:
         detail = (f"{preemptions / recent.num_admissions:.0%} of entries into the batch ended in a preemption "
@@ -125,11 +133,13 @@ def _scheduling(name: str, stats: worker_pb2.WorkerStats, queue_slo_s: float) ->
             "each preemption recomputes or moves KV: give the KV cache more memory, lower --max-num-seqs so "
             "fewer sequences compete for blocks, or shorten --max-model-len",
         ))
-    if recent.num_queued and recent.mean_queue_seconds > queue_slo_s:
+    admitted_late = recent.num_queued and recent.mean_queue_seconds > queue_slo_s
+    if admitted_late or stats.oldest_queued_seconds > queue_slo_s:
         findings.append(Finding(
             name, "queue time above the SLO",
-            f"requests waited {recent.mean_queue_seconds * 1e3:.0f} ms on average from arrival to admission "
-            f"({recent.num_queued} requests; SLO {queue_slo_s * 1e3:.0f} ms)",
+            f"requests admitted recently waited {recent.mean_queue_seconds * 1e3:.0f} ms on average from arrival "
+            f"to admission ({recent.num_queued} requests), and the oldest still waiting has waited "
+            f"{stats.oldest_queued_seconds * 1e3:.0f} ms (SLO {queue_slo_s * 1e3:.0f} ms)",
             "add workers for this load, or lower --max-num-batched-tokens / --max-num-seqs to trade "
             "throughput for latency",
         ))
@@ -175,7 +185,8 @@ def _render_worker(worker: worker_pb2.WorkerStatus) -> list[str]:
             f"{recent.mean_tokens_per_step:.0f} tokens per step, {recent.mean_num_waiting:.1f} waiting",
             f"  preemption  {rate:.0%} of {recent.num_admissions} entries into the batch "
             f"({recent.num_preemptions_recompute} recompute, {recent.num_preemptions_swap} swap)",
-            f"  queue time  {recent.mean_queue_seconds * 1e3:.0f} ms mean over {recent.num_queued} requests",
+            f"  queue time  {recent.mean_queue_seconds * 1e3:.0f} ms mean over {recent.num_queued} requests, "
+            f"oldest waiting {stats.oldest_queued_seconds * 1e3:.0f} ms",
         ]
     else:
         lines.append(f"  recent      idle: no steps in the last {recent.window_seconds:.0f} s")

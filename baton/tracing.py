@@ -8,7 +8,7 @@ Configured the standard way, from the environment, in every process:
   installed) through a batch processor, off the request path. With no endpoint,
   or OTEL_SDK_DISABLED=true, tracing is off: every helper here returns at once
   and no span object is ever made.
-- OTEL_SERVICE_NAME names the process (default: baton-gateway,
+- OTEL_SERVICE_NAME (or service.name in OTEL_RESOURCE_ATTRIBUTES) names the process (default: baton-gateway,
   baton-prefill-worker, baton-decode-worker); every process also carries the
   resource attribute `baton.role`.
 - OTEL_TRACES_SAMPLER / _ARG, OTEL_PROPAGATORS, OTEL_BSP_* and the exporter's
@@ -39,13 +39,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
+from typing import TypeVar
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 SERVER = SpanKind.SERVER
 CLIENT = SpanKind.CLIENT
@@ -77,7 +80,7 @@ def configure_tracing(role: str, instance_id: str | None = None) -> bool:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     attributes = {"baton.role": role}
-    if not env.get("OTEL_SERVICE_NAME"):
+    if not env.get("OTEL_SERVICE_NAME") and "service.name=" not in env.get("OTEL_RESOURCE_ATTRIBUTES", ""):
         attributes["service.name"] = f"baton-{role}"
     if instance_id:
         attributes["service.instance.id"] = instance_id
@@ -197,7 +200,7 @@ def request_attributes(model: str, params, *, operation: str) -> dict:
 
 def end_call_span(span: Span | None, context, error: BaseException | None) -> None:
     """End a server handler's span: in error with the call's status when `error` ended
-    the handler (an abort's code, CANCELLED for a cancelled call, else INTERNAL)."""
+    the handler (an abort's code, CANCELLED for a cancelled call, else UNKNOWN)."""
     if span is None:
         return
     if error is None:
@@ -210,8 +213,35 @@ def end_call_span(span: Span | None, context, error: BaseException | None) -> No
     code = _status_code(context.code())
     if code is None:
         cancelled = isinstance(error, (asyncio.CancelledError, GeneratorExit))
-        code = grpc.StatusCode.CANCELLED if cancelled else grpc.StatusCode.INTERNAL
+        code = grpc.StatusCode.CANCELLED if cancelled else grpc.StatusCode.UNKNOWN  # as grpc reports it
     end_span(span, code, context.details() or repr(error))
+
+
+async def call_in_span(span: Span | None, context, call: Awaitable[T]) -> T:
+    """Await a unary handler's work, then end its span (in error if it raised)."""
+    error = None
+    try:
+        return await call
+    except BaseException as caught:
+        error = caught
+        raise
+    finally:
+        end_call_span(span, context, error)
+
+
+async def stream_in_span(span: Span | None, context, stream: AsyncGenerator[T, None]) -> AsyncIterator[T]:
+    """Yield a streaming handler's messages, then close it and end its span (in error if
+    it raised or the call was cancelled)."""
+    error = None
+    try:
+        async for message in stream:
+            yield message
+    except BaseException as caught:
+        error = caught
+        raise
+    finally:
+        await stream.aclose()  # its cleanup runs now, not when it is collected
+        end_call_span(span, context, error)
 
 
 def _status_code(code):

@@ -180,7 +180,9 @@ class WorkerBase:
     async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
         from baton.convert import worker_stats_to_pb
 
-        engine = await self._require_engine(context)
+        engine = self.engine
+        if engine is None or not engine.is_alive:  # loading or stopped: answer, but not serving
+            return worker_pb2.WorkerStats(worker_id=self.worker_id, role=self.settings.role, serving=False)
         stats = await engine.call(lambda llm: llm.get_metrics(with_queue_times=False))
         return worker_stats_to_pb(
             stats,

@@ -68,15 +68,8 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             "gen_ai.usage.input_tokens": len(work.prompt_token_ids),
             "baton.kv.handoff": request.HasField("kv_handle"),
         })
-        error = None
-        try:
-            async for event in self._decode(request, context, span):
-                yield event
-        except BaseException as caught:
-            error = caught
-            raise
-        finally:
-            tracing.end_call_span(span, context, error)
+        async for event in tracing.stream_in_span(span, context, self._decode(request, context, span)):
+            yield event
 
     async def _decode(self, request: worker_pb2.DecodeRequest, context, span):
         engine = await self._require_engine(context)
@@ -183,25 +176,11 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         if handle is None:  # the Decode call already ended; the engine aborts it when told
             result = ReceiveResult(ok=False, error="request gone")
         else:
-            span = tracing.start_span("kv_transfer", self._spans.get(request_id), tracing.CLIENT, {
-                "baton.request_id": request_id,
-                "baton.kv.direction": "receive",
-                "baton.kv.peer": handle.prefill_address,
-            }) if request_id in self._spans else None
-            result = await self.receiver.receive(handle, receive.block_ids, tracing.metadata(span))
+            result = await self._receive(handle, receive)
             if result.ok:
                 self.metrics.record_transfer(result.num_bytes, result.seconds)
             else:
                 self.metrics.transfer_failures.inc()
-            if span is not None:
-                span.set_attributes(tracing.transfer_attributes(
-                    num_blocks=len(receive.block_ids), num_bytes=result.num_bytes, seconds=result.seconds,
-                    verified=result.verified,
-                ))
-                if result.ok:
-                    tracing.end_span(span)
-                else:
-                    tracing.end_span(span, grpc.StatusCode.UNAVAILABLE, result.error)
         # NOTE: the engine keeps the blocks of a request aborted meanwhile until this call,
         # so the receive above never writes into blocks that belong to someone else.
         await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok))
@@ -212,6 +191,32 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         pull = self._pulls.get(request_id)
         if pull is not None and not pull.done():
             pull.set_result(result)
+
+    async def _receive(self, handle: worker_pb2.KvHandle, receive: KvReceive) -> ReceiveResult:
+        """The pull itself, in a `kv_transfer` span under the request's decode span when traced."""
+        parent = self._spans.get(receive.request_id)
+        if parent is None:
+            return await self.receiver.receive(handle, receive.block_ids)
+        span = tracing.start_span("kv_transfer", parent, tracing.CLIENT, {
+            "baton.request_id": receive.request_id,
+            "baton.kv.direction": "receive",
+            "baton.kv.peer": handle.prefill_address,
+        })
+        result = None
+        try:
+            result = await self.receiver.receive(handle, receive.block_ids, tracing.metadata(span))
+        finally:
+            if result is None:  # cancelled (shutdown)
+                tracing.end_span(span, grpc.StatusCode.CANCELLED, "the pull was cancelled")
+            elif result.ok:
+                span.set_attributes(tracing.transfer_attributes(
+                    num_blocks=len(receive.block_ids), num_bytes=result.num_bytes, seconds=result.seconds,
+                    verified=result.verified,
+                ))
+                tracing.end_span(span)
+            else:
+                tracing.end_span(span, grpc.StatusCode.UNAVAILABLE, result.error)
+        return result
 
     async def _release_remote(self, handle: worker_pb2.KvHandle) -> None:
         try:

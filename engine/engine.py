@@ -207,8 +207,9 @@ class LLMEngine:
         scheduler = self.scheduler
         sched_out = scheduler.schedule()
         # Traced requests scheduled this step, with where their work starts.
+        # Traced requests scheduled this step: where their work starts, how many tokens they had.
         traced = [
-            (request, request.num_computed_tokens, num_new)
+            (request, request.num_computed_tokens, num_new, len(request.all_token_ids))
             for request, num_new in zip(sched_out.requests, sched_out.num_scheduled_tokens)
             if request.events is not None
         ]
@@ -216,8 +217,14 @@ class LLMEngine:
         finished = scheduler.update_from_output(
             sched_out, runner_out.requests, runner_out.token_ids
         )
+        batch = None
         if traced:
-            self._record_work(traced, sched_out)
+            batch = {
+                "baton.step": scheduler.step_index,
+                "baton.batch.num_seqs": len(sched_out.requests),
+                "baton.batch.num_tokens": sched_out.total_num_scheduled_tokens,
+            }
+            _record_chunks(traced, batch)
         finished_ids = {request.request_id for request in finished}
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sampler_out = runner_out.sampler_output
@@ -232,6 +239,8 @@ class LLMEngine:
                 request.first_token_time = now  # its prompt was prefilled here
             elif request.first_decode_time is None:
                 request.first_decode_time = now
+                if request.events is not None:
+                    request.record("first_decode_step", batch)
             detokenizer = request.detokenizer
             if detokenizer is not None and detokenizer.stop_matched is None:
                 # Every token reaches the detokenizer, also the one that ended the request by
@@ -287,27 +296,6 @@ class LLMEngine:
             step_seconds=seconds,
         )
 
-    def _record_work(self, traced: list[tuple[Request, int, int]], sched_out) -> None:
-        """Timeline events of traced requests for the step just run: each prefill chunk
-        (where it started, its tokens, the batch it ran in) and the first decode step."""
-        batch = {
-            "baton.step": self.scheduler.step_index,
-            "baton.batch.num_seqs": len(sched_out.requests),
-            "baton.batch.num_tokens": sched_out.total_num_scheduled_tokens,
-        }
-        for request, start, num_new in traced:
-            if num_new > 1 or start < request.num_prompt_tokens:
-                request.record("prefill_chunk", {
-                    "baton.chunk.start": start,
-                    "baton.chunk.tokens": num_new,
-                    "baton.chunk.recompute": request.num_preemptions > 0,
-                    **batch,
-                })
-            elif request.first_decode_time is None and (
-                request.first_token_time is not None or request.kv_ready_time is not None
-            ):
-                request.record("first_decode_step", batch)
-
     def _final_output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list | None = None
     ) -> RequestOutput:
@@ -345,3 +333,17 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _record_chunks(traced: list[tuple[Request, int, int, int]], batch: dict) -> None:
+    """A `prefill_chunk` event for each traced request that prefilled in the step just run:
+    where the chunk started, its tokens, whether it recomputes KV the request had before
+    (after a recompute preemption or a failed handoff), and the batch it ran in."""
+    for request, start, num_new, num_tokens_before in traced:
+        if num_new > 1 or start < request.num_prompt_tokens:
+            request.record("prefill_chunk", {
+                "baton.chunk.start": start,
+                "baton.chunk.tokens": num_new,
+                "baton.chunk.recompute": num_tokens_before > request.num_prompt_tokens,
+                **batch,
+            })

@@ -43,7 +43,9 @@ class RequestTimings:
     """Where a request's time went on this engine (seconds; None: did not happen here)."""
 
     queue_time: float | None  # arrival to admission
-    prefill_time: float | None  # admission to first token, when its prompt was prefilled here
+    # Admission for prefill to first token, when its prompt was prefilled here (after a
+    # failed handoff: from the admission that started the local prefill).
+    prefill_time: float | None
     num_preemptions: int
 
 
@@ -83,6 +85,7 @@ class Request:
         "kv_remote",
         "abort_requested",
         "kv_ready_time",
+        "prefill_start_time",
         "first_decode_time",
         "events",
     )
@@ -133,6 +136,7 @@ class Request:
         self.kv_remote = False
         self.abort_requested = False  # aborted while RECEIVING: ends when the receive does
         self.kv_ready_time: float | None = None  # a received prompt's KV landed (monotonic)
+        self.prefill_start_time: float | None = None  # first admitted to prefill here (monotonic)
         self.first_decode_time: float | None = None  # end of its first decode step (monotonic)
         # Timeline events for tracing (None: not traced, nothing recorded). Each is
         # (wall-clock ns, name, attributes); outputs carry them off as they come.
@@ -185,10 +189,10 @@ class Request:
         return RequestTimings(
             queue_time=self.queue_time,
             prefill_time=(
-                self.first_token_time - self.first_scheduled_time
+                self.first_token_time - self.prefill_start_time
                 if self.kv_ready_time is None
                 and self.first_token_time is not None
-                and self.first_scheduled_time is not None
+                and self.prefill_start_time is not None
                 else None
             ),
             num_preemptions=self.num_preemptions,

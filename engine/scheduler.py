@@ -95,6 +95,7 @@ class SchedulerStats:
     mean_queue_time: float
     queue_times: tuple[float, ...]
     recent: RecentStats
+    oldest_queued_time: float  # seconds the longest-waiting never-admitted request has waited (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +190,9 @@ class Scheduler:
         self._waiting_total = 0
         self._num_steps_kv_blocked = 0
         self._num_steps_seq_capped = 0
-        self._step_blocked_by_kv = False  # this step left a request waiting for KV blocks
+        # This step left requests waiting for KV blocks / at the max_num_seqs cap.
+        self._step_blocked_by_kv = False
+        self._step_seq_capped = False
         # (time, totals) after each step of the recent window; the first is its baseline.
         self._recent: deque[tuple[float, tuple]] = deque(maxlen=_MAX_RECENT_STEPS)
         self._recent.append((time.monotonic(), self._totals()))
@@ -351,6 +354,7 @@ class Scheduler:
                 i += 1
 
         self._step_blocked_by_kv = bool(out.preempted)
+        self._step_seq_capped = False
         if not out.preempted:
             now = time.monotonic()
             budget = self._schedule_swapped(out, budget, chunk_cap)
@@ -393,6 +397,8 @@ class Scheduler:
             heapq.heappop(waiting)
             budget = self._admit(out, request, budget, chunk_cap, now)
             promised += self._blocks_still_to_take(request)
+        if waiting and self._num_seqs >= self.config.max_num_seqs:
+            self._step_seq_capped = True
         return budget
 
     def _admit_static(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
@@ -406,6 +412,7 @@ class Scheduler:
         requeue = self._static_requeue
         while requeue and self._num_seqs < self.config.max_num_seqs:
             if not self._can_reserve(requeue[0]):
+                self._step_blocked_by_kv = True
                 return budget
             request = requeue.pop(0)
             budget = self._admit(out, request, budget, chunk_cap, now, reserve=True)
@@ -415,6 +422,7 @@ class Scheduler:
         while waiting and self._num_seqs < self.config.max_num_seqs:
             request = waiting[0][2]
             if not self._can_reserve(request):
+                self._step_blocked_by_kv = True
                 break
             heapq.heappop(waiting)
             self._static_batch.add(request.request_id)
@@ -481,6 +489,8 @@ class Scheduler:
             request.first_scheduled_time = now
             self.queue_times.append(now - request.arrival_time)
             self._queue_time_total += now - request.arrival_time
+        if not request.kv_remote and request.prefill_start_time is None:
+            request.prefill_start_time = now
         if request.events is not None:
             request.record("admitted", {
                 "baton.queue_time_s": now - request.arrival_time,
@@ -613,7 +623,7 @@ class Scheduler:
         if num_waiting:
             if self._step_blocked_by_kv or self.swapped:
                 self._num_steps_kv_blocked += 1
-            elif self._num_seqs >= self.config.max_num_seqs:
+            elif self._step_seq_capped:
                 self._num_steps_seq_capped += 1
         now = time.monotonic()
         recent = self._recent
@@ -645,7 +655,7 @@ class Scheduler:
         total_blocks = self.kv.pool.num_blocks
         return RecentStats(
             window_s=RECENT_WINDOW_S,
-            seconds=last_time - first_time if steps else 0.0,
+            seconds=last_time - max(first_time, now - RECENT_WINDOW_S) if steps else 0.0,
             seconds_since_last_step=now - last_time if self.step_index else float("inf"),
             num_steps=steps,
             mean_batch_size=delta["seqs"] * per_step,
@@ -690,7 +700,12 @@ class Scheduler:
             mean_queue_time=self._queue_time_total / max(len(self.queue_times), 1),
             queue_times=tuple(self.queue_times) if with_queue_times else (),
             recent=self.recent_stats(),
+            oldest_queued_time=self._oldest_queued_time(),
         )
+
+    def _oldest_queued_time(self) -> float:
+        arrivals = [request.arrival_time for _, _, request in self._waiting if request.first_scheduled_time is None]
+        return time.monotonic() - min(arrivals) if arrivals else 0.0
 
     def _num_queued_prefill_tokens(self) -> int:
         """Prompt (or recompute) tokens not yet computed: waiting requests and running chunks."""

@@ -127,11 +127,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """One request, start to end: its span, validation, the stream; a RequestError
         ends the call with its status."""
         span = self._start_span(context, method)
-        prepared = None
+        prepared = stream = None
         failure: RequestError | None = None
         try:
             prepared = self._prepare(request, span)
-            async for message in self._text_stream(prepared, context):
+            stream = self._text_stream(prepared, context)
+            async for message in stream:
                 yield message
         except RequestError as error:
             failure = error
@@ -140,12 +141,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             failure = RequestError(grpc.StatusCode.CANCELLED, "the client cancelled")
             raise
         except Exception as error:
-            failure = RequestError(grpc.StatusCode.INTERNAL, repr(error))
+            failure = RequestError(grpc.StatusCode.UNKNOWN, repr(error))  # what grpc tells the client
             raise
         finally:
-            if prepared is not None:
-                self._in_flight.discard(prepared.request_id)
-            self._end_span(span, failure)
+            try:
+                if stream is not None:
+                    await stream.aclose()  # its workers' calls end now, not when it is collected
+            finally:
+                if prepared is not None:
+                    self._in_flight.discard(prepared.request_id)
+                self._end_span(span, failure)
 
     # ----------------------------------------------------------------- tracing
     def _start_span(self, context, method: str):
@@ -223,16 +228,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     def _traced_tokenize(self, request: pb.GenerateRequest, parent) -> list[int]:
         span = tracing.start_span("tokenize", parent, attributes={"baton.prompt.kind": request.WhichOneof("prompt") or ""})
-        failure = None
         try:
             token_ids = self._tokenize(request)
         except RequestError as error:
-            failure = error
+            self._end_span(span, error)
             raise
-        finally:
-            if span is not None and failure is None:
-                span.set_attribute("baton.prompt.tokens", len(token_ids))
-            self._end_span(span, failure)
+        except Exception as error:  # a chat template that rejects the messages, say
+            self._end_span(span, RequestError(grpc.StatusCode.UNKNOWN, repr(error)))
+            raise
+        if span is not None:
+            span.set_attribute("baton.prompt.tokens", len(token_ids))
+            span.end()
         return token_ids
 
     def _tokenize(self, request: pb.GenerateRequest) -> list[int]:

@@ -74,14 +74,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         work = request.request
         span = self._start_span("prefill", context, work.request_id,
                                 {"gen_ai.usage.input_tokens": len(work.prompt_token_ids)})
-        error = None
-        try:
-            return await self._prefill(work, context, span)
-        except BaseException as caught:
-            error = caught
-            raise
-        finally:
-            tracing.end_call_span(span, context, error)
+        return await tracing.call_in_span(span, context, self._prefill(work, context, span))
 
     async def _prefill(self, work: worker_pb2.WorkRequest, context, span) -> worker_pb2.PrefillResponse:
         engine = await self._require_engine(context)
@@ -195,15 +188,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
     async def SendKv(self, request: worker_pb2.SendKvRequest, context):
         span = self._start_span("kv_transfer", context, request.request_id,
                                 {"baton.kv.direction": "send", "baton.kv.channel": request.channel_id})
-        error = None
-        try:
-            async for event in self._send_kv(request, context, span):
-                yield event
-        except BaseException as caught:
-            error = caught
-            raise
-        finally:
-            tracing.end_call_span(span, context, error)
+        async for event in tracing.stream_in_span(span, context, self._send_kv(request, context, span)):
+            yield event
 
     async def _send_kv(self, request: worker_pb2.SendKvRequest, context, span):
         engine = await self._require_engine(context)

@@ -65,9 +65,17 @@ def test_diagnose_each_finding():
     [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, stats=blocked), 1.0)
     assert finding.problem == "batch held small by memory pressure"
     assert "70 of 100 steps left requests waiting for KV blocks, with the cache 50% full" in finding.detail
-    budget = stats(recent={"mean_batch_size": 4, "mean_num_waiting": 3, "num_steps_kv_blocked": 10})
+    budget = stats(recent={"mean_batch_size": 4, "mean_num_waiting": 3, "num_steps_kv_blocked": 5})
     [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, stats=budget), 1.0)
     assert finding.problem == "waiting requests not admitted" and "--max-num-batched-tokens 2048" in finding.advice
+    assert "short in only 5 of 100 steps" in finding.detail
+    # Blocks short in a third of the steps: neither clearly memory nor clearly the budget.
+    assert problems(stats(recent={"mean_batch_size": 4, "mean_num_waiting": 3, "num_steps_kv_blocked": 30})) == []
+    # On a prefill worker the blocks are held by prompts waiting to be pulled.
+    held = stats(role="prefill", num_kv_handoffs_pending=7, recent={"mean_kv_usage": 0.95, "mean_batch_size": 2,
+                                                                   "mean_num_waiting": 5})
+    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", role="prefill", reachable=True, stats=held), 1.0)
+    assert "(7 waiting now): add decode workers" in finding.advice
 
     swapping = stats(recent={"num_admissions": 40, "num_preemptions_recompute": 2, "num_preemptions_swap": 8,
                              "num_swapped_blocks_out": 20})
@@ -78,6 +86,8 @@ def test_diagnose_each_finding():
 
     assert problems(stats(recent={"mean_queue_seconds": 2.5})) == ["queue time above the SLO"]
     assert problems(stats(recent={"mean_queue_seconds": 2.5}), slo_s=3.0) == []
+    # Requests stuck in the queue count too, before any of them is admitted.
+    assert problems(stats(oldest_queued_seconds=4.0, recent={"num_queued": 0})) == ["queue time above the SLO"]
     assert problems(stats(num_transfers=9, num_transfer_failures=1, num_leases_expired=2)) == [
         "KV transfers failing", "KV leases expiring"]
 
