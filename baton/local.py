@@ -105,6 +105,21 @@ def wait_serving(address: str, deployment: Deployment, timeout_s: float) -> None
     raise TimeoutError(f"{address} not serving after {timeout_s} s\n{deployment.logs()}")
 
 
+def wait_in_rotation(gateway: str, deployment: Deployment, timeout_s: float) -> None:
+    """Wait until the gateway routes to every worker it was given. A gateway serves
+    once one decode worker is up; a worker that finished loading after that joins at
+    the gateway's next poll, and a test or benchmark must not run before then."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(gateway) as channel:
+        stub = worker_pb2_grpc.GatewayAdminStub(channel)
+        while time.monotonic() < deadline:
+            status = stub.GetDeploymentStatus(worker_pb2.GetDeploymentStatusRequest(), timeout=10)
+            if all(worker.in_rotation for worker in status.workers):
+                return
+            time.sleep(0.1)
+    raise TimeoutError(f"the gateway did not route to every worker within {timeout_s} s\n{deployment.logs()}")
+
+
 def start_deployment(
     model: str,
     log_dir: Path | None,
@@ -156,6 +171,7 @@ def start_deployment(
         wait_serving(gateway_address, deployment, timeout_s)
         for process in deployment.processes[:-1]:
             wait_serving(process.address, deployment, timeout_s)
+        wait_in_rotation(gateway_address, deployment, timeout_s)
     except BaseException:
         deployment.stop()
         raise

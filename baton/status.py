@@ -8,7 +8,7 @@ been idle for a minute shows none.
 
 What is diagnosed, per worker (thresholds below):
 
-- unreachable or not serving;
+- unreachable, not serving, or serving but not routed to by the gateway;
 - batch held small by memory pressure: the batch stays under half of
   max_num_seqs while requests wait or are preempted, and the KV cache is
   nearly full or most steps leave requests waiting for blocks;
@@ -66,6 +66,11 @@ def diagnose(status: worker_pb2.WorkerStatus, queue_slo_s: float) -> list[Findin
     if not stats.serving:
         findings.append(Finding(name, "not serving", "it is loading its model or shutting down",
                                 "wait for it to load; if it stays so, read its log"))
+    elif not status.in_rotation:
+        findings.append(Finding(name, "serving but not routed to",
+                                "the gateway's last poll of it failed, or came before it was serving",
+                                "it rejoins at the gateway's next good poll (every 0.1 s); if it stays out, "
+                                "read the gateway's log for why its polls fail"))
     findings += _scheduling(name, stats, queue_slo_s)
     if stats.num_transfer_failures:
         total = stats.num_transfers + stats.num_transfer_failures
@@ -166,7 +171,7 @@ def _render_worker(worker: worker_pb2.WorkerStatus) -> list[str]:
         return [f"{name}  {worker.role}  {worker.address}  UNREACHABLE ({worker.error})"]
     stats = worker.stats
     recent = stats.recent
-    health = "SERVING" if stats.serving else "NOT SERVING"
+    health = "NOT SERVING" if not stats.serving else "SERVING" if worker.in_rotation else "SERVING, not routed to"
     usage = stats.num_kv_blocks_used / stats.num_kv_blocks_total if stats.num_kv_blocks_total else 0.0
     lines = [
         f"{name}  {worker.role}  {worker.address}  {health}",

@@ -25,7 +25,7 @@ class GatewayAdminService(worker_pb2_grpc.GatewayAdminServicer):
 
     @staticmethod
     async def _status(worker: Worker) -> worker_pb2.WorkerStatus:
-        status = worker_pb2.WorkerStatus(address=worker.address, role=worker.role)
+        status = worker_pb2.WorkerStatus(address=worker.address, role=worker.role, in_rotation=worker.is_up)
         try:
             stats = await worker.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=STATS_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:

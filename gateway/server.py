@@ -51,8 +51,10 @@ async def run_gateway(settings: GatewaySettings, ready: asyncio.Event | None = N
     await server.start()
     logger.info("gateway listening on %s; waiting for workers", server.address)
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.startup_timeout_s
     info = await pool.model_info(settings.startup_timeout_s)
-    await pool.start()
+    await pool.start(max(0.0, deadline - loop.time()))  # turns SERVING only once a decode worker is up
     if settings.metrics_port is not None:
         service.metrics = GatewayMetrics(info.model)
         port = serve_metrics(service.metrics.registry, settings.metrics_port, _host(settings.listen))

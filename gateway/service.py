@@ -342,6 +342,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         num_prompt = len(prepared.prompt_token_ids)
         decode = self.pool.pick_decode(num_prompt + 1)
         if decode is None:
+            await self.pool.refresh_decode()
+            decode = self.pool.pick_decode(num_prompt + 1)
+        if decode is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving")
         prefill = self.pool.pick_prefill(num_prompt, decode)
         decode_request = worker_pb2.DecodeRequest(request=work)

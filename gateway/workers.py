@@ -96,6 +96,7 @@ class WorkerPool:
         self.prefill = [self._make(address, "prefill") for address in prefill_addresses]
         self.decode = [self._make(address, "decode") for address in decode_addresses]
         self._poller: asyncio.Task | None = None
+        self._refresh: asyncio.Future | None = None
         self.block_size = 16
 
     @staticmethod
@@ -108,9 +109,16 @@ class WorkerPool:
     def workers(self) -> list[Worker]:
         return self.prefill + self.decode
 
-    async def start(self) -> None:
+    async def start(self, timeout_s: float) -> None:
+        """Poll every worker, start the poller, and wait (up to `timeout_s`) until a
+        decode worker is up: without one the gateway can serve nothing."""
         await self.poll_once()
         self._poller = asyncio.create_task(self._poll_forever())
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not any(worker.is_up for worker in self.decode):
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"no decode worker was serving within {timeout_s:.0f} s")
+            await asyncio.sleep(POLL_INTERVAL_S)
 
     async def close(self) -> None:
         if self._poller is not None:
@@ -139,6 +147,13 @@ class WorkerPool:
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(worker) for worker in self.workers))
+
+    async def refresh_decode(self) -> None:
+        """Poll the decode workers now (a request found none up at the last poll; one
+        may have come back since). Concurrent callers share one round of polls."""
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(asyncio.gather(*(self._poll(worker) for worker in self.decode)))
+        await asyncio.shield(self._refresh)
 
     async def _poll(self, worker: Worker) -> None:
         try:

@@ -58,3 +58,88 @@ def test_pool_counts_each_prompt_on_the_worker_that_prefills_it():
         await pool.close()
 
     asyncio.run(scenario())
+
+
+class _StubWorker:
+    """A decode worker's GetStats on a real loopback gRPC server: answers `serving` as
+    the test sets it, and counts the calls."""
+
+    def __init__(self) -> None:
+        self.serving = False
+        self.calls = 0
+
+    async def GetStats(self, request, context):
+        from baton.internal.v1 import worker_pb2
+
+        self.calls += 1
+        return worker_pb2.WorkerStats(worker_id="decode-x", role="decode", serving=self.serving,
+                                      num_kv_blocks_free=100)
+
+
+async def _serve_stub(worker: _StubWorker):
+    import grpc
+
+    from baton.internal.v1 import worker_pb2_grpc
+
+    server = grpc.aio.server()
+    handler = worker_pb2_grpc.DecodeWorkerServicer()
+    handler.GetStats = worker.GetStats
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(handler, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_pool_start_waits_for_a_decode_worker():
+    """The gateway turns SERVING only once a decode worker is up; a worker that never
+    comes up fails the start with a clear timeout."""
+    import asyncio
+
+    from gateway.workers import WorkerPool
+
+    async def scenario() -> None:
+        worker = _StubWorker()
+        server, address = await _serve_stub(worker)
+        pool = WorkerPool([], [address])
+        with pytest.raises(TimeoutError, match="no decode worker"):
+            await pool.start(0.3)
+        await pool.close()
+
+        pool = WorkerPool([], [address])
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, setattr, worker, "serving", True)
+        started = loop.time()
+        await pool.start(10)
+        assert pool.decode[0].is_up and loop.time() - started >= 0.3
+        await pool.close()
+        await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_finding_no_decode_worker_polls_again_once():
+    """A decode worker marked down (a failed call, or a poll while it restarted) is asked
+    again when a request finds none up; concurrent requests share that one poll."""
+    import asyncio
+
+    from gateway.workers import WorkerPool
+
+    async def scenario() -> None:
+        worker = _StubWorker()
+        worker.serving = True
+        server, address = await _serve_stub(worker)
+        pool = WorkerPool([], [address])
+        pool.mark_down(pool.decode[0])
+        assert pool.pick_decode(10) is None
+        calls = worker.calls
+        await asyncio.gather(*(pool.refresh_decode() for _ in range(8)))
+        assert worker.calls == calls + 1
+        assert pool.pick_decode(10) is pool.decode[0]
+        # Down for real: the refresh answers quickly and the worker stays out.
+        await server.stop(None)
+        pool.mark_down(pool.decode[0])
+        await pool.refresh_decode()
+        assert pool.pick_decode(10) is None
+        await pool.close()
+
+    asyncio.run(scenario())

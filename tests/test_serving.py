@@ -48,7 +48,6 @@ def system(tiny_chat_model, tmp_path_factory):
         # Every prompt goes through the prefill worker and a handoff (no local prefill).
         gateway_args=["--max-prefill-queue-tokens", "0"],
     )
-    time.sleep(0.5)  # one gateway poll: every worker is marked up
     yield deployment
     codes = deployment.stop()
     assert codes == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
@@ -220,14 +219,14 @@ def test_model_info(stub):
 def extra_gateway(model_path: str, log_dir, *flags: str):
     """A second gateway process in front of the module's workers (`flags` name them);
     yields a stub on it once it serves and every worker is marked up."""
-    from baton.local import Deployment, _spawn, free_port, wait_serving
+    from baton.local import Deployment, _spawn, free_port, wait_in_rotation, wait_serving
 
     address = f"127.0.0.1:{free_port()}"
     args = ["gateway", "--listen", address, "--model", model_path, *flags]
     gateway = Deployment(address, [_spawn("gateway", args, log_dir, dict(os.environ))])
     try:
         wait_serving(address, gateway, 120)
-        time.sleep(0.3)  # a few polls
+        wait_in_rotation(address, gateway, 120)
         with grpc.insecure_channel(address) as channel:
             yield generation_pb2_grpc.GenerationStub(channel)
     finally:

@@ -35,7 +35,6 @@ def test_baton_up_answers_capital_of_france(tmp_path):
             assert time.monotonic() < deadline, log_path.read_text()[-5000:]
             time.sleep(0.5)
         assert f"baton generate --gateway 127.0.0.1:{port}" in log_path.read_text()
-        time.sleep(0.5)  # the gateway's first poll marks both workers up
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             request = pb.GenerateRequest(

@@ -41,7 +41,8 @@ def stats(**fields) -> worker_pb2.WorkerStats:
 
 
 def problems(worker_stats: worker_pb2.WorkerStats, slo_s: float = 1.0) -> list[str]:
-    status = worker_pb2.WorkerStatus(address="a:1", role="decode", reachable=True, stats=worker_stats)
+    status = worker_pb2.WorkerStatus(address="a:1", role="decode", reachable=True, in_rotation=True,
+                                       stats=worker_stats)
     return [finding.problem for finding in diagnose(status, slo_s)]
 
 
@@ -52,6 +53,8 @@ def test_diagnose_each_finding():
     [finding] = diagnose(unreachable, 1.0)
     assert finding.problem == "prefill worker unreachable" and finding.worker == "a:1"
     assert problems(stats(serving=False)) == ["not serving"]
+    out = worker_pb2.WorkerStatus(address="a:1", role="decode", reachable=True, stats=stats())
+    assert [finding.problem for finding in diagnose(out, 1.0)] == ["serving but not routed to"]
 
     pressure = stats(recent={"mean_kv_usage": 0.97, "mean_batch_size": 4, "mean_num_waiting": 6,
                              "num_steps_kv_blocked": 80})
@@ -62,11 +65,11 @@ def test_diagnose_each_finding():
     # Short of blocks in most steps with the cache not full on average: still memory pressure
     # (a whole prompt must fit to be admitted).
     blocked = stats(recent={"mean_batch_size": 4, "mean_num_waiting": 3, "num_steps_kv_blocked": 70})
-    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, stats=blocked), 1.0)
+    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, in_rotation=True, stats=blocked), 1.0)
     assert finding.problem == "batch held small by memory pressure"
     assert "70 of 100 steps left requests waiting for KV blocks, with the cache 50% full" in finding.detail
     budget = stats(recent={"mean_batch_size": 4, "mean_num_waiting": 3, "num_steps_kv_blocked": 5})
-    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, stats=budget), 1.0)
+    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, in_rotation=True, stats=budget), 1.0)
     assert finding.problem == "waiting requests not admitted" and "--max-num-batched-tokens 2048" in finding.advice
     assert "short in only 5 of 100 steps" in finding.detail
     # Blocks short in a third of the steps: neither clearly memory nor clearly the budget.
@@ -74,12 +77,13 @@ def test_diagnose_each_finding():
     # On a prefill worker the blocks are held by prompts waiting to be pulled.
     held = stats(role="prefill", num_kv_handoffs_pending=7, recent={"mean_kv_usage": 0.95, "mean_batch_size": 2,
                                                                    "mean_num_waiting": 5})
-    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", role="prefill", reachable=True, stats=held), 1.0)
+    held_status = worker_pb2.WorkerStatus(address="a:1", role="prefill", reachable=True, in_rotation=True, stats=held)
+    [finding] = diagnose(held_status, 1.0)
     assert "(7 waiting now): add decode workers" in finding.advice
 
     swapping = stats(recent={"num_admissions": 40, "num_preemptions_recompute": 2, "num_preemptions_swap": 8,
                              "num_swapped_blocks_out": 20})
-    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, stats=swapping), 1.0)
+    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, in_rotation=True, stats=swapping), 1.0)
     assert finding.problem == "high preemption rate"
     assert "25% of entries" in finding.detail and "2.5 blocks (2.50 MiB)" in finding.detail
     assert problems(stats(recent={"num_admissions": 40, "num_preemptions_recompute": 4})) == []  # 10%: not high

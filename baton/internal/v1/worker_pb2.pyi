@@ -298,18 +298,20 @@ class GetDeploymentStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "reachable", "error", "stats")
+    __slots__ = ("address", "role", "reachable", "error", "stats", "in_rotation")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    IN_ROTATION_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: str
     reachable: bool
     error: str
     stats: WorkerStats
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+    in_rotation: bool
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ..., in_rotation: _Optional[bool] = ...) -> None: ...
 
 class DeploymentStatus(_message.Message):
     __slots__ = ("model", "workers")
