@@ -1,7 +1,8 @@
 """Online serving benchmark: the engine benchmark's mixed workload, arriving as a Poisson
 process, against a running Baton deployment over gRPC.
 
-Four systems, one after the other in this order in one run, on the same arrival schedule:
+Four systems, one after the other in this order in one run, on the same arrival schedule
+(`--rounds N` runs them N times, forward then backward, and pools the rounds):
 
     disaggregated           gateway + 1 prefill worker + 1 decode worker (separate processes)
     disaggregated+tracing   the same, with OpenTelemetry tracing on: every process exports
@@ -84,9 +85,12 @@ def percentiles(values: list[float]) -> dict:
     }
 
 
-def summarize(name: str, timings: list[RequestTiming], extra: dict | None = None) -> SystemResult:
-    start = min(t.arrival for t in timings)
-    end = max(t.arrival + t.finished for t in timings)
+def summarize(name: str, rounds: list[list[RequestTiming]], extras: list[dict] | None = None) -> SystemResult:
+    """One system's figures over its rounds: the run's seconds are the sum of each
+    round's first arrival to last finish; latencies pool every request."""
+    seconds = sum(max(t.arrival + t.finished for t in timings) - min(t.arrival for t in timings)
+                  for timings in rounds)
+    timings = [t for round_timings in rounds for t in round_timings]
     ttft, tpot, itl, e2e = [], [], [], []
     for t in timings:
         ttft.append(t.token_times[0])
@@ -94,16 +98,23 @@ def summarize(name: str, timings: list[RequestTiming], extra: dict | None = None
         if len(t.token_times) > 1:
             tpot.append((t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1))
             itl.extend(np.diff(t.token_times).tolist())
+    extras = extras or [{}]
+    extra = extras[0] if len(extras) == 1 else {
+        **{f"round{i + 1}": e for i, e in enumerate(extras)},
+        "round_output_tokens_per_s": [sum(t.num_output_tokens for t in r) /
+                                      (max(t.arrival + t.finished for t in r) - min(t.arrival for t in r))
+                                      for r in rounds],
+    }
     return SystemResult(
         name,
-        end - start,
+        seconds,
         len(timings),
         sum(t.num_output_tokens for t in timings),
         percentiles(ttft),
         percentiles(tpot),
         percentiles(itl),
         percentiles(e2e),
-        extra or {},
+        extra,
     )
 
 
@@ -148,7 +159,7 @@ async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[f
         return await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
 
 
-def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> SystemResult:
+def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[list[RequestTiming], dict]:
     from baton.local import start_deployment
     from baton.otlp_sink import OtlpSink
 
@@ -180,7 +191,6 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> SystemR
             env=env,
         )
         try:
-            time.sleep(0.5)
             timings = asyncio.run(drive_grpc(deployment.gateway, requests, offsets))
             decode = deployment.stats("decode")
             extra = {"mean_seqs_per_step": decode.mean_seqs_per_step}
@@ -198,11 +208,11 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> SystemR
         if tracing:
             spans = sink.spans()  # all of them: the processes flush their spans as they exit
             extra.update(spans_exported=len(spans), traces_exported=len({span.trace_id for span in spans}))
-    return summarize(name, timings, extra)
+    return timings, extra
 
 
 # ----------------------------------------------------------------------- engine
-def run_engine(args, requests, offsets) -> SystemResult:
+def run_engine(args, requests, offsets) -> tuple[list[RequestTiming], dict]:
     import torch
 
     from baton.worker import build_engine, engine_config
@@ -238,7 +248,7 @@ def run_engine(args, requests, offsets) -> SystemResult:
             await engine.stop()
 
     timings = asyncio.run(drive())
-    return summarize("engine", timings, {"mean_seqs_per_step": llm.get_metrics().mean_seqs_per_step})
+    return timings, {"mean_seqs_per_step": llm.get_metrics().mean_seqs_per_step}
 
 
 # ----------------------------------------------------------------------- report
@@ -256,10 +266,16 @@ def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> lis
             cells.append(f"{metric['p50'] * 1e3:8.1f}/{metric['p90'] * 1e3:8.1f}/{metric['p99'] * 1e3:8.1f}")
         print(f"{result.name:<{width}} {result.output_tokens_per_s:9.1f} {result.requests_per_s:6.2f} " + " ".join(
             f"{c:>26}" for c in cells))
+    def fields(extra: dict) -> str:
+        return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items()
+                         if not isinstance(v, (dict, list)))
+
     for result in results.values():
-        if result.extra:
-            print(f"  {result.name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                    for k, v in result.extra.items()))
+        if args.rounds == 1 and result.extra:
+            print(f"  {result.name}: {fields(result.extra)}")
+        for i in range(args.rounds if args.rounds > 1 else 0):
+            rate = result.extra["round_output_tokens_per_s"][i]
+            print(f"  {result.name} round {i + 1}: out tok/s={rate:.1f}, {fields(result.extra[f'round{i + 1}'])}")
     checks = []
     if "disaggregated" in results and "engine" in results:
         ratio = results["disaggregated"].output_tokens_per_s / results["engine"].output_tokens_per_s
@@ -267,6 +283,10 @@ def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> lis
     if "disaggregated+tracing" in results and "disaggregated" in results:
         ratio = results["disaggregated+tracing"].output_tokens_per_s / results["disaggregated"].output_tokens_per_s
         checks.append(("tracing on / off output tok/s", ratio, 0.97, ratio >= 0.97))
+        if args.rounds > 1:
+            per_round = [on / off for on, off in zip(results["disaggregated+tracing"].extra["round_output_tokens_per_s"],
+                                                     results["disaggregated"].extra["round_output_tokens_per_s"])]
+            print("tracing on / off by round: " + ", ".join(f"{r:.3f}" for r in per_round))
     if "colocated" in results and "engine" in results:
         ratio = results["colocated"].output_tokens_per_s / results["engine"].output_tokens_per_s
         checks.append(("colocated / engine output tok/s", ratio, 0.0, True))
@@ -307,12 +327,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify-kv", action="store_true", help="checksum every handed-off block")
     p.add_argument("--kv-bench-blocks", type=int, default=64, help="blocks in the raw-vs-block KV comparison (0: skip)")
     p.add_argument("--kv-bench-repeats", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, in order then in reverse (ABBA), so slow drift of "
+                        "the machine cancels out of the ratios; figures pool the rounds")
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(ALL_SYSTEMS)
     if unknown:
@@ -334,14 +359,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     requests = make_workload(vocab_size, config)
     offsets = arrival_offsets(len(requests), args.rate, args.seed)
-    results: dict[str, SystemResult] = {}
+    runs: dict[str, list[tuple[list[RequestTiming], dict]]] = {name: [] for name in systems}
     with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
-        for name in systems:
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            if name == "engine":
-                results[name] = run_engine(args, requests, offsets)
-            else:
-                results[name] = run_deployment(name, args, requests, offsets, Path(tmp))
+        for round_index in range(args.rounds):
+            for name in systems if round_index % 2 == 0 else systems[::-1]:
+                print(f"running {name} (round {round_index + 1} of {args.rounds}) ...", file=sys.stderr, flush=True)
+                if name == "engine":
+                    runs[name].append(run_engine(args, requests, offsets))
+                else:
+                    runs[name].append(run_deployment(name, args, requests, offsets, Path(tmp) / str(round_index)))
+    results = {name: summarize(name, [timings for timings, _ in rounds], [extra for _, extra in rounds])
+               for name, rounds in runs.items()}
     kv = None
     if args.kv_bench_blocks:
         from kvtransfer.bench import measure
