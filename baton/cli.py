@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(gateway, "prefill-workers", default="", help="comma-separated prefill worker addresses")
     _flag(gateway, "decode-workers", default="", help="comma-separated decode worker addresses")
     _add_model_flags(gateway)
-    _flag(gateway, "startup-timeout-s", type=float, default=600.0, help="seconds to wait for a worker")
+    _flag(gateway, "startup-timeout-s", type=float, default=600.0, help="seconds to wait for a decode worker to serve before exiting with an error")
     _flag(gateway, "grace-s", type=float, default=10.0, help="SIGTERM: seconds for in-flight requests")
     _flag(gateway, "metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
     _flag(gateway, "max-local-prefill-tokens", type=int, default=0,

@@ -154,9 +154,10 @@ class WorkerBase:
         llm = await asyncio.to_thread(build_engine, self.settings.engine)
         self.llm = llm
         self._model_info = model_info(llm)
-        self.engine = AsyncEngine(llm, on_kv_receive=self._on_kv_receive)
-        self.engine.start()
         self.metrics = WorkerMetrics(self._model_info.model, self.settings.role)
+        self.engine = AsyncEngine(llm, on_kv_receive=self._on_kv_receive,
+                                  on_last_output=lambda output: self.metrics.record_timings(output.timings))
+        self.engine.start()
         self.metrics.watch_engine(engine_snapshot(self.engine, asyncio.get_running_loop()))
 
     def _on_kv_receive(self, receive) -> None:
@@ -212,11 +213,11 @@ class WorkerBase:
         })
 
     def _observe(self, output, span) -> None:
-        """A request's last output here: its timings into the metrics and onto its span."""
+        """A request's last output here: its timings onto its span (the metrics get them
+        from the engine's on_last_output, read or not)."""
         timings = output.timings
         if timings is None:
             return
-        self.metrics.record_timings(timings)
         if tracing.recording(span):
             if timings.queue_time is not None:
                 span.set_attribute("baton.queue_time_s", timings.queue_time)

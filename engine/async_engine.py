@@ -74,7 +74,10 @@ class AsyncEngine:
 
     `on_kv_receive` is called on the event loop for each request admitted with
     remote KV (see LLMEngine.add_prefilled_request); the caller fills its
-    blocks and then calls `complete_kv_receive`.
+    blocks and then calls `complete_kv_receive`. `on_last_output` is called on
+    the event loop with each request's last output on this engine (the one
+    carrying `timings`: finished, or held for a handoff), whether or not anyone
+    still reads its stream, so a cancelled request is accounted for too.
     """
 
     def __init__(
@@ -82,9 +85,11 @@ class AsyncEngine:
         engine: LLMEngine,
         *,
         on_kv_receive: Callable[[KvReceive], None] | None = None,
+        on_last_output: Callable[[RequestOutput], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_kv_receive = on_kv_receive
+        self._on_last_output = on_last_output
         # (fn, future) pairs; None ends the thread.
         self._commands: queue.SimpleQueue[tuple[Callable, asyncio.Future] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -246,7 +251,13 @@ class AsyncEngine:
     # ---------------------------------------------------------------- on loop
     def _deliver(self, step: StepOutput) -> None:
         streams = self._streams
+        on_last_output = self._on_last_output
         for output in step.outputs:
+            if on_last_output is not None and output.timings is not None:
+                try:
+                    on_last_output(output)
+                except Exception:  # an observer's bug must not cost the other requests their outputs
+                    logger.exception("on_last_output failed for %s", output.request_id)
             stream = streams.get(output.request_id)
             if stream is None:
                 continue

@@ -206,7 +206,6 @@ class LLMEngine:
         started = time.perf_counter()
         scheduler = self.scheduler
         sched_out = scheduler.schedule()
-        # Traced requests scheduled this step, with where their work starts.
         # Traced requests scheduled this step: where their work starts, how many tokens they had.
         traced = [
             (request, request.num_computed_tokens, num_new, len(request.all_token_ids))
@@ -268,7 +267,7 @@ class LLMEngine:
                         num_output_tokens=request.num_output_tokens,
                         new_logprobs=new_logprobs,
                         kv_block_ids=kv_block_ids,
-                        timings=None if kv_block_ids is None else request.timings(),
+                        timings=None if kv_block_ids is None else request.take_timings(),
                         events=None if request.events is None else request.take_events(),
                     )
                 )
@@ -308,7 +307,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             text=self.output_text(request),
             new_logprobs=new_logprobs,
-            timings=request.timings(),
+            timings=request.take_timings(),
             events=None if request.events is None else request.take_events(),
         )
 

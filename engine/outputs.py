@@ -23,7 +23,7 @@ class RequestOutput:
     new_logprobs: list | None = None
     # Set when a prefill_only request's KV is now held for a handoff: its blocks, in order.
     kv_block_ids: list[int] | None = None
-    # Set on a request's last output here (finished, or held for a handoff).
+    # Set on a request's last output here (finished, or held for a handoff), once.
     timings: RequestTimings | None = None
     # Traced requests: timeline events since the last output, (wall-clock ns, name, attributes).
     events: list[tuple[int, str, dict]] | None = None

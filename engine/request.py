@@ -88,6 +88,7 @@ class Request:
         "prefill_start_time",
         "first_decode_time",
         "events",
+        "timings_taken",
     )
 
     def __init__(
@@ -141,6 +142,7 @@ class Request:
         # Timeline events for tracing (None: not traced, nothing recorded). Each is
         # (wall-clock ns, name, attributes); outputs carry them off as they come.
         self.events: list[tuple[int, str, dict]] | None = None
+        self.timings_taken = False  # take_timings() handed them out (its last output here)
 
     @property
     def num_tokens(self) -> int:
@@ -184,6 +186,14 @@ class Request:
             return None
         self.events = []
         return events
+
+    def take_timings(self) -> RequestTimings | None:
+        """Its timings, for its last output on this engine; None after the first call (a
+        request held for a handoff and aborted later reports them once, when held)."""
+        if self.timings_taken:
+            return None
+        self.timings_taken = True
+        return self.timings()
 
     def timings(self) -> RequestTimings:
         return RequestTimings(

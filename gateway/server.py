@@ -31,7 +31,7 @@ class GatewaySettings:
     prefill_workers: tuple[str, ...] = ()
     decode_workers: tuple[str, ...] = field(default_factory=tuple)
     model: str = "smollm2-135m"  # for the tokenizer; the workers must serve the same model
-    startup_timeout_s: float = 600.0  # waiting for a worker to load its model
+    startup_timeout_s: float = 600.0  # waiting for a decode worker to serve (then: exit with an error)
     grace_s: float = 10.0
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     metrics_port: int | None = None  # Prometheus /metrics on the listen host; None: off
@@ -51,10 +51,15 @@ async def run_gateway(settings: GatewaySettings, ready: asyncio.Event | None = N
     await server.start()
     logger.info("gateway listening on %s; waiting for workers", server.address)
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + settings.startup_timeout_s
-    info = await pool.model_info(settings.startup_timeout_s)
-    await pool.start(max(0.0, deadline - loop.time()))  # turns SERVING only once a decode worker is up
+    # SERVING only once a decode worker is up; none within the timeout: exit with the error.
+    waiting_for = "any worker to answer GetModelInfo"
+    try:
+        async with asyncio.timeout(settings.startup_timeout_s):
+            info = await pool.model_info()
+            waiting_for = f"a decode worker to serve ({', '.join(settings.decode_workers)})"
+            await pool.start()
+    except TimeoutError:
+        raise TimeoutError(f"gave up after {settings.startup_timeout_s:.0f} s waiting for {waiting_for}") from None
     if settings.metrics_port is not None:
         service.metrics = GatewayMetrics(info.model)
         port = serve_metrics(service.metrics.registry, settings.metrics_port, _host(settings.listen))

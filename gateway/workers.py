@@ -11,7 +11,8 @@ what this gateway sent it since (so a burst between two polls spreads out):
   gets the prompt's first token out sooner.
 
 A worker that fails a poll or a call is marked down and skipped until a
-later poll finds it serving again.
+later poll finds it serving again (the poller's, or one a request makes when
+it finds no decode worker up).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
 POLL_TIMEOUT_S = 2.0
+# A request that found no decode worker up waits at most this long for a fresh poll.
+REFRESH_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -109,15 +112,14 @@ class WorkerPool:
     def workers(self) -> list[Worker]:
         return self.prefill + self.decode
 
-    async def start(self, timeout_s: float) -> None:
-        """Poll every worker, start the poller, and wait (up to `timeout_s`) until a
-        decode worker is up: without one the gateway can serve nothing."""
+    async def start(self) -> None:
+        """Poll every worker, start the poller, and wait until a decode worker is up:
+        without one the gateway can serve nothing (the caller bounds the wait)."""
         await self.poll_once()
         self._poller = asyncio.create_task(self._poll_forever())
-        deadline = asyncio.get_running_loop().time() + timeout_s
         while not any(worker.is_up for worker in self.decode):
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"no decode worker was serving within {timeout_s:.0f} s")
+            if self._poller.done():  # it raised: report that, not a timeout
+                self._poller.result()
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def close(self) -> None:
@@ -126,17 +128,15 @@ class WorkerPool:
         for worker in self.workers:
             await worker.channel.close()
 
-    async def model_info(self, timeout_s: float) -> pb.ModelInfo:
-        """The served model, from the first worker that answers (waits for one to load)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
+    async def model_info(self) -> pb.ModelInfo:
+        """The served model, from the first worker that answers (waits for one to load;
+        the caller bounds the wait)."""
         while True:
             for worker in self.decode + self.prefill:
                 try:
                     return await worker.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=POLL_TIMEOUT_S)
                 except grpc.aio.AioRpcError:
                     continue
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"no worker answered GetModelInfo within {timeout_s:.0f} s")
             await asyncio.sleep(0.5)
 
     # ------------------------------------------------------------------ polling
@@ -150,14 +150,20 @@ class WorkerPool:
 
     async def refresh_decode(self) -> None:
         """Poll the decode workers now (a request found none up at the last poll; one
-        may have come back since). Concurrent callers share one round of polls."""
+        may have come back since). Concurrent callers share one round of polls, and
+        none waits more than REFRESH_TIMEOUT_S for it: a hung worker must not hold
+        every request up for a full poll timeout."""
         if self._refresh is None or self._refresh.done():
-            self._refresh = asyncio.ensure_future(asyncio.gather(*(self._poll(worker) for worker in self.decode)))
-        await asyncio.shield(self._refresh)
-
-    async def _poll(self, worker: Worker) -> None:
+            self._refresh = asyncio.ensure_future(asyncio.gather(
+                *(self._poll(worker, REFRESH_TIMEOUT_S) for worker in self.decode), return_exceptions=True))
         try:
-            stats = await worker.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=POLL_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(self._refresh), REFRESH_TIMEOUT_S)
+        except TimeoutError:
+            pass
+
+    async def _poll(self, worker: Worker, timeout_s: float = POLL_TIMEOUT_S) -> None:
+        try:
+            stats = await worker.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             if worker.is_up:
                 logger.warning("%s worker %s is down: %s", worker.role, worker.address, error.code().name)

@@ -177,3 +177,49 @@ def test_failed_receive_prefills_here_and_times_only_that_prefill(tiny):
     timings = outputs[-1].timings
     assert timings.prefill_time is not None and timings.prefill_time < 0.2  # not the failed transfer
     assert timings.queue_time >= 0
+
+
+def test_timings_come_once_per_request_even_when_held_then_aborted(tiny):
+    """A prefill_only request reports its timings when held for the handoff; an abort of
+    the held request later (lease expiry, shutdown) must not report them again."""
+    _, model_dir = tiny
+    engine = make_engine(model_dir)
+    engine.add_request(list(range(4, 20)), SamplingParams(max_tokens=5), request_id="held", prefill_only=True)
+    held = [output for _ in range(5) for output in engine.step().outputs]
+    assert len(held) == 1 and held[0].kv_block_ids and held[0].timings is not None
+    assert engine.abort_request("held")
+    aborted = drain(engine)["held"]
+    assert aborted[-1].finish_reason == "abort" and aborted[-1].timings is None
+
+
+def test_async_engine_reports_last_outputs_nobody_reads(tiny):
+    """on_last_output sees every request's last output, also one whose stream was left
+    unread (a cancelled call): the worker's queue and prefill histograms rely on it."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    _, model_dir = tiny
+
+    async def scenario() -> list:
+        seen = []
+        engine = AsyncEngine(make_engine(model_dir), on_last_output=seen.append)
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            read = await engine.add_request("read", list(range(4, 12)), params)
+            await engine.add_request("unread", list(range(5, 13)), SamplingParams(max_tokens=100, ignore_eos=True))
+            outputs = [output async for output in read]
+            await engine.abort("unread")
+            for _ in range(100):
+                if len(seen) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert outputs[-1] in seen
+            return seen
+        finally:
+            await engine.stop()
+
+    seen = asyncio.run(scenario())
+    assert sorted((o.request_id, o.finish_reason) for o in seen) == [("read", "length"), ("unread", "abort")]
+    assert all(o.timings is not None and o.timings.queue_time >= 0 for o in seen)
