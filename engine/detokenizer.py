@@ -42,7 +42,8 @@ class IncrementalDetokenizer:
     that could still begin a stop string is held back, so a stop string split
     across steps is never emitted in part. When a stop string appears,
     `stop_matched` is set, the text ends before it (or after it with
-    `include_stop_str_in_output`), and later calls return "".
+    `include_stop_str_in_output`), and later calls return "". Of several stop
+    strings, the one completed first wins (see `_find_stop`).
     """
 
     def __init__(
@@ -152,13 +153,19 @@ class IncrementalDetokenizer:
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """Earliest (position, stop string) in text; on a tie the first listed stop wins."""
-    best: tuple[int, str] | None = None
+    """The (position, stop string) that the text completes first: the match that ends
+    earliest, and of those the one that starts earliest. Generation stops as soon as
+    any stop string is complete, so this is the answer however the text was split
+    into steps ("\n\n" wins over "\n\nUser" in "\n\nUser", whether "User" came in
+    the same step or a later one)."""
+    best: tuple[int, int, str] | None = None
     for stop in stops:
         position = text.find(stop)
-        if position != -1 and (best is None or position < best[0]):
-            best = (position, stop)
-    return best
+        if position != -1:
+            candidate = (position + len(stop), position, stop)
+            if best is None or candidate[:2] < best[:2]:
+                best = candidate
+    return None if best is None else (best[1], best[2])
 
 
 def _partial_stop_length(text: str, stops: tuple[str, ...]) -> int:

@@ -186,8 +186,10 @@ def test_stop_strings_property(tokenizer, data):
     include = data.draw(st.booleans())
     chunk_sizes = data.draw(st.lists(st.integers(1, 4), max_size=len(token_ids)))
 
-    positions = [(full.find(s), s) for s in stops if full.find(s) != -1]
-    position, stop = min(positions, key=lambda p: p[0])  # the first stop was cut from `full`
+    # The stop string completed first wins: the earliest end, then the earliest start.
+    # One of them was cut from `full`, so there is a match.
+    matches = [(full.find(s) + len(s), full.find(s), s) for s in stops if full.find(s) != -1]
+    _, position, stop = min(matches, key=lambda m: m[:2])
     expected = full[: position + len(stop)] if include else full[:position]
 
     detokenizer = IncrementalDetokenizer(tokenizer, [], stop=stops, include_stop_str_in_output=include)
@@ -216,3 +218,18 @@ def test_random_unicode_roundtrip(tokenizer, seed):
     deltas, tail = stream(detokenizer, token_ids, [rng.randint(1, 3) for _ in token_ids])
     assert "".join(deltas) + tail == tokenizer.decode(token_ids)
     assert all("\ufffd" not in delta for delta in deltas)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 100])
+def test_the_stop_string_completed_first_wins_however_the_text_arrives(tokenizer, chunk):
+    """Found by the property test: with stops "\\n\\nH" and "\\n\\n", the text "\\n\\nHello"
+    stopped at "\\n\\n" when "H" came a step later but at "\\n\\nH" when it came in the
+    same step. The first stop string to complete wins, in every split."""
+    token_ids = tokenizer.encode("\n\nHello")
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stop=("\n\nH", "\n\n"), include_stop_str_in_output=True)
+    deltas, tail = stream(detokenizer, token_ids, [chunk] * len(token_ids))
+    assert "".join(deltas) + tail == "\n\n" and detokenizer.stop_matched == "\n\n"
+    # A stop string that starts earlier but ends later loses to one nested in it.
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stop=("Hello world", "llo"))
+    deltas, tail = stream(detokenizer, tokenizer.encode("Say Hello world"), [chunk] * 10)
+    assert "".join(deltas) + tail == "Say He" and detokenizer.stop_matched == "llo"
