@@ -145,10 +145,8 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 if output.finished:
                     finished = True
                     event.finish_reason = finish_reason_to_pb(output.finish_reason)
-                    request_state = self.llm.get_request(request_id)
-                    stop = request_state.stop_reason if request_state is not None else None
-                    if isinstance(stop, int):
-                        event.stop_token_id = stop
+                    if isinstance(output.stop_reason, int):
+                        event.stop_token_id = output.stop_reason
                 yield event
         finally:
             self._forget(request_id)

@@ -303,6 +303,7 @@ class LLMEngine:
             new_token_ids=new_token_ids,
             finished=True,
             finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason if request.status == RequestStatus.FINISHED_STOPPED else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             text=self.output_text(request),

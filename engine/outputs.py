@@ -17,6 +17,8 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    # What ended a "stop": the EOS or stop token id sampled, or the stop string matched.
+    stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     text: str | None = None  # the whole output text, on the finishing step when a tokenizer exists

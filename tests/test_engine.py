@@ -121,9 +121,20 @@ def test_stop_token_ids_min_tokens_and_max_tokens(tiny):
         SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_id], min_tokens=first + 2),
         request_id="min",
     )
-    tokens = run(engine)
+    tokens: dict[str, list[int]] = {}
+    last = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                last[out.request_id] = out
     assert tokens["stop"] == greedy[: first + 1]  # the stop token is kept, generation ends there
     assert stop_id not in tokens["min"][: first + 2]
+    # The last output says which token stopped it (the request itself is gone by then).
+    assert (last["stop"].finish_reason, last["stop"].stop_reason) == ("stop", stop_id)
+    assert engine.get_request("stop") is None
+    if last["min"].finish_reason == "length":
+        assert last["min"].stop_reason is None
 
 
 def test_logprobs_returned_per_token(tiny):

@@ -322,3 +322,42 @@ def test_committed_stubs_match_protos():
     from baton.protogen import check
 
     assert check() == []
+
+
+def stop_token_case(model, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy output up to and including a token first emitted at a position k > 1 (so the
+    decode worker, not the prefill worker, samples it), and that token."""
+    expected = hf_greedy(model, prompt, 24)
+    for k in range(2, len(expected)):
+        if expected[k] not in expected[:k]:
+            return expected[: k + 1], expected[k]
+    raise AssertionError(f"no token first appears after position 1 in {expected}")
+
+
+def check_stop_token(stub, prompt: list[int], expected: list[int], stop_token: int) -> None:
+    request = greedy_request(prompt, 24)
+    request.sampling.stop_token_ids.append(stop_token)
+    tokens, _, messages = stream_all(stub, request)
+    last = messages[-1]
+    assert tokens == expected
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+    assert last.WhichOneof("stop_reason") == "stop_token_id" and last.stop_token_id == stop_token
+    response = stub.Generate(request, timeout=60)
+    assert list(response.token_ids) == expected
+    assert response.finish_reason == pb.FINISH_REASON_STOP
+    assert response.WhichOneof("stop_reason") == "stop_token_id" and response.stop_token_id == stop_token
+
+
+def test_a_stop_token_sampled_on_the_decode_worker_is_reported(system, stub, tiny_chat_model, tmp_path):
+    """The token that ended a request reaches the client as stop_token_id, whether the decode
+    worker got the prompt by a handoff or prefilled it itself (a gateway without prefill workers)."""
+    model, path, _ = tiny_chat_model
+    prompt = list(range(400, 430))
+    expected, stop_token = stop_token_case(model, prompt)
+    transfers_before = system.stats("decode").num_transfers
+    check_stop_token(stub, prompt, expected, stop_token)
+    assert system.stats("decode").num_transfers == transfers_before + 2  # both went through a handoff
+    with extra_gateway(path, tmp_path, "--decode-workers", system.worker("decode").address) as colocated:
+        check_stop_token(colocated, prompt, expected, stop_token)
+    assert system.stats("decode").num_transfers == transfers_before + 2
+    wait_for_idle(system)
