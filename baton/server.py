@@ -18,17 +18,32 @@ logger = logging.getLogger(__name__)
 # Prompts of token ids and KV handles are small; this only lifts grpc's 4 MB default
 # so a long prompt or a 128k-token usage report never trips it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Keepalive, both sides of every channel between Baton processes. A client pings an
+# idle channel every KEEPALIVE_TIME_MS so a dead peer is noticed within seconds, not
+# at the next request. A server must accept those pings: by default it allows one
+# every 5 minutes and only during a call, counts faster ones as abuse and, after two,
+# closes the channel with GOAWAY "too_many_pings" (an idle decode-to-prefill channel
+# was closed so about 30 s after its last handoff). So servers permit pings without
+# calls, down to half the client's interval.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS (the name does not say "recv").
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    # The server pings its clients too (a gateway that vanished mid-stream), less often.
+    ("grpc.keepalive_time_ms", 3 * KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 ]
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # Keep idle channels to workers alive and notice a dead peer within seconds.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]

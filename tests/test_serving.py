@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import os
 import random
+import re
 import time
 
 import grpc
@@ -361,3 +362,28 @@ def test_a_stop_token_sampled_on_the_decode_worker_is_reported(system, stub, tin
         check_stop_token(colocated, prompt, expected, stop_token)
     assert system.stats("decode").num_transfers == transfers_before + 2
     wait_for_idle(system)
+
+
+# What a process logs when something went wrong: our logging at WARNING and above, and
+# grpc core's own error lines ("E1123 12:00:00.000 ... Received a GOAWAY ...").
+LOG_PROBLEM = re.compile(r"^(E\d{4} |.* (WARNING|ERROR|CRITICAL) )|GOAWAY|too_many_pings", re.MULTILINE)
+
+
+@pytest.mark.slow
+def test_an_idle_internal_channel_survives_with_no_error_logged(system, stub, tiny_chat_model):
+    """The decode worker's channel to the prefill worker carries nothing between handoffs.
+    Client keepalive pings on it must be ones the server accepts: a server that counts
+    them as abuse closes the channel with GOAWAY "too_many_pings" after about 30 s."""
+    model, _, _ = tiny_chat_model
+    prompt = list(range(500, 520))
+    wait_for_idle(system)
+    transfers = system.stats("decode").num_transfers
+    assert stream_all(stub, greedy_request(prompt, 4))[0] == hf_greedy(model, prompt, 4)
+    assert system.stats("decode").num_transfers == transfers + 1  # the channel is open
+    logs_before = {p.role: len(p.log()) for p in system.processes}
+    time.sleep(70)
+    assert stream_all(stub, greedy_request(prompt, 4))[0] == hf_greedy(model, prompt, 4)
+    assert system.stats("decode").num_transfers == transfers + 2
+    for process in system.processes:
+        new = process.log()[logs_before[process.role]:]
+        assert not LOG_PROBLEM.search(new), f"{process.role} logged while idle:\n{new}"
