@@ -164,7 +164,11 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
     # -------------------------------------------------------------- KV receive
     def _on_kv_receive(self, receive: KvReceive) -> None:
         """The engine admitted a handed-off request and allocated its blocks: pull its KV."""
-        task = asyncio.create_task(self._pull(receive))
+        self._spawn(self._pull(receive))
+
+    def _spawn(self, coroutine) -> None:
+        """Run `coroutine` as a task kept referenced until it ends (asyncio holds only a weak one)."""
+        task = asyncio.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -185,7 +189,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         if handle is not None:
             # Tell the prefill worker to drop its lease if the send never happened.
             if not result.ok:
-                asyncio.create_task(self._release_remote(handle))
+                self._spawn(self._release_remote(handle))
         pull = self._pulls.get(request_id)
         if pull is not None and not pull.done():
             pull.set_result(result)

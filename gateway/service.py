@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+import jinja2
 
 from baton import tracing
 from baton.convert import sampling_params_from_pb
@@ -260,7 +261,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise RequestError(invalid, f"unknown chat role {message['role']!r}; use {', '.join(CHAT_ROLES)}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(invalid, "this model has no chat template: send text or token_ids")
-        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateSyntaxError as error:  # the model's template is broken, not the request
+            raise RequestError(grpc.StatusCode.INTERNAL, f"the model's chat template does not compile: {error}")
+        except jinja2.TemplateError as error:  # raise_exception(...) in the template, or a missing field
+            raise RequestError(invalid, f"the chat template rejects these messages: {error}") from None
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     # ------------------------------------------------------------------- text

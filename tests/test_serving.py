@@ -387,3 +387,38 @@ def test_an_idle_internal_channel_survives_with_no_error_logged(system, stub, ti
     for process in system.processes:
         new = process.log()[logs_before[process.role]:]
         assert not LOG_PROBLEM.search(new), f"{process.role} logged while idle:\n{new}"
+
+
+STRICT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}"
+    "{{ raise_exception('the conversation must not start with an assistant message') }}"
+    "{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_messages_a_chat_template_rejects_are_invalid_argument(system, tiny_chat_model, tmp_path):
+    """A template's own refusal (raise_exception) reaches the client as INVALID_ARGUMENT with
+    the template's words, and the gateway goes on serving."""
+    model, _, tokenizer = tiny_chat_model
+    strict = tmp_path / "strict-template"
+    tokenizer.save_pretrained(strict)
+    saved = type(tokenizer).from_pretrained(strict)
+    saved.chat_template = STRICT_TEMPLATE
+    saved.save_pretrained(strict)
+    with extra_gateway(str(strict), tmp_path, "--decode-workers", system.worker("decode").address) as stub:
+        bad = pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=[pb.ChatMessage(role="assistant", content="Hello")]),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=3),
+        )
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Generate(bad, timeout=30)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+        assert "must not start with an assistant message" in error.value.details()
+        good = pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hello")]),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        )
+        assert len(stub.Generate(good, timeout=60).token_ids) == 3
+    wait_for_idle(system)
