@@ -50,7 +50,7 @@ demo: kernels
 	$(RUN_ENV) $(PY) -m engine.demo
 
 protos: setup
-	$(PY) -m baton.protogen
+	$(PY) -m baton.devtools.protogen
 
 bench: kernels
 	mkdir -p benchmarks/results

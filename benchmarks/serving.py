@@ -7,7 +7,7 @@ Four systems, one after the other in this order in one run, on the same arrival 
     disaggregated           gateway + 1 prefill worker + 1 decode worker (separate processes)
     disaggregated+tracing   the same, with OpenTelemetry tracing on: every process exports
                             its spans over OTLP/gRPC (default batch span processor) to an
-                            in-memory receiver in this process (baton.otlp_sink)
+                            in-memory receiver in this process (baton.devtools.otlp_sink)
     colocated               gateway + 1 decode worker that prefills itself
     engine                  the in-process engine (AsyncEngine, no gRPC), the reference
 
@@ -131,8 +131,8 @@ def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
 async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[float]) -> list[RequestTiming]:
     import grpc
 
-    from baton.v1 import generation_pb2 as pb
-    from baton.v1 import generation_pb2_grpc
+    from baton.wire.v1 import generation_pb2 as pb
+    from baton.wire.v1 import generation_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -160,8 +160,8 @@ async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[f
 
 
 def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[list[RequestTiming], dict]:
-    from baton.local import start_deployment
-    from baton.otlp_sink import OtlpSink
+    from baton.cli.local import start_deployment
+    from baton.devtools.otlp_sink import OtlpSink
 
     disaggregated = name in ("disaggregated", "disaggregated+tracing")
     tracing = name == "disaggregated+tracing"
@@ -215,7 +215,7 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[l
 def run_engine(args, requests, offsets) -> tuple[list[RequestTiming], dict]:
     import torch
 
-    from baton.worker import build_engine, engine_config
+    from baton.runtime.worker import build_engine, engine_config
     from engine.async_engine import AsyncEngine
     from engine.sampling_params import SamplingParams
 

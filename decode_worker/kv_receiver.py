@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from baton.internal.v1 import worker_pb2, worker_pb2_grpc
-from baton.server import CHANNEL_OPTIONS
-from baton.worker import layout_to_pb
+from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.runtime.server import CHANNEL_OPTIONS
+from baton.runtime.worker import layout_to_pb
 from engine.kv_cache import KVCache
 from kvtransfer import KvChannel, KvLayoutSpec, KvTransferError, block_checksums
 from kvtransfer.wire import TAG_BITS

@@ -9,10 +9,10 @@ import logging
 
 import grpc
 
-from baton import tracing
-from baton.convert import finish_reason_to_pb, logprobs_to_pb, sampling_params_from_pb
-from baton.internal.v1 import worker_pb2, worker_pb2_grpc
-from baton.worker import WorkerBase, WorkerSettings, kv_layout_spec, layout_from_pb, run_worker
+from baton.runtime import tracing
+from baton.wire.convert import finish_reason_to_pb, logprobs_to_pb, sampling_params_from_pb
+from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.runtime.worker import WorkerBase, WorkerSettings, kv_layout_spec, layout_from_pb, run_worker
 from decode_worker.kv_receiver import KvReceiver, ReceiveResult
 from engine.outputs import KvReceive
 from kvtransfer import KvLayoutMismatchError
@@ -231,8 +231,8 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
 
 def serve(settings: WorkerSettings) -> None:
     """Run a decode worker in this process until SIGTERM."""
-    from baton.server import install_uvloop
-    from baton.tracing import configure_tracing, shutdown_tracing
+    from baton.runtime.server import install_uvloop
+    from baton.runtime.tracing import configure_tracing, shutdown_tracing
 
     install_uvloop()
     configure_tracing("decode-worker", settings.worker_id)

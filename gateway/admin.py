@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from baton.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from gateway.workers import Worker, WorkerPool
 
 STATS_TIMEOUT_S = 5.0

@@ -7,11 +7,11 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from baton.metrics import GatewayMetrics, serve_metrics
-from baton.server import GrpcServer, install_uvloop
-from baton.tracing import configure_tracing, shutdown_tracing
-from baton.internal.v1 import worker_pb2, worker_pb2_grpc
-from baton.v1 import generation_pb2, generation_pb2_grpc
+from baton.runtime.metrics import GatewayMetrics, serve_metrics
+from baton.runtime.server import GrpcServer, install_uvloop
+from baton.runtime.tracing import configure_tracing, shutdown_tracing
+from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.wire.v1 import generation_pb2, generation_pb2_grpc
 from engine.model.loader import load_tokenizer
 from gateway.admin import GatewayAdminService
 from gateway.service import GenerationService

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 import grpc
 import jinja2
 
-from baton import tracing
-from baton.convert import sampling_params_from_pb
-from baton.internal.v1 import worker_pb2
-from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc
+from baton.runtime import tracing
+from baton.wire.convert import sampling_params_from_pb
+from baton.wire.internal.v1 import worker_pb2
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from baton.metrics import GatewayMetrics
+from baton.runtime.metrics import GatewayMetrics
 from gateway.workers import Worker, WorkerPool
 
 _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}

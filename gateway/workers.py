@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from baton.internal.v1 import worker_pb2, worker_pb2_grpc
-from baton.server import CHANNEL_OPTIONS
-from baton.v1 import generation_pb2 as pb
+from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.runtime.server import CHANNEL_OPTIONS
+from baton.wire.v1 import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

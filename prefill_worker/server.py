@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from baton import tracing
-from baton.convert import finish_reason_to_pb, logprobs_to_pb, sampling_params_from_pb
-from baton.internal.v1 import worker_pb2, worker_pb2_grpc
-from baton.worker import WorkerBase, WorkerSettings, kv_layout_spec, layout_from_pb, layout_to_pb, run_worker
+from baton.runtime import tracing
+from baton.wire.convert import finish_reason_to_pb, logprobs_to_pb, sampling_params_from_pb
+from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.runtime.worker import WorkerBase, WorkerSettings, kv_layout_spec, layout_from_pb, layout_to_pb, run_worker
 from kvtransfer import KvChannel, KvLayoutMismatchError, KvLeaseTable, KvTransferError, block_checksums
 
 logger = logging.getLogger(__name__)
@@ -258,8 +258,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
 
 def serve(settings: WorkerSettings) -> None:
     """Run a prefill worker in this process until SIGTERM."""
-    from baton.server import install_uvloop
-    from baton.tracing import configure_tracing, shutdown_tracing
+    from baton.runtime.server import install_uvloop
+    from baton.runtime.tracing import configure_tracing, shutdown_tracing
 
     install_uvloop()
     configure_tracing("prefill-worker", settings.worker_id)

@@ -35,7 +35,7 @@ def test_negative_thresholds_are_refused():
 def test_pool_counts_each_prompt_on_the_worker_that_prefills_it():
     import asyncio
 
-    from baton.internal.v1 import worker_pb2
+    from baton.wire.internal.v1 import worker_pb2
     from gateway.workers import WorkerPool
 
     async def scenario() -> None:
@@ -69,7 +69,7 @@ class _StubWorker:
         self.calls = 0
 
     async def GetStats(self, request, context):
-        from baton.internal.v1 import worker_pb2
+        from baton.wire.internal.v1 import worker_pb2
 
         self.calls += 1
         return worker_pb2.WorkerStats(worker_id="decode-x", role="decode", serving=self.serving,
@@ -79,7 +79,7 @@ class _StubWorker:
 async def _serve_stub(worker: _StubWorker):
     import grpc
 
-    from baton.internal.v1 import worker_pb2_grpc
+    from baton.wire.internal.v1 import worker_pb2_grpc
 
     server = grpc.aio.server()
     handler = worker_pb2_grpc.DecodeWorkerServicer()

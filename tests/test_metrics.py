@@ -11,9 +11,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.local import start_deployment
-from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc
+from baton.cli.local import start_deployment
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
 from engine.model.loader import load_tokenizer
 from tests.tiny_models import make_tiny_model
 

@@ -11,7 +11,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from baton.otlp_sink import OtlpSink, any_value
+from baton.devtools.otlp_sink import OtlpSink, any_value
 
 pytestmark = pytest.mark.timeout(60)
 

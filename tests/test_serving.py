@@ -14,11 +14,11 @@ import grpc
 import pytest
 import torch
 
-from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
 from engine.detokenizer import detokenize
 from engine.model.loader import load_tokenizer
-from baton.local import start_deployment
+from baton.cli.local import start_deployment
 from tests.tiny_models import hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -220,7 +220,7 @@ def test_model_info(stub):
 def extra_gateway(model_path: str, log_dir, *flags: str):
     """A second gateway process in front of the module's workers (`flags` name them);
     yields a stub on it once it serves and every worker is marked up."""
-    from baton.local import Deployment, _spawn, free_port, wait_in_rotation, wait_serving
+    from baton.cli.local import Deployment, _spawn, free_port, wait_in_rotation, wait_serving
 
     address = f"127.0.0.1:{free_port()}"
     args = ["gateway", "--listen", address, "--model", model_path, *flags]
@@ -289,7 +289,7 @@ def test_client_generated_from_protos_alone(system, tiny_chat_model, tmp_path):
 
     from grpc_tools import protoc
 
-    from baton.local import REPO_ROOT
+    from baton.cli.local import REPO_ROOT
 
     out = tmp_path / "generated"
     out.mkdir()
@@ -320,7 +320,7 @@ def test_reflection_lists_the_public_service(system):
 
 
 def test_committed_stubs_match_protos():
-    from baton.protogen import check
+    from baton.devtools.protogen import check
 
     assert check() == []
 

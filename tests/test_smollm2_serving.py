@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
-from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc
-from baton.local import REPO_ROOT, free_port
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
+from baton.cli.local import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -13,12 +13,12 @@ import grpc
 import pytest
 import torch
 
-from baton.internal.v1 import worker_pb2
-from baton.local import start_deployment
-from baton.otlp_sink import OtlpSink
-from baton.status import diagnose, render
-from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc
+from baton.wire.internal.v1 import worker_pb2
+from baton.cli.local import start_deployment
+from baton.devtools.otlp_sink import OtlpSink
+from baton.cli.status import diagnose, render
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
 from engine.model.loader import load_tokenizer
 from tests.tiny_models import make_tiny_model
 

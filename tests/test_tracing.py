@@ -11,10 +11,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.local import start_deployment
-from baton.otlp_sink import OtlpSink, SinkSpan
-from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc
+from baton.cli.local import start_deployment
+from baton.devtools.otlp_sink import OtlpSink, SinkSpan
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
 from engine.model.loader import load_tokenizer
 from tests.tiny_models import make_tiny_model
 

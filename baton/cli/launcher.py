@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from baton.local import start_deployment
+from baton.cli.local import start_deployment
 
 STARTUP_TIMEOUT_S = 900.0
 

@@ -83,7 +83,7 @@ def _add_worker_flags(parser: argparse.ArgumentParser, role: str) -> None:
 
 
 def _worker_settings(args: argparse.Namespace, role: str):
-    from baton.worker import WorkerSettings, engine_config
+    from baton.runtime.worker import WorkerSettings, engine_config
 
     config = engine_config(
         args.model,
@@ -175,18 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
-        from baton.client import generate_command
+        from baton.cli.client import generate_command
 
         return generate_command(args)
     if args.command == "status":
-        from baton.status import status_command
+        from baton.cli.status import status_command
 
         return status_command(args)
-    from baton.server import configure_logging
+    from baton.runtime.server import configure_logging
 
     configure_logging(args.log_level)
     if args.command == "up":
-        from baton.launcher import up
+        from baton.cli.launcher import up
 
         return up(args)
     if args.command == "gateway":

@@ -7,8 +7,8 @@ import sys
 
 import grpc
 
-from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:

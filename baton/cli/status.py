@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from baton.internal.v1 import worker_pb2
+from baton.wire.internal.v1 import worker_pb2
 
 # Memory pressure: the mean share of KV blocks in use.
 KV_PRESSURE_USAGE = 0.9
@@ -217,7 +217,7 @@ def status_command(args) -> int:
 
     import grpc
 
-    from baton.internal.v1 import worker_pb2_grpc
+    from baton.wire.internal.v1 import worker_pb2_grpc
 
     with grpc.insecure_channel(args.gateway) as channel:
         stub = worker_pb2_grpc.GatewayAdminStub(channel)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from baton.v1 import generation_pb2 as baton_dot_v1_dot_generation__pb2
+from baton.wire.v1 import generation_pb2 as baton_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from baton.internal.v1 import worker_pb2
-from baton.v1 import generation_pb2 as pb
+from baton.wire.internal.v1 import worker_pb2
+from baton.wire.v1 import generation_pb2 as pb
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerStats

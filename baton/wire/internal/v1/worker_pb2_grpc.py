@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from baton.internal.v1 import worker_pb2 as baton_dot_internal_dot_v1_dot_worker__pb2
-from baton.v1 import generation_pb2 as baton_dot_v1_dot_generation__pb2
+from baton.wire.internal.v1 import worker_pb2 as baton_dot_internal_dot_v1_dot_worker__pb2
+from baton.wire.v1 import generation_pb2 as baton_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton import tracing
-from baton.internal.v1 import worker_pb2
-from baton.metrics import WorkerMetrics, engine_snapshot, serve_metrics
-from baton.server import GrpcServer
-from baton.v1 import generation_pb2 as pb
+from baton.runtime import tracing
+from baton.wire.internal.v1 import worker_pb2
+from baton.runtime.metrics import WorkerMetrics, engine_snapshot, serve_metrics
+from baton.runtime.server import GrpcServer
+from baton.wire.v1 import generation_pb2 as pb
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
@@ -179,7 +179,7 @@ class WorkerBase:
         return self._model_info
 
     async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
-        from baton.convert import worker_stats_to_pb
+        from baton.wire.convert import worker_stats_to_pb
 
         engine = self.engine
         if engine is None or not engine.is_alive:  # loading or stopped: answer, but not serving

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
