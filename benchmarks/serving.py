@@ -213,16 +213,14 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[l
 
 # ----------------------------------------------------------------------- engine
 def run_engine(args, requests, offsets) -> tuple[list[RequestTiming], dict]:
-    import torch
-
-    from baton.runtime.worker import build_engine, engine_config
+    from baton.runtime.worker import build_engine
     from engine.async_engine import AsyncEngine
+    from engine.config import engine_config
+    from engine.envs import configure_process
     from engine.sampling_params import SamplingParams
 
-    torch.set_num_threads(args.threads)
-    llm = build_engine(
-        engine_config(args.model, max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads)
-    )
+    configure_process(args.threads)  # as a worker process does
+    llm = build_engine(engine_config(args.model, max_num_batched_tokens=args.max_num_batched_tokens))
 
     async def drive() -> list[RequestTiming]:
         engine = AsyncEngine(llm)
@@ -345,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in ALL_SYSTEMS if s in systems]  # in ALL_SYSTEMS' order: tracing on right after off
     from transformers import AutoConfig  # noqa: F401  (fail early if transformers is broken)
 
-    from engine.model.loader import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     vocab_size = len(tokenizer) if tokenizer is not None else 49152

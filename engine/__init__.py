@@ -1,23 +1,18 @@
 """Baton's engine: paged KV cache, iteration-level scheduler, Llama-family runner, sampler.
 
-Heavy imports (torch, transformers) happen when these names are first used.
+Importing `engine` (or any module under it) does no work and loads no model
+code: the names below are imported from their modules when first used, so a
+process that needs only a light part (the gateway's tokenizer, the wire
+records) never loads the model, attention or kernel modules.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
-
-# Back torch's large CPU allocations (KV cache, weights) with transparent huge
-# pages where the kernel allows it on request: decode steps stream the weights
-# and hop between scattered KV blocks, and 2 MB pages cut their TLB misses
-# (~3% end to end on the 2-core reference machine). torch reads the variable
-# at its first large allocation; set THP_MEM_ALLOC_ENABLE=0 to opt out.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig"]
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for type checkers only: never run
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import LLMEngine
     from engine.llm import LLM

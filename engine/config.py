@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 import torch
 
+DEFAULT_MODEL = "smollm2-135m"
+
 SchedulerPolicy = Literal["continuous", "static"]
 PreemptionMode = Literal["auto", "recompute", "swap"]
+# Attention backend names (engine.attention.get_attention_backend builds them). "auto":
+# the native CPU backend on CPU when its kernels build, else "torch".
+ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -137,12 +142,11 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything an engine is built from."""
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     dtype: torch.dtype = torch.float32
     max_model_len: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    num_threads: int | None = None
     attention_backend: str = "auto"
     seed: int = 0
 
@@ -150,12 +154,44 @@ class EngineConfig:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ValueError("num_threads must be positive")
-        from engine.attention import ATTENTION_BACKENDS
-
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"available: {', '.join(ATTENTION_BACKENDS)}"
             )
+
+
+# Flat keyword names that differ from their field's: LLM(scheduler_policy=...) is SchedulerConfig.policy.
+_KEYWORD_ALIASES = {"scheduler_policy": "policy"}
+
+
+def engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
+    """An EngineConfig from flat keywords, each routed to the config that has a field of its name.
+
+    The names are the fields of EngineConfig (dtype, max_model_len,
+    attention_backend, seed), CacheConfig (block_size, num_kv_blocks, ...) and
+    SchedulerConfig (max_num_seqs, max_num_batched_tokens, ...; its `policy`
+    also as `scheduler_policy`). What is not given keeps the dataclass's default.
+    Raises TypeError for any other name.
+    """
+    sections: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+    owners = {
+        f.name: cls
+        for cls in sections
+        for f in fields(cls)
+        if f.name not in ("model", "cache", "scheduler")  # given otherwise
+    }
+    for keyword, value in kwargs.items():
+        name = _KEYWORD_ALIASES.get(keyword, keyword)
+        owner = owners.get(name)
+        if owner is None:
+            raise TypeError(f"engine_config() got an unexpected keyword argument {keyword!r}")
+        if name in sections[owner]:
+            raise TypeError(f"engine_config() got {name!r} twice (as {keyword!r})")
+        sections[owner][name] = value
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(**sections[CacheConfig]),
+        scheduler=SchedulerConfig(**sections[SchedulerConfig]),
+        **sections[EngineConfig],
+    )

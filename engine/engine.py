@@ -6,8 +6,6 @@ import itertools
 import time
 from collections.abc import Sequence
 
-import torch
-
 from engine.block_pool import KVCacheManager, cdiv
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize
@@ -20,6 +18,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerStats
+from engine.timeline import FirstDecodeStep, PrefillChunk, StepBatch
 
 
 class LLMEngine:
@@ -31,8 +30,6 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
         if loaded is None:
             loaded = load_model(
                 config.model, config.dtype, config.max_model_len, config.attention_backend
@@ -98,8 +95,8 @@ class LLMEngine:
         (unless that token ends it) and holds its KV for a handoff: its output
         that step carries `kv_block_ids`, and `release_kv` frees them. With
         `trace`, the request records its timeline (admission, each prefill chunk
-        and the batch it ran in, preemptions, the first decode step) and its
-        outputs carry it off in `events`.
+        and the batch it ran in, preemptions, the first decode step; see
+        engine.timeline) and its outputs carry it off in `events`.
         """
         request = self._new_request(prompt, sampling_params, request_id, priority, trace)
         request.prefill_only = prefill_only
@@ -218,11 +215,11 @@ class LLMEngine:
         )
         batch = None
         if traced:
-            batch = {
-                "baton.step": scheduler.step_index,
-                "baton.batch.num_seqs": len(sched_out.requests),
-                "baton.batch.num_tokens": sched_out.total_num_scheduled_tokens,
-            }
+            batch = StepBatch(
+                step_index=scheduler.step_index,
+                num_seqs=len(sched_out.requests),
+                num_tokens=sched_out.total_num_scheduled_tokens,
+            )
             _record_chunks(traced, batch)
         finished_ids = {request.request_id for request in finished}
         outputs, self._aborted_outputs = self._aborted_outputs, []
@@ -239,7 +236,7 @@ class LLMEngine:
             elif request.first_decode_time is None:
                 request.first_decode_time = now
                 if request.events is not None:
-                    request.record("first_decode_step", batch)
+                    request.record(FirstDecodeStep(batch=batch))
             detokenizer = request.detokenizer
             if detokenizer is not None and detokenizer.stop_matched is None:
                 # Every token reaches the detokenizer, also the one that ended the request by
@@ -335,15 +332,15 @@ class LLMEngine:
         self.scheduler.check_integrity()
 
 
-def _record_chunks(traced: list[tuple[Request, int, int, int]], batch: dict) -> None:
-    """A `prefill_chunk` event for each traced request that prefilled in the step just run:
+def _record_chunks(traced: list[tuple[Request, int, int, int]], batch: StepBatch) -> None:
+    """A PrefillChunk event for each traced request that prefilled in the step just run:
     where the chunk started, its tokens, whether it recomputes KV the request had before
     (after a recompute preemption or a failed handoff), and the batch it ran in."""
     for request, start, num_new, num_tokens_before in traced:
         if num_new > 1 or start < request.num_prompt_tokens:
-            request.record("prefill_chunk", {
-                "baton.chunk.start": start,
-                "baton.chunk.tokens": num_new,
-                "baton.chunk.recompute": num_tokens_before > request.num_prompt_tokens,
-                **batch,
-            })
+            request.record(PrefillChunk(
+                start=start,
+                num_tokens=num_new,
+                is_recompute=num_tokens_before > request.num_prompt_tokens,
+                batch=batch,
+            ))

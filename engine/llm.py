@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-import torch
-
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DEFAULT_MODEL, engine_config
 from engine.engine import LLMEngine
+from engine.envs import configure_process
 from engine.model.loader import LoadedModel
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
@@ -20,58 +20,31 @@ class LLM:
     """Generate completions for a list of prompts with continuous batching.
 
     `model` is "smollm2-135m" (the default), a Hugging Face model directory, or
-    a .gguf file. Keyword arguments size the KV cache and the scheduler; see
-    CacheConfig and SchedulerConfig for their meaning.
+    a .gguf file.
     """
 
     def __init__(
         self,
-        model: str = "smollm2-135m",
+        model: str = DEFAULT_MODEL,
         *,
-        dtype: str | torch.dtype = "float32",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        num_swap_blocks: int | None = None,
-        swap_space_bytes: int = 256 * 1024**2,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        scheduler_policy: str = "continuous",
-        preemption_mode: str = "auto",
-        priority_aging_steps: int = 64,
-        admission_reserve_steps: int = 4,
-        long_prefill_token_threshold: int = 0,
-        max_model_len: int | None = None,
         num_threads: int | None = None,
-        attention_backend: str = "auto",
-        seed: int = 0,
         loaded_model: LoadedModel | None = None,
+        **engine_kwargs: Any,
     ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                num_swap_blocks=num_swap_blocks,
-                swap_space_bytes=swap_space_bytes,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                policy=scheduler_policy,
-                preemption_mode=preemption_mode,
-                priority_aging_steps=priority_aging_steps,
-                admission_reserve_steps=admission_reserve_steps,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-            ),
-            num_threads=num_threads,
-            attention_backend=attention_backend,
-            seed=seed,
-        )
-        self.engine = LLMEngine(config, loaded_model)
+        """Load the model and build an engine for it.
+
+        An entry point: it configures this process (`engine.envs.configure_process`,
+        with torch's thread count if `num_threads` is given) before the model loads.
+        `engine_kwargs` are the fields of EngineConfig (dtype, max_model_len,
+        attention_backend, seed), CacheConfig (block_size, num_kv_blocks,
+        kv_cache_memory_bytes, num_swap_blocks, swap_space_bytes) and
+        SchedulerConfig (max_num_seqs, max_num_batched_tokens, preemption_mode,
+        priority_aging_steps, admission_reserve_steps, long_prefill_token_threshold,
+        and `scheduler_policy` for its policy), with their defaults and meaning
+        there (see `engine.config.engine_config`). `loaded_model` skips loading.
+        """
+        configure_process(num_threads)
+        self.engine = LLMEngine(engine_config(model, **engine_kwargs), loaded_model)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -7,6 +7,17 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.request import RequestTimings
+    from engine.timeline import TimelineEvent
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token, from log_softmax of the raw model logits
+    (before penalties, banned ids, temperature and truncation)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]  # top-n (token_id, logprob), descending
 
 
 @dataclass(slots=True)
@@ -22,13 +33,13 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     text: str | None = None  # the whole output text, on the finishing step when a tokenizer exists
-    new_logprobs: list | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
     # Set when a prefill_only request's KV is now held for a handoff: its blocks, in order.
     kv_block_ids: list[int] | None = None
     # Set on a request's last output here (finished, or held for a handoff), once.
     timings: RequestTimings | None = None
-    # Traced requests: timeline events since the last output, (wall-clock ns, name, attributes).
-    events: list[tuple[int, str, dict]] | None = None
+    # Traced requests: timeline events since the last output.
+    events: list[TimelineEvent] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +74,6 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
-    logprobs: list | None = None
+    logprobs: list[TokenLogprobs] | None = None
     queue_time: float | None = None
     num_preemptions: int = 0

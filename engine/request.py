@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +13,7 @@ import torch
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
     from engine.sampling_params import SamplingParams
+    from engine.timeline import TimelineEvent
 
 
 class RequestStatus(enum.IntEnum):
@@ -47,6 +49,10 @@ class RequestTimings:
     # failed handoff: from the admission that started the local prefill).
     prefill_time: float | None
     num_preemptions: int
+
+
+# The running order (`Request.sort_key`), as a key for sorted lists of requests.
+by_sort_key = attrgetter("sort_key")
 
 
 class Request:
@@ -139,9 +145,9 @@ class Request:
         self.kv_ready_time: float | None = None  # a received prompt's KV landed (monotonic)
         self.prefill_start_time: float | None = None  # first admitted to prefill here (monotonic)
         self.first_decode_time: float | None = None  # end of its first decode step (monotonic)
-        # Timeline events for tracing (None: not traced, nothing recorded). Each is
-        # (wall-clock ns, name, attributes); outputs carry them off as they come.
-        self.events: list[tuple[int, str, dict]] | None = None
+        # Timeline events for tracing (None: not traced, nothing recorded); outputs
+        # carry them off as they come.
+        self.events: list[TimelineEvent] | None = None
         self.timings_taken = False  # take_timings() handed them out (its last output here)
 
     @property
@@ -175,11 +181,11 @@ class Request:
             return None
         return self.first_scheduled_time - self.arrival_time
 
-    def record(self, name: str, attributes: dict) -> None:
+    def record(self, event: TimelineEvent) -> None:
         """Add a timeline event (traced requests only: check `events is not None` first)."""
-        self.events.append((time.time_ns(), name, attributes))
+        self.events.append(event)
 
-    def take_events(self) -> list[tuple[int, str, dict]] | None:
+    def take_events(self) -> list[TimelineEvent] | None:
         """The events recorded since the last call (None when there are none)."""
         events = self.events
         if not events:

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from engine import kernels
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 # Candidates per sampled row. Large enough to hold a typical nucleus and most
@@ -46,16 +47,6 @@ NUM_CANDIDATES = 256
 def make_generator(seed: int) -> torch.Generator:
     """The per-request generator of a seeded request (CPU; noise is drawn on CPU)."""
     return torch.Generator().manual_seed(seed)
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """Logprobs of one sampled token, from log_softmax of the raw model logits
-    (before penalties, banned ids, temperature and truncation)."""
-
-    token_id: int
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...]  # top-n (token_id, logprob), descending
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,9 @@ import asyncio
 
 import grpc
 
+from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.wire.records import DeploymentStatus, WorkerStatus
 from gateway.workers import Worker, WorkerPool
 
 STATS_TIMEOUT_S = 5.0
@@ -21,16 +23,13 @@ class GatewayAdminService(worker_pb2_grpc.GatewayAdminServicer):
     async def GetDeploymentStatus(self, request, context) -> worker_pb2.DeploymentStatus:
         """Every configured worker's stats, asked for now, all at once."""
         statuses = await asyncio.gather(*(self._status(worker) for worker in self.pool.workers))
-        return worker_pb2.DeploymentStatus(model=self.model, workers=statuses)
+        return convert.deployment_status_to_pb(DeploymentStatus(self.model, tuple(statuses)))
 
     @staticmethod
-    async def _status(worker: Worker) -> worker_pb2.WorkerStatus:
-        status = worker_pb2.WorkerStatus(address=worker.address, role=worker.role, in_rotation=worker.is_up)
+    async def _status(worker: Worker) -> WorkerStatus:
         try:
-            stats = await worker.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=STATS_TIMEOUT_S)
+            stats = await worker.client.get_stats(timeout=STATS_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
-            status.error = f"{error.code().name}: {error.details()}"
-            return status
-        status.reachable = True
-        status.stats.CopyFrom(stats)
-        return status
+            return WorkerStatus(worker.address, worker.role, reachable=False, in_rotation=worker.is_up,
+                                error=f"{error.code().name}: {error.details()}")
+        return WorkerStatus(worker.address, worker.role, reachable=True, in_rotation=worker.is_up, stats=stats)

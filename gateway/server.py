@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 
 from baton.runtime.metrics import GatewayMetrics, serve_metrics
 from baton.runtime.server import GrpcServer, install_uvloop
+from baton.runtime.settings import GatewaySettings
 from baton.runtime.tracing import configure_tracing, shutdown_tracing
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.v1 import generation_pb2, generation_pb2_grpc
-from engine.model.loader import load_tokenizer
+from engine.tokenizer import load_tokenizer
 from gateway.admin import GatewayAdminService
 from gateway.service import GenerationService
 from gateway.workers import RoutingPolicy, WorkerPool
@@ -23,26 +23,9 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 ADMIN_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name
 
 
-@dataclass(frozen=True)
-class GatewaySettings:
-    """The gateway process."""
-
-    listen: str = "127.0.0.1:50051"
-    prefill_workers: tuple[str, ...] = ()
-    decode_workers: tuple[str, ...] = field(default_factory=tuple)
-    model: str = "smollm2-135m"  # for the tokenizer; the workers must serve the same model
-    startup_timeout_s: float = 600.0  # waiting for a decode worker to serve (then: exit with an error)
-    grace_s: float = 10.0
-    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
-    metrics_port: int | None = None  # Prometheus /metrics on the listen host; None: off
-
-    def __post_init__(self) -> None:
-        if not self.decode_workers:
-            raise ValueError("the gateway needs at least one decode worker")
-
-
-async def run_gateway(settings: GatewaySettings, ready: asyncio.Event | None = None) -> None:
-    pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers), settings.routing)
+async def run_gateway(settings: GatewaySettings) -> None:
+    pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers),
+                      RoutingPolicy.from_settings(settings))
     service = GenerationService(pool)
     admin = GatewayAdminService(pool)
     server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME])
@@ -62,25 +45,18 @@ async def run_gateway(settings: GatewaySettings, ready: asyncio.Event | None = N
         raise TimeoutError(f"gave up after {settings.startup_timeout_s:.0f} s waiting for {waiting_for}") from None
     if settings.metrics_port is not None:
         service.metrics = GatewayMetrics(info.model)
-        port = serve_metrics(service.metrics.registry, settings.metrics_port, _host(settings.listen))
+        port = serve_metrics(service.metrics.registry, settings.metrics_port, settings.listen)
         logger.info("gateway metrics on port %d", port)
     service.load(tokenizer, info)
     admin.model = info.model
     await server.set_serving(True)
     logger.info("gateway serving %s on %s (prefill: %s; decode: %s)", info.model, server.address,
                 ", ".join(settings.prefill_workers) or "none, colocated", ", ".join(settings.decode_workers))
-    if ready is not None:
-        ready.set()
     await server.serve_until_signal(pool.close, settings.grace_s)
 
 
-def _host(listen: str) -> str:
-    """The host part of a listen address ("[::]:50051" -> "::")."""
-    return listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-
-
 def serve(settings: GatewaySettings) -> None:
-    """Run a gateway in this process until SIGTERM."""
+    """The gateway process's entry point: uvloop, tracing, then serve until SIGTERM."""
     install_uvloop()
     configure_tracing("gateway")
     try:

@@ -1,4 +1,4 @@
-"""The gateway's view of its workers: stubs, load polled from each, and the routing choice.
+"""The gateway's view of its workers: clients, load polled from each, and the routing choice.
 
 Routing follows the load each worker reported at its last poll, corrected by
 what this gateway sent it since (so a burst between two polls spreads out):
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
-from baton.runtime.server import CHANNEL_OPTIONS
-from baton.wire.v1 import generation_pb2 as pb
+from baton.runtime.clients import DecodeWorkerClient, PrefillWorkerClient
+from baton.runtime.settings import GatewaySettings
+from baton.wire.records import ModelInfo, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +48,16 @@ class RoutingPolicy:
     have room. Both 0: every prompt goes to a prefill worker while one is up.
     """
 
-    max_local_prefill_tokens: int = 0
-    max_prefill_queue_tokens: int = 2048
+    max_local_prefill_tokens: int
+    max_prefill_queue_tokens: int
 
     def __post_init__(self) -> None:
         if self.max_local_prefill_tokens < 0 or self.max_prefill_queue_tokens < 0:
             raise ValueError("routing thresholds must be >= 0")
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> RoutingPolicy:
+        return cls(settings.max_local_prefill_tokens, settings.max_prefill_queue_tokens)
 
     def prefill_locally(self, num_prompt_tokens: int, prefill_queue: int, decode_queue: int) -> bool:
         """Whether a prompt goes to its decode worker, given the queued prefill tokens of
@@ -69,10 +73,10 @@ class Worker:
 
     address: str
     role: str  # "prefill" | "decode"
-    stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
-    channel: grpc.aio.Channel
+    client: PrefillWorkerClient | DecodeWorkerClient
     is_up: bool = False
-    stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
+    # As of the last poll; block_size and the limits are the worker's own.
+    stats: WorkerStats = field(default_factory=lambda: WorkerStats(worker_id="", role="", serving=False))
     # Sent since the last poll: prompt tokens (prefill), blocks (decode).
     pending_prefill_tokens: int = 0
     pending_blocks: int = 0
@@ -88,25 +92,20 @@ class Worker:
             return (self.queued_prefill_tokens, self.num_in_flight)
         return (-(self.stats.num_kv_blocks_free - self.pending_blocks), self.num_in_flight)
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks `num_tokens` take in this worker's cache (its block size, from its stats)."""
+        return -(-num_tokens // max(self.stats.block_size, 1))
+
 
 class WorkerPool:
     """Stubs for every configured worker, a background poller, and `pick_*`."""
 
-    def __init__(
-        self, prefill_addresses: list[str], decode_addresses: list[str], policy: RoutingPolicy | None = None
-    ) -> None:
-        self.policy = policy or RoutingPolicy()
-        self.prefill = [self._make(address, "prefill") for address in prefill_addresses]
-        self.decode = [self._make(address, "decode") for address in decode_addresses]
+    def __init__(self, prefill_addresses: list[str], decode_addresses: list[str], policy: RoutingPolicy) -> None:
+        self.policy = policy
+        self.prefill = [Worker(address, "prefill", PrefillWorkerClient(address)) for address in prefill_addresses]
+        self.decode = [Worker(address, "decode", DecodeWorkerClient(address)) for address in decode_addresses]
         self._poller: asyncio.Task | None = None
         self._refresh: asyncio.Future | None = None
-        self.block_size = 16
-
-    @staticmethod
-    def _make(address: str, role: str) -> Worker:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        stub_class = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-        return Worker(address, role, stub_class(channel), channel)
 
     @property
     def workers(self) -> list[Worker]:
@@ -126,15 +125,15 @@ class WorkerPool:
         if self._poller is not None:
             self._poller.cancel()
         for worker in self.workers:
-            await worker.channel.close()
+            await worker.client.close()
 
-    async def model_info(self) -> pb.ModelInfo:
+    async def model_info(self) -> ModelInfo:
         """The served model, from the first worker that answers (waits for one to load;
         the caller bounds the wait)."""
         while True:
             for worker in self.decode + self.prefill:
                 try:
-                    return await worker.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=POLL_TIMEOUT_S)
+                    return await worker.client.get_model_info(timeout=POLL_TIMEOUT_S)
                 except grpc.aio.AioRpcError:
                     continue
             await asyncio.sleep(0.5)
@@ -163,7 +162,7 @@ class WorkerPool:
 
     async def _poll(self, worker: Worker, timeout_s: float = POLL_TIMEOUT_S) -> None:
         try:
-            stats = await worker.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout_s)
+            stats = await worker.client.get_stats(timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             if worker.is_up:
                 logger.warning("%s worker %s is down: %s", worker.role, worker.address, error.code().name)
@@ -202,5 +201,5 @@ class WorkerPool:
         """The decode worker with the most free KV blocks; None when none is up."""
         worker = min((w for w in self.decode if w.is_up), key=Worker.load_key, default=None)
         if worker is not None:
-            worker.pending_blocks += -(-num_tokens // self.block_size)
+            worker.pending_blocks += worker.blocks_for(num_tokens)
         return worker

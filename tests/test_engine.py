@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, engine_config
 from engine.engine import LLMEngine
 from tests.tiny_models import hf_greedy, make_tiny_model
 
@@ -202,3 +202,17 @@ def test_kv_pool_sized_from_memory_budget(tiny):
     assert bytes_per_block == 2 * 2 * 4 * 2 * 16 * 8
     assert engine.kv_manager.pool.num_blocks == (1 << 20) // bytes_per_block
     assert engine.kv_cache.layers[0][0].shape == ((1 << 20) // bytes_per_block, 4, 2, 16)
+
+
+def test_engine_config_routes_flat_keywords_and_keeps_dataclass_defaults():
+    config = engine_config(
+        "some-model", block_size=8, max_num_seqs=3, scheduler_policy="static", dtype="float64", seed=5
+    )
+    assert config.model == "some-model" and config.dtype == torch.float64 and config.seed == 5
+    assert config.cache == CacheConfig(block_size=8)
+    assert config.scheduler == SchedulerConfig(max_num_seqs=3, policy="static")
+    assert engine_config() == EngineConfig() and EngineConfig().model == DEFAULT_MODEL
+    with pytest.raises(TypeError, match="num_threads"):
+        engine_config(num_threads=2)  # process state: engine.envs.configure_process
+    with pytest.raises(TypeError, match="twice"):
+        engine_config(policy="static", scheduler_policy="static")

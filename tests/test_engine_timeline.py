@@ -10,7 +10,18 @@ import torch
 
 from engine import SamplingParams
 from engine.config import CacheConfig
+from engine.preemption import PreemptionKind
 from engine.scheduler import RECENT_WINDOW_S
+from engine.timeline import (
+    Admitted,
+    FirstDecodeStep,
+    KvReceived,
+    KvReceiveFailed,
+    Preempted,
+    PrefillChunk,
+    SwappedIn,
+    TimelineEvent,
+)
 from tests.test_engine import make_engine
 from tests.tiny_models import make_tiny_model
 
@@ -32,7 +43,7 @@ def drain(engine, max_steps: int = 2000) -> dict[str, list]:
     raise AssertionError("engine did not finish")
 
 
-def events_of(outputs) -> list[tuple[int, str, dict]]:
+def events_of(outputs) -> list[TimelineEvent]:
     return [event for output in outputs for event in (output.events or [])]
 
 
@@ -46,23 +57,23 @@ def test_traced_request_records_chunks_batch_and_first_decode(tiny):
 
     assert all(output.events is None for output in outputs["plain"])
     events = events_of(outputs["traced"])
-    names = [name for _, name, _ in events]
-    assert names[0] == "admitted"
-    assert events[0][2]["baton.queue_time_s"] >= 0 and events[0][2]["baton.readmitted"] is False
-    chunks = [attrs for _, name, attrs in events if name == "prefill_chunk"]
+    kinds = [type(event) for event in events]
+    assert kinds[0] is Admitted
+    assert events[0].queue_time_s >= 0 and events[0].readmitted is False
+    chunks = [event for event in events if isinstance(event, PrefillChunk)]
     # 40 prompt tokens under a 16-token budget shared with a 10-token prompt.
-    assert sum(chunk["baton.chunk.tokens"] for chunk in chunks) == 40
-    starts = [chunk["baton.chunk.start"] for chunk in chunks]
+    assert sum(chunk.num_tokens for chunk in chunks) == 40
+    starts = [chunk.start for chunk in chunks]
     assert starts == sorted(starts) and starts[0] == 0
     for chunk in chunks:
-        assert 1 <= chunk["baton.batch.num_seqs"] <= 2
-        assert chunk["baton.chunk.tokens"] <= chunk["baton.batch.num_tokens"] <= 16
-        assert chunk["baton.chunk.recompute"] is False
-    steps = [chunk["baton.step"] for chunk in chunks]
+        assert 1 <= chunk.batch.num_seqs <= 2
+        assert chunk.num_tokens <= chunk.batch.num_tokens <= 16
+        assert chunk.is_recompute is False
+    steps = [chunk.batch.step_index for chunk in chunks]
     assert steps == sorted(set(steps))
-    assert names.count("first_decode_step") == 1
-    assert names.index("first_decode_step") > max(i for i, n in enumerate(names) if n == "prefill_chunk")
-    times = [time_ns for time_ns, _, _ in events]
+    assert kinds.count(FirstDecodeStep) == 1
+    assert kinds.index(FirstDecodeStep) > max(i for i, k in enumerate(kinds) if k is PrefillChunk)
+    times = [event.time_ns for event in events]
     assert times == sorted(times)
 
     last = outputs["traced"][-1]
@@ -85,14 +96,14 @@ def test_preemptions_are_events_and_recent_stats_count_them(tiny):
     for i in range(6):
         engine.add_request([3 + i] * 4, params, request_id=f"r{i}", trace=True)
     outputs = drain(engine)
-    preempted = [attrs for request_outputs in outputs.values()
-                 for _, name, attrs in events_of(request_outputs) if name == "preempted"]
+    preempted = [event for request_outputs in outputs.values()
+                 for event in events_of(request_outputs) if isinstance(event, Preempted)]
     assert preempted, "the starved cache must preempt"
-    for attrs in preempted:
-        assert attrs["baton.preemption.kind"] in ("swap", "recompute")
-        assert attrs["baton.preemption.blocks"] >= 1
-    swap_ins = sum(name == "swapped_in" for request_outputs in outputs.values()
-                   for _, name, _ in events_of(request_outputs))
+    for event in preempted:
+        assert event.kind in (PreemptionKind.SWAP, PreemptionKind.RECOMPUTE)
+        assert event.num_blocks >= 1
+    swap_ins = sum(isinstance(event, SwappedIn) for request_outputs in outputs.values()
+                   for event in events_of(request_outputs))
     stats = engine.get_metrics(with_queue_times=False)
     assert swap_ins == stats.num_preemptions_swap
     assert len(preempted) == stats.num_preemptions_recompute + stats.num_preemptions_swap
@@ -113,7 +124,7 @@ def test_preemptions_are_events_and_recent_stats_count_them(tiny):
     assert 1.0 <= recent.mean_batch_size <= 6
 
     # After a window with no steps, the recent stats are empty (idle), the totals stay.
-    later = engine.scheduler.recent_stats(now=engine.scheduler._recent[-1][0] + RECENT_WINDOW_S + 1)
+    later = engine.scheduler.recent_stats(now=engine.scheduler.counters.snapshots[-1][0] + RECENT_WINDOW_S + 1)
     assert later.num_steps == 0 and later.num_preemptions == 0 and later.mean_batch_size == 0.0
     assert later.seconds_since_last_step > RECENT_WINDOW_S
 
@@ -128,9 +139,9 @@ def test_received_request_has_no_prefill_time_and_a_first_decode_step(tiny):
     assert [receive.request_id for receive in step.kv_receives] == ["moved"]
     assert engine.complete_kv_receive("moved", True)
     outputs = drain(engine)["moved"]
-    names = [name for _, name, _ in events_of(outputs)]
-    assert names[:2] == ["admitted", "kv_received"]
-    assert "prefill_chunk" not in names and names.count("first_decode_step") == 1
+    kinds = [type(event) for event in events_of(outputs)]
+    assert kinds[:2] == [Admitted, KvReceived]
+    assert PrefillChunk not in kinds and kinds.count(FirstDecodeStep) == 1
     timings = outputs[-1].timings
     assert timings.prefill_time is None and timings.queue_time >= 0
 
@@ -144,8 +155,9 @@ def test_recent_window_after_an_idle_spell_covers_only_the_new_steps(tiny):
     scheduler = engine.scheduler
     steps_before = scheduler.step_index
     # Pretend the engine then idled for ten minutes: shift every snapshot into the past.
-    scheduler._recent = type(scheduler._recent)(
-        ((t - 600.0, totals) for t, totals in scheduler._recent), maxlen=scheduler._recent.maxlen)
+    counters = scheduler.counters
+    counters.snapshots = type(counters.snapshots)(
+        ((t - 600.0, totals) for t, totals in counters.snapshots), maxlen=counters.snapshots.maxlen)
     assert scheduler.recent_stats().num_steps == 0
     engine.add_request([8, 9, 10], params, request_id="late")
     drain(engine)
@@ -167,13 +179,13 @@ def test_failed_receive_prefills_here_and_times_only_that_prefill(tiny):
     assert engine.complete_kv_receive("failed", False)
     outputs = drain(engine)["failed"]
     events = events_of(outputs)
-    names = [name for _, name, _ in events]
-    assert names[:3] == ["admitted", "kv_receive_failed", "admitted"]
-    chunks = [attrs for _, name, attrs in events if name == "prefill_chunk"]
+    kinds = [type(event) for event in events]
+    assert kinds[:3] == [Admitted, KvReceiveFailed, Admitted]
+    chunks = [event for event in events if isinstance(event, PrefillChunk)]
     # The prompt and the first token (sampled elsewhere) are computed here, marked as recompute.
-    assert sum(c["baton.chunk.tokens"] for c in chunks) == len(prompt) + 1
-    assert all(c["baton.chunk.recompute"] for c in chunks)
-    assert names.count("first_decode_step") == 1
+    assert sum(c.num_tokens for c in chunks) == len(prompt) + 1
+    assert all(c.is_recompute for c in chunks)
+    assert kinds.count(FirstDecodeStep) == 1
     timings = outputs[-1].timings
     assert timings.prefill_time is not None and timings.prefill_time < 0.2  # not the failed transfer
     assert timings.queue_time >= 0

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from baton.runtime.settings import GatewaySettings
+from baton.wire.records import WorkerStats
 from gateway.workers import RoutingPolicy
+
+DEFAULTS = RoutingPolicy.from_settings(GatewaySettings(decode_workers=("127.0.0.1:2",)))
 
 
 def test_defaults_hand_off_unless_the_prefill_queue_is_long():
-    policy = RoutingPolicy()
+    policy = DEFAULTS
     assert policy.max_local_prefill_tokens == 0 and policy.max_prefill_queue_tokens == 2048
     assert not policy.prefill_locally(1, prefill_queue=0, decode_queue=0)
     assert not policy.prefill_locally(500, prefill_queue=2048, decode_queue=0)  # at the threshold: remote
@@ -27,23 +31,22 @@ def test_short_prompts_stay_local():
 
 def test_negative_thresholds_are_refused():
     with pytest.raises(ValueError):
-        RoutingPolicy(max_local_prefill_tokens=-1)
+        RoutingPolicy(max_local_prefill_tokens=-1, max_prefill_queue_tokens=0)
     with pytest.raises(ValueError):
-        RoutingPolicy(max_prefill_queue_tokens=-1)
+        RoutingPolicy(max_local_prefill_tokens=0, max_prefill_queue_tokens=-1)
 
 
 def test_pool_counts_each_prompt_on_the_worker_that_prefills_it():
     import asyncio
 
-    from baton.wire.internal.v1 import worker_pb2
     from gateway.workers import WorkerPool
 
     async def scenario() -> None:
-        pool = WorkerPool(["127.0.0.1:1"], ["127.0.0.1:2"], RoutingPolicy(max_prefill_queue_tokens=100))
+        pool = WorkerPool(["127.0.0.1:1"], ["127.0.0.1:2"], RoutingPolicy(0, max_prefill_queue_tokens=100))
         prefill, decode = pool.prefill[0], pool.decode[0]
         for worker in pool.workers:
             worker.is_up = True
-        decode.stats = worker_pb2.WorkerStats(num_kv_blocks_free=1000)
+        decode.stats = WorkerStats(worker_id="d", role="decode", serving=True, num_kv_blocks_free=1000)
         assert pool.pick_prefill(80, decode) is prefill  # queue 0: remote
         assert pool.pick_prefill(80, decode) is prefill  # queue 80 <= 100: remote
         assert prefill.queued_prefill_tokens == 160
@@ -73,7 +76,7 @@ class _StubWorker:
 
         self.calls += 1
         return worker_pb2.WorkerStats(worker_id="decode-x", role="decode", serving=self.serving,
-                                      num_kv_blocks_free=100)
+                                      num_kv_blocks_free=100, block_size=16)
 
 
 async def _serve_stub(worker: _StubWorker):
@@ -100,13 +103,13 @@ def test_pool_start_waits_for_a_decode_worker():
     async def scenario() -> None:
         worker = _StubWorker()
         server, address = await _serve_stub(worker)
-        pool = WorkerPool([], [address])
+        pool = WorkerPool([], [address], DEFAULTS)
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(pool.start(), 0.3)
         assert not pool.decode[0].is_up
         await pool.close()
 
-        pool = WorkerPool([], [address])
+        pool = WorkerPool([], [address], DEFAULTS)
         loop = asyncio.get_running_loop()
         loop.call_later(0.3, setattr, worker, "serving", True)
         started = loop.time()
@@ -129,7 +132,7 @@ def test_a_request_finding_no_decode_worker_polls_again_once():
         worker = _StubWorker()
         worker.serving = True
         server, address = await _serve_stub(worker)
-        pool = WorkerPool([], [address])
+        pool = WorkerPool([], [address], DEFAULTS)
         pool.mark_down(pool.decode[0])
         assert pool.pick_decode(10) is None
         calls = worker.calls
@@ -141,6 +144,29 @@ def test_a_request_finding_no_decode_worker_polls_again_once():
         pool.mark_down(pool.decode[0])
         await pool.refresh_decode()
         assert pool.pick_decode(10) is None
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_decode_worker_is_charged_blocks_of_its_own_size():
+    """Between polls the gateway adds what it sent to a decode worker's load, counted in
+    that worker's blocks: the block size each worker reports, not one the gateway assumes."""
+    import asyncio
+
+    from gateway.workers import WorkerPool
+
+    async def scenario() -> None:
+        pool = WorkerPool([], ["127.0.0.1:1", "127.0.0.1:2"], DEFAULTS)
+        small, large = pool.decode
+        for worker, block_size in ((small, 4), (large, 32)):
+            worker.is_up = True
+            worker.stats = WorkerStats(worker_id=worker.address, role="decode", serving=True,
+                                       num_kv_blocks_free=1000, block_size=block_size)
+        assert pool.pick_decode(100) is small  # equal free blocks: the first
+        assert small.pending_blocks == 25
+        assert pool.pick_decode(100) is large  # 975 left on the small one
+        assert large.pending_blocks == 4
         await pool.close()
 
     asyncio.run(scenario())

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from baton.cli.local import start_deployment
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
-from engine.model.loader import load_tokenizer
+from engine.tokenizer import load_tokenizer
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)

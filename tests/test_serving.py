@@ -17,7 +17,7 @@ import torch
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.detokenizer import detokenize
-from engine.model.loader import load_tokenizer
+from engine.tokenizer import load_tokenizer
 from baton.cli.local import start_deployment
 from tests.tiny_models import hf_greedy, make_tiny_model
 
@@ -208,7 +208,8 @@ def test_stop_strings_cut_the_text_and_end_the_request(system, stub, tiny_chat_m
     wait_for_idle(system)
 
 
-def test_model_info(stub):
+def test_model_info(system, stub):
+    assert system.stats("decode").block_size == 4  # what the gateway routes by
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert info.vocab_size == VOCAB_SIZE
     assert list(info.eos_token_ids) == [2]

@@ -1,20 +1,190 @@
-"""Rules the source keeps, checked on the source itself."""
+"""Rules the source keeps, checked on the source itself: the layers (from the import
+graph), protobuf only at the edges, environment variables read in one place per layer,
+file sizes, and no task left without a reference.
+
+The layers, bottom to top (docs/ARCHITECTURE.md draws them):
+
+    engine, kvtransfer          libraries: no serving code
+    baton.wire                  the wire contract: stubs, records, conversion
+    baton.runtime               server and worker bases, settings, clients, tracing, metrics
+    gateway, prefill_worker,    the roles
+    decode_worker
+    baton.cli                   the command line: the only importer of the roles
+    baton.devtools              dev and test tooling: imported by no serving code
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from functools import cache
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("baton", "engine", "gateway", "prefill_worker", "decode_worker", "kvtransfer")
+ROLES = ("gateway", "prefill_worker", "decode_worker")
+# What "model, attention or kernel code" is: modules that run or build the model.
+MODEL_CODE = ("engine.model", "engine.attention", "engine.kernels", "engine.model_runner", "engine.engine",
+              "engine.forward_batch", "engine.sampler", "engine.llm", "engine.async_engine")
+# The modules that may build or read protobuf messages: the conversion module, and the
+# servicers (which hand messages between grpc and it).
+PROTOBUF_EDGE = {
+    "baton.wire.convert",
+    "baton.runtime.worker",  # WorkerBase: GetStats and GetModelInfo, shared by both workers
+    "gateway.service", "gateway.admin", "gateway.server",
+    "prefill_worker.server", "decode_worker.server",
+}
+MAX_LINES = 500
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    """Every module of the packages, generated stubs included, by dotted name."""
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            found[module_name(path)] = path
+    return found
 
 
 def source_files() -> list[Path]:
     """Every hand-written Python file of the packages (generated stubs excluded)."""
-    files = []
-    for package in PACKAGES:
-        files += [p for p in (REPO_ROOT / package).rglob("*.py") if "_pb2" not in p.name]
-    return sorted(files)
+    return sorted(path for path in modules().values() if "_pb2" not in path.name)
+
+
+@cache
+def imports(name: str) -> frozenset[str]:
+    """The modules of ours `name` imports anywhere in its file (inside functions too), and
+    the packages that importing it runs (a.b.c runs a and a.b first)."""
+    known = modules()
+    found = set()
+    for node in _runtime_nodes(ast.parse(known[name].read_text(), str(known[name]))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):  # its packages run first
+                if ".".join(parts[:i]) in known:
+                    found.add(".".join(parts[:i]))
+    parts = name.split(".")
+    found.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    found.discard(name)
+    return frozenset(found)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node, except under `if TYPE_CHECKING:` (imports for type checkers only)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def reachable(name: str) -> set[str]:
+    """Everything importing `name` may import, transitively."""
+    seen, todo = set(), [name]
+    while todo:
+        for target in imports(todo.pop()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def within(name: str, *prefixes: str) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def edges(where: tuple[str, ...], to: tuple[str, ...]) -> list[str]:
+    """Direct imports from modules under `where` into modules under `to`."""
+    return sorted(f"{source} -> {target}" for source in modules() if within(source, *where)
+                  for target in imports(source) if within(target, *to) and not within(source, *to))
+
+
+# ------------------------------------------------------------------ layers
+def test_libraries_import_no_serving_code():
+    assert edges(("engine", "kvtransfer"), ("baton", *ROLES)) == []
+    assert edges(("engine",), ("kvtransfer",)) == []  # kvtransfer sits on the engine's cache, not under it
+
+
+def test_wire_and_runtime_import_no_layer_above_them():
+    assert edges(("baton.wire",), ("baton.runtime", "baton.cli", "baton.devtools", *ROLES)) == []
+    assert edges(("baton.runtime",), ("baton.cli", "baton.devtools", *ROLES)) == []
+
+
+def test_only_the_command_line_imports_the_roles():
+    for role in ROLES:
+        others = tuple(r for r in ROLES if r != role)
+        assert edges((role,), ("baton.cli", "baton.devtools", *others)) == []
+    importers = {line.split(" -> ")[0] for line in edges(PACKAGES, ROLES)}
+    assert importers and all(within(name, "baton.cli") for name in importers), importers
+
+
+def test_no_serving_code_imports_the_dev_tooling():
+    assert edges(PACKAGES, ("baton.devtools",)) == []
+
+
+def test_the_gateway_imports_a_tokenizer_not_a_model():
+    """Statically (every import in the gateway's files, transitively) and for real (a
+    fresh interpreter that imports the gateway's modules)."""
+    gateway = [name for name in modules() if within(name, "gateway")]
+    loaded = {target for name in gateway for target in reachable(name)}
+    assert not [name for name in loaded if within(name, *MODEL_CODE)]
+    script = (f"import sys; import {', '.join(gateway)}; "
+              f"print('\\n'.join(m for m in sys.modules if m.startswith('engine')))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert not [name for name in result.stdout.split() if within(name, *MODEL_CODE)], result.stdout
+
+
+# ------------------------------------------------------------------ protobuf at the edges
+def test_protobuf_messages_only_in_servicers_and_the_conversion_module():
+    """Modules that import message definitions (x_pb2) are the edge; routing, the KV
+    sender and receiver, the engine and kvtransfer work on records."""
+    importers = {source for source in modules() if not source.endswith(("_pb2", "_pb2_grpc"))
+                 for target in imports(source) if target.endswith("_pb2")}
+    assert importers <= PROTOBUF_EDGE, importers - PROTOBUF_EDGE
+    for name in ("gateway.workers", "gateway.dispatch", "gateway.prepare", "prefill_worker.kv_sender",
+                 "decode_worker.kv_receiver"):
+        assert not [t for t in imports(name) if t.endswith(("_pb2", "_pb2_grpc"))], name
+
+
+# ------------------------------------------------------------------ settings
+def test_environment_variables_are_read_in_one_module_per_layer():
+    """baton/runtime/settings.py for Baton's processes, engine/envs.py for the engine's own."""
+    allowed = {"baton.runtime.settings", "engine.envs"}
+    readers = []
+    for path in source_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+            if name in ("environ", "getenv", "putenv", "unsetenv") and module_name(path) not in allowed:
+                readers.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+    assert readers == []
+
+
+# ------------------------------------------------------------------ size and tasks
+def test_no_hand_written_source_file_over_500_lines():
+    files = [p for p in REPO_ROOT.rglob("*") if p.suffix in (".py", ".cpp", ".h", ".proto")
+             and "_pb2" not in p.name and not {".venv", ".git", "build"} & set(p.relative_to(REPO_ROOT).parts)]
+    assert len(files) > 50
+    long = {str(p.relative_to(REPO_ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
 
 
 def test_no_task_is_left_without_a_reference():

@@ -13,13 +13,14 @@ import grpc
 import pytest
 import torch
 
-from baton.wire.internal.v1 import worker_pb2
 from baton.cli.local import start_deployment
-from baton.devtools.otlp_sink import OtlpSink
 from baton.cli.status import diagnose, render
+from baton.devtools.otlp_sink import OtlpSink
+from baton.wire.records import DeploymentStatus, WorkerStats, WorkerStatus
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
-from engine.model.loader import load_tokenizer
+from engine.scheduler.stats import RecentStats
+from engine.tokenizer import load_tokenizer
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,30 +31,35 @@ NUM_REQUESTS = 16
 MAX_TOKENS = 60
 
 
-def stats(**fields) -> worker_pb2.WorkerStats:
+def stats(**fields) -> WorkerStats:
     recent = fields.pop("recent", {})
     base = dict(worker_id="w", role="decode", serving=True, max_num_seqs=256, max_num_batched_tokens=2048,
                 kv_block_bytes=2**20, num_kv_blocks_total=100)
-    return worker_pb2.WorkerStats(**{**base, **fields}, recent=worker_pb2.RecentStats(
-        **{"window_seconds": 60, "seconds": 10, "num_steps": 100, "mean_batch_size": 50,
-           "mean_kv_usage": 0.5, "num_admissions": 100, "num_queued": 100, "mean_queue_seconds": 0.01,
-           **recent}))
+    window = {name: 0 for name in RecentStats.__dataclass_fields__}
+    window.update({"window_s": 60, "seconds": 10, "seconds_since_last_step": 0.1, "num_steps": 100,
+                   "mean_batch_size": 50, "mean_kv_usage": 0.5, "num_admissions": 100, "num_queued": 100,
+                   "mean_queue_time": 0.01, **recent})
+    return WorkerStats(**{**base, **fields}, recent=RecentStats(**window))
 
 
-def problems(worker_stats: worker_pb2.WorkerStats, slo_s: float = 1.0) -> list[str]:
-    status = worker_pb2.WorkerStatus(address="a:1", role="decode", reachable=True, in_rotation=True,
-                                       stats=worker_stats)
-    return [finding.problem for finding in diagnose(status, slo_s)]
+def status(worker_stats: WorkerStats | None = None, *, role: str = "decode", in_rotation: bool = True,
+           error: str = "") -> WorkerStatus:
+    return WorkerStatus(address="a:1", role=role, reachable=worker_stats is not None, in_rotation=in_rotation,
+                        error=error, stats=worker_stats)
+
+
+def problems(worker_stats: WorkerStats, slo_s: float = 1.0) -> list[str]:
+    return [finding.problem for finding in diagnose(status(worker_stats), slo_s)]
 
 
 def test_diagnose_each_finding():
     assert problems(stats()) == []
     assert problems(stats(recent={"num_steps": 0})) == []  # idle: nothing to say about load
-    unreachable = worker_pb2.WorkerStatus(address="a:1", role="prefill", error="UNAVAILABLE: refused")
+    unreachable = status(role="prefill", in_rotation=False, error="UNAVAILABLE: refused")
     [finding] = diagnose(unreachable, 1.0)
     assert finding.problem == "prefill worker unreachable" and finding.worker == "a:1"
     assert problems(stats(serving=False)) == ["not serving"]
-    out = worker_pb2.WorkerStatus(address="a:1", role="decode", reachable=True, stats=stats())
+    out = status(stats(), in_rotation=False)
     assert [finding.problem for finding in diagnose(out, 1.0)] == ["serving but not routed to"]
 
     pressure = stats(recent={"mean_kv_usage": 0.97, "mean_batch_size": 4, "mean_num_waiting": 6,
@@ -65,11 +71,11 @@ def test_diagnose_each_finding():
     # Short of blocks in most steps with the cache not full on average: still memory pressure
     # (a whole prompt must fit to be admitted).
     blocked = stats(recent={"mean_batch_size": 4, "mean_num_waiting": 3, "num_steps_kv_blocked": 70})
-    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, in_rotation=True, stats=blocked), 1.0)
+    [finding] = diagnose(status(blocked), 1.0)
     assert finding.problem == "batch held small by memory pressure"
     assert "70 of 100 steps left requests waiting for KV blocks, with the cache 50% full" in finding.detail
     budget = stats(recent={"mean_batch_size": 4, "mean_num_waiting": 3, "num_steps_kv_blocked": 5})
-    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, in_rotation=True, stats=budget), 1.0)
+    [finding] = diagnose(status(budget), 1.0)
     assert finding.problem == "waiting requests not admitted" and "--max-num-batched-tokens 2048" in finding.advice
     assert "short in only 5 of 100 steps" in finding.detail
     # Blocks short in a third of the steps: neither clearly memory nor clearly the budget.
@@ -77,19 +83,19 @@ def test_diagnose_each_finding():
     # On a prefill worker the blocks are held by prompts waiting to be pulled.
     held = stats(role="prefill", num_kv_handoffs_pending=7, recent={"mean_kv_usage": 0.95, "mean_batch_size": 2,
                                                                    "mean_num_waiting": 5})
-    held_status = worker_pb2.WorkerStatus(address="a:1", role="prefill", reachable=True, in_rotation=True, stats=held)
+    held_status = status(held, role="prefill")
     [finding] = diagnose(held_status, 1.0)
     assert "(7 waiting now): add decode workers" in finding.advice
 
     swapping = stats(recent={"num_admissions": 40, "num_preemptions_recompute": 2, "num_preemptions_swap": 8,
                              "num_swapped_blocks_out": 20})
-    [finding] = diagnose(worker_pb2.WorkerStatus(address="a:1", reachable=True, in_rotation=True, stats=swapping), 1.0)
+    [finding] = diagnose(status(swapping), 1.0)
     assert finding.problem == "high preemption rate"
     assert "25% of entries" in finding.detail and "2.5 blocks (2.50 MiB)" in finding.detail
     assert problems(stats(recent={"num_admissions": 40, "num_preemptions_recompute": 4})) == []  # 10%: not high
 
-    assert problems(stats(recent={"mean_queue_seconds": 2.5})) == ["queue time above the SLO"]
-    assert problems(stats(recent={"mean_queue_seconds": 2.5}), slo_s=3.0) == []
+    assert problems(stats(recent={"mean_queue_time": 2.5})) == ["queue time above the SLO"]
+    assert problems(stats(recent={"mean_queue_time": 2.5}), slo_s=3.0) == []
     # Requests stuck in the queue count too, before any of them is admitted.
     assert problems(stats(oldest_queued_seconds=4.0, recent={"num_queued": 0})) == ["queue time above the SLO"]
     assert problems(stats(num_transfers=9, num_transfer_failures=1, num_leases_expired=2)) == [
@@ -187,9 +193,10 @@ def test_decode_spans_carry_preemptions_with_their_kind(starved):
 
 
 def test_render_lists_an_unreachable_worker():
-    status = worker_pb2.DeploymentStatus(model="m", workers=[
-        worker_pb2.WorkerStatus(address="10.0.0.1:1", role="decode", error="UNAVAILABLE: refused")])
-    findings = [f for w in status.workers for f in diagnose(w, 1.0)]
-    text = render(status, findings)
+    deployment = DeploymentStatus(model="m", workers=(
+        WorkerStatus(address="10.0.0.1:1", role="decode", reachable=False, in_rotation=False,
+                     error="UNAVAILABLE: refused"),))
+    findings = [f for w in deployment.workers for f in diagnose(w, 1.0)]
+    text = render(deployment, findings)
     assert "10.0.0.1:1  decode  10.0.0.1:1  UNREACHABLE" in text
     assert "findings:\n  - 10.0.0.1:1: decode worker unreachable" in text

@@ -4,51 +4,80 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 import grpc
 
-from baton.wire.v1 import generation_pb2 as pb
+from baton.runtime.settings import DEFAULT_GATEWAY_ADDRESS, add_flags, from_args, setting
+from baton.wire import convert
+from baton.wire.records import ChatMessage, GenerateRequest, TextDelta
 from baton.wire.v1 import generation_pb2_grpc
+from engine.sampling_params import SamplingParams
 
 
-def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
-    if args.top_p is not None:
-        sampling.top_p = args.top_p
-    if args.top_k is not None:
-        sampling.top_k = args.top_k
-    if args.seed is not None:
-        sampling.seed = args.seed
-    request = pb.GenerateRequest(sampling=sampling)
+@dataclass(frozen=True)
+class GatewayAddress:
+    """Where a client command finds the gateway."""
+
+    gateway: str = setting(DEFAULT_GATEWAY_ADDRESS, "gateway address")
+
+
+def add_generate_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    add_flags(parser, GatewayAddress)
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    parser.add_argument("--stream", action="store_true", help="print text as it is generated")
+    parser.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, help="(default: the server's, 1.0)")
+    parser.add_argument("--top-k", type=int, help="(default: the server's, off)")
+    parser.add_argument("--seed", type=int, help="(default: none)")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="(default: %(default)s)")
+
+
+def build_request(args: argparse.Namespace) -> GenerateRequest:
+    """ValueError (the engine's words) for out-of-range sampling flags."""
+    defaults = SamplingParams()
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=defaults.top_p if args.top_p is None else args.top_p,
+        top_k=defaults.top_k if args.top_k is None else args.top_k,
+        seed=args.seed,
+        stop=list(args.stop),
+    )
     if args.chat:
-        request.messages.messages.add(role="user", content=args.prompt)
-    else:
-        request.text = args.prompt
-    return request
+        return GenerateRequest("", "messages", (ChatMessage("user", args.prompt),), params)
+    return GenerateRequest("", "text", args.prompt, params)
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    request = build_request(args)
-    with grpc.insecure_channel(args.gateway) as channel:
+    gateway = from_args(GatewayAddress, args).gateway
+    try:
+        request = convert.generate_request_to_pb(build_request(args))
+    except ValueError as error:
+        print(f"baton generate: error: {error}", file=sys.stderr)
+        return 2
+    with grpc.insecure_channel(gateway) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             if args.stream:
-                final = None
+                final: TextDelta | None = None
                 for message in stub.GenerateStream(request, timeout=args.timeout_s):
-                    sys.stdout.write(message.text)
+                    final = convert.text_delta_from_pb(message)
+                    sys.stdout.write(final.text)
                     sys.stdout.flush()
-                    final = message
                 sys.stdout.write("\n")
             else:
-                final = stub.Generate(request, timeout=args.timeout_s)
+                final = convert.text_delta_from_pb(stub.Generate(request, timeout=args.timeout_s))
                 print(final.text)
         except grpc.RpcError as error:
             print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1
-    reason = pb.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
     print(
-        f"[finish: {reason}; prompt tokens: {final.usage.prompt_tokens}; "
-        f"completion tokens: {final.usage.completion_tokens}]",
+        f"[finish: {final.finish_reason}; prompt tokens: {final.num_prompt_tokens}; "
+        f"completion tokens: {final.num_completion_tokens}]",
         file=sys.stderr,
     )
     return 0

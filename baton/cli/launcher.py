@@ -8,16 +8,44 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 from baton.cli.local import start_deployment
+from baton.runtime.server import configure_logging
+from baton.runtime.settings import DEFAULT_GATEWAY_ADDRESS, MODEL_HELP, format_size, from_args, parse_size, setting
+from engine.config import DEFAULT_MODEL, CacheConfig
 
 STARTUP_TIMEOUT_S = 900.0
 
 
-def up(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class UpSettings:
+    """`baton up`: what to serve and how the local workers are sized; the rest of each
+    role's settings are its defaults (or its BATON_* variables)."""
+
+    model: str = setting(DEFAULT_MODEL, MODEL_HELP)
+    port: int = setting(int(DEFAULT_GATEWAY_ADDRESS.rsplit(":", 1)[1]), "gateway port")
+    threads: int | None = setting(None, "torch threads per worker",
+                                  shown="all cores each; an idle worker's threads sleep")
+    kv_cache_memory: int | None = setting(None, "KV cache budget per worker, e.g. 512M, 2G", parse=parse_size,
+                                          shown=format_size(CacheConfig.DEFAULT_KV_CACHE_MEMORY_BYTES))
+    verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
+    colocated: bool = setting(False, "no prefill worker: the decode worker prefills")
+    log_level: str = setting("INFO", "logging level")
+
+
+def up_command(args: argparse.Namespace) -> int:
+    settings = from_args(UpSettings, args)
+    configure_logging(settings.log_level)
+    return up(settings)
+
+
+def up(args: UpSettings) -> int:
     # Every worker may use every core: idle workers sleep (see start_deployment).
     threads = args.threads or max(1, len(os.sched_getaffinity(0)))
-    worker_args = ["--kv-cache-memory", args.kv_cache_memory, "--log-level", args.log_level]
+    worker_args = ["--log-level", args.log_level]
+    if args.kv_cache_memory is not None:
+        worker_args += ["--kv-cache-memory", format_size(args.kv_cache_memory)]
     if args.verify_kv:
         worker_args.append("--verify-kv")
     stopping = False

@@ -3,7 +3,6 @@ on loopback. `baton up`, the end-to-end tests and the serving benchmark start it
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -15,7 +14,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.runtime.clients import GatewayAdminClient
+from baton.runtime.settings import child_environment
+from baton.wire import convert
+from baton.wire.internal.v1 import worker_pb2_grpc
+from baton.wire.records import WorkerStats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,11 +53,12 @@ class Deployment:
     def worker(self, role: str) -> Process:
         return next(p for p in self.processes if p.role == role)
 
-    def stats(self, role: str) -> worker_pb2.WorkerStats:
+    def stats(self, role: str) -> WorkerStats:
         process = self.worker(role)
         with grpc.insecure_channel(process.address) as channel:
             stub_class = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-            return stub_class(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+            message = stub_class(channel).GetStats(convert.GET_STATS, timeout=10)
+        return convert.worker_stats_from_pb(message)
 
     def logs(self) -> str:
         return "\n".join(f"----- {p.role} ({p.address}) -----\n{p.log()[-6000:]}" for p in self.processes)
@@ -111,9 +115,9 @@ def wait_in_rotation(gateway: str, deployment: Deployment, timeout_s: float) -> 
     the gateway's next poll, and a test or benchmark must not run before then."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(gateway) as channel:
-        stub = worker_pb2_grpc.GatewayAdminStub(channel)
+        client = GatewayAdminClient(channel)
         while time.monotonic() < deadline:
-            status = stub.GetDeploymentStatus(worker_pb2.GetDeploymentStatusRequest(), timeout=10)
+            status = client.get_deployment_status(timeout=10)
             if all(worker.in_rotation for worker in status.workers):
                 return
             time.sleep(0.1)
@@ -145,7 +149,7 @@ def start_deployment(
 
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = child_environment({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(env or {})})
     # The processes share this machine's cores. With OpenMP's passive wait a worker
     # with nothing to do sleeps instead of spinning its threads, so the cores go to
     # whichever worker has work: the prefill worker during a burst of prompts, the

@@ -22,10 +22,17 @@ What is diagnosed, per worker (thresholds below):
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass
 
-from baton.wire.internal.v1 import worker_pb2
+import grpc
+
+from baton.cli.client import GatewayAddress
+from baton.runtime.clients import GatewayAdminClient
+from baton.runtime.settings import add_flags, from_args
+from baton.wire.records import DeploymentStatus, WorkerStats, WorkerStatus
 
 # Memory pressure: the mean share of KV blocks in use.
 KV_PRESSURE_USAGE = 0.9
@@ -50,14 +57,14 @@ class Finding:
         return f"{self.worker}: {self.problem}. {self.detail}.\n    -> {self.advice}."
 
 
-def worker_name(status: worker_pb2.WorkerStatus) -> str:
-    return status.stats.worker_id if status.reachable and status.stats.worker_id else status.address
+def worker_name(status: WorkerStatus) -> str:
+    return status.stats.worker_id if status.stats is not None and status.stats.worker_id else status.address
 
 
-def diagnose(status: worker_pb2.WorkerStatus, queue_slo_s: float) -> list[Finding]:
+def diagnose(status: WorkerStatus, queue_slo_s: float) -> list[Finding]:
     """What is wrong with one worker, in words, each with what to change."""
     name = worker_name(status)
-    if not status.reachable:
+    if not status.reachable or status.stats is None:
         return [Finding(name, f"{status.role} worker unreachable", status.error or "no answer",
                         "check that the process runs and listens at this address; the gateway routes "
                         "around it meanwhile")]
@@ -89,9 +96,9 @@ def diagnose(status: worker_pb2.WorkerStatus, queue_slo_s: float) -> list[Findin
     return findings
 
 
-def _scheduling(name: str, stats: worker_pb2.WorkerStats, queue_slo_s: float) -> list[Finding]:
+def _scheduling(name: str, stats: WorkerStats, queue_slo_s: float) -> list[Finding]:
     recent = stats.recent
-    if recent.num_steps == 0:
+    if recent is None or recent.num_steps == 0:
         return []
     findings = []
     max_seqs = stats.max_num_seqs or 1
@@ -138,11 +145,11 @@ def _scheduling(name: str, stats: worker_pb2.WorkerStats, queue_slo_s: float) ->
             "each preemption recomputes or moves KV: give the KV cache more memory, lower --max-num-seqs so "
             "fewer sequences compete for blocks, or shorten --max-model-len",
         ))
-    admitted_late = recent.num_queued and recent.mean_queue_seconds > queue_slo_s
+    admitted_late = recent.num_queued and recent.mean_queue_time > queue_slo_s
     if admitted_late or stats.oldest_queued_seconds > queue_slo_s:
         findings.append(Finding(
             name, "queue time above the SLO",
-            f"requests admitted recently waited {recent.mean_queue_seconds * 1e3:.0f} ms on average from arrival "
+            f"requests admitted recently waited {recent.mean_queue_time * 1e3:.0f} ms on average from arrival "
             f"to admission ({recent.num_queued} requests), and the oldest still waiting has waited "
             f"{stats.oldest_queued_seconds * 1e3:.0f} ms (SLO {queue_slo_s * 1e3:.0f} ms)",
             "add workers for this load, or lower --max-num-batched-tokens / --max-num-seqs to trade "
@@ -152,7 +159,7 @@ def _scheduling(name: str, stats: worker_pb2.WorkerStats, queue_slo_s: float) ->
 
 
 # ------------------------------------------------------------------ report
-def render(status: worker_pb2.DeploymentStatus, findings: list[Finding]) -> str:
+def render(status: DeploymentStatus, findings: list[Finding]) -> str:
     lines = [f"model: {status.model}", ""]
     for worker in status.workers:
         lines += _render_worker(worker)
@@ -165,9 +172,9 @@ def render(status: worker_pb2.DeploymentStatus, findings: list[Finding]) -> str:
     return "\n".join(lines)
 
 
-def _render_worker(worker: worker_pb2.WorkerStatus) -> list[str]:
+def _render_worker(worker: WorkerStatus) -> list[str]:
     name = worker_name(worker)
-    if not worker.reachable:
+    if not worker.reachable or worker.stats is None:
         return [f"{name}  {worker.role}  {worker.address}  UNREACHABLE ({worker.error})"]
     stats = worker.stats
     recent = stats.recent
@@ -179,7 +186,7 @@ def _render_worker(worker: worker_pb2.WorkerStatus) -> list[str]:
         f"KV handoffs pending {stats.num_kv_handoffs_pending}",
         f"  KV cache    {usage:.0%} used now ({stats.num_kv_blocks_used}/{stats.num_kv_blocks_total} blocks)",
     ]
-    if recent.num_steps:
+    if recent is not None and recent.num_steps:
         preemptions = recent.num_preemptions_recompute + recent.num_preemptions_swap
         rate = preemptions / recent.num_admissions if recent.num_admissions else 0.0
         lines += [
@@ -190,41 +197,39 @@ def _render_worker(worker: worker_pb2.WorkerStatus) -> list[str]:
             f"{recent.mean_tokens_per_step:.0f} tokens per step, {recent.mean_num_waiting:.1f} waiting",
             f"  preemption  {rate:.0%} of {recent.num_admissions} entries into the batch "
             f"({recent.num_preemptions_recompute} recompute, {recent.num_preemptions_swap} swap)",
-            f"  queue time  {recent.mean_queue_seconds * 1e3:.0f} ms mean over {recent.num_queued} requests, "
+            f"  queue time  {recent.mean_queue_time * 1e3:.0f} ms mean over {recent.num_queued} requests, "
             f"oldest waiting {stats.oldest_queued_seconds * 1e3:.0f} ms",
         ]
     else:
-        lines.append(f"  recent      idle: no steps in the last {recent.window_seconds:.0f} s")
+        window = f" in the last {recent.window_s:.0f} s" if recent is not None else ""
+        lines.append(f"  recent      idle: no steps{window}")
     if stats.num_transfers or stats.num_transfer_failures:
         lines.append(f"  transfers   {stats.num_transfers} done, {stats.num_transfer_failures} failed, "
                      f"{stats.num_transferred_bytes / 2**20:.1f} MiB")
     return lines
 
 
-def to_json(status: worker_pb2.DeploymentStatus, findings: list[Finding]) -> str:
-    from google.protobuf.json_format import MessageToDict
-
-    return json.dumps({
-        "status": MessageToDict(status, preserving_proto_field_name=True),
-        "findings": [asdict(finding) for finding in findings],
-    }, indent=2)
+def to_json(status: DeploymentStatus, findings: list[Finding]) -> str:
+    return json.dumps({"status": asdict(status), "findings": [asdict(finding) for finding in findings]}, indent=2)
 
 
-def status_command(args) -> int:
+def add_status_flags(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, GatewayAddress)
+    parser.add_argument("--queue-slo-ms", type=float, default=1000.0,
+                        help="report mean queue times (arrival to admission) above this (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the status and findings as JSON")
+    parser.add_argument("--timeout-s", type=float, default=10.0, help="(default: %(default)s)")
+
+
+def status_command(args: argparse.Namespace) -> int:
     """`baton status`: print the deployment's status and findings; 1 if the gateway
     cannot be reached."""
-    import sys
-
-    import grpc
-
-    from baton.wire.internal.v1 import worker_pb2_grpc
-
-    with grpc.insecure_channel(args.gateway) as channel:
-        stub = worker_pb2_grpc.GatewayAdminStub(channel)
+    gateway = from_args(GatewayAddress, args).gateway
+    with grpc.insecure_channel(gateway) as channel:
         try:
-            status = stub.GetDeploymentStatus(worker_pb2.GetDeploymentStatusRequest(), timeout=args.timeout_s)
+            status = GatewayAdminClient(channel).get_deployment_status(timeout=args.timeout_s)
         except grpc.RpcError as error:
-            print(f"baton status: gateway {args.gateway}: {error.code().name}: {error.details()}", file=sys.stderr)
+            print(f"baton status: gateway {gateway}: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1
     slo_s = args.queue_slo_ms / 1e3
     findings = [finding for worker in status.workers for finding in diagnose(worker, slo_s)]

@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from baton.runtime.server import listen_host
+
 logger = logging.getLogger(__name__)
 
 # Latency buckets (seconds), from a fast decode step on a GPU to a long queue on a CPU.
@@ -170,8 +172,9 @@ def engine_snapshot(engine, loop: asyncio.AbstractEventLoop, timeout_s: float = 
     return snapshot
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> int:
+def serve_metrics(registry: CollectorRegistry, port: int, listen: str) -> int:
     """Serve `registry` as Prometheus text on http://host:port/metrics from a daemon
-    thread; returns the port (port 0: a free one)."""
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    thread, on the host of the process's gRPC `listen` address; returns the port (port
+    0: a free one)."""
+    server, _ = start_http_server(port, addr=listen_host(listen), registry=registry)
     return server.server_port

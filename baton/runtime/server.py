@@ -49,6 +49,16 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def open_channel(address: str) -> grpc.aio.Channel:
+    """An asyncio channel to another Baton process, with the options above."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def listen_host(listen: str) -> str:
+    """The host part of a listen address ("[::]:50051" -> "::"; ":50051" -> "0.0.0.0")."""
+    return listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+
+
 def install_uvloop() -> None:
     """Use uvloop for the process's event loops (falls back to asyncio's if absent)."""
     try:

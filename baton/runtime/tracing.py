@@ -38,13 +38,24 @@ Spans (names and attributes: docs/ARCHITECTURE.md, Tracing):
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from typing import TypeVar
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from baton.runtime.settings import tracing_env
+from engine.timeline import (
+    Admitted,
+    FirstDecodeStep,
+    KvReceived,
+    KvReceiveFailed,
+    Preempted,
+    PrefillChunk,
+    SwappedIn,
+    TimelineEvent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +79,10 @@ def configure_tracing(role: str, instance_id: str | None = None) -> bool:
     spans are exported.
     """
     global _tracer, _provider
-    env = os.environ
-    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if not endpoint or env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    env = tracing_env()
+    if not env.endpoint or env.disabled:
         return False
-    exporter = _exporter()
+    exporter = _exporter(env.protocol)
     if exporter is None:
         return False
     from opentelemetry.sdk.resources import Resource
@@ -80,7 +90,7 @@ def configure_tracing(role: str, instance_id: str | None = None) -> bool:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     attributes = {"baton.role": role}
-    if not env.get("OTEL_SERVICE_NAME") and "service.name=" not in env.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+    if not env.names_service:
         attributes["service.name"] = f"baton-{role}"
     if instance_id:
         attributes["service.instance.id"] = instance_id
@@ -89,14 +99,11 @@ def configure_tracing(role: str, instance_id: str | None = None) -> bool:
     trace.set_tracer_provider(provider)
     _provider = provider
     _tracer = provider.get_tracer("baton")
-    logger.info("tracing: exporting spans to %s", endpoint)
+    logger.info("tracing: exporting spans to %s", env.endpoint)
     return True
 
 
-def _exporter():
-    protocol = (
-        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
-    ).strip().lower()
+def _exporter(protocol: str):
     try:
         if protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -141,12 +148,52 @@ def recording(span: Span | None) -> bool:
     return span is not None and span.is_recording()
 
 
-def add_events(span: Span | None, events: Iterable[tuple[int, str, dict]] | None) -> None:
-    """Add engine timeline events, (wall-clock ns, name, attributes), with their own times."""
+def add_events(span: Span | None, events: Iterable[TimelineEvent] | None) -> None:
+    """Add a request's engine timeline events (engine.timeline) as span events, with their own times."""
     if span is None or not events:
         return
-    for time_ns, name, attributes in events:
-        span.add_event(name, attributes, timestamp=time_ns)
+    for event in events:
+        name, attributes = _event_name_and_attributes(event)
+        span.add_event(name, attributes, timestamp=event.time_ns)
+
+
+def _event_name_and_attributes(event: TimelineEvent) -> tuple[str, dict]:
+    """The span event name and attributes of one engine timeline event."""
+    match event:
+        case Admitted():
+            return "admitted", {
+                "baton.queue_time_s": event.queue_time_s,
+                "baton.readmitted": event.readmitted,
+                "baton.kv_remote": event.kv_remote,
+            }
+        case PrefillChunk():
+            return "prefill_chunk", {
+                "baton.chunk.start": event.start,
+                "baton.chunk.tokens": event.num_tokens,
+                "baton.chunk.recompute": event.is_recompute,
+                "baton.step": event.batch.step_index,
+                "baton.batch.num_seqs": event.batch.num_seqs,
+                "baton.batch.num_tokens": event.batch.num_tokens,
+            }
+        case FirstDecodeStep():
+            return "first_decode_step", {
+                "baton.step": event.batch.step_index,
+                "baton.batch.num_seqs": event.batch.num_seqs,
+                "baton.batch.num_tokens": event.batch.num_tokens,
+            }
+        case Preempted():
+            return "preempted", {
+                "baton.preemption.kind": event.kind.value,
+                "baton.preemption.blocks": event.num_blocks,
+                "baton.computed_tokens": event.num_computed_tokens,
+            }
+        case SwappedIn():
+            return "swapped_in", {"baton.preemption.blocks": event.num_blocks}
+        case KvReceived():
+            return "kv_received", {}
+        case KvReceiveFailed():
+            return "kv_receive_failed", {}
+    raise TypeError(f"not an engine timeline event: {event!r}")
 
 
 def end_span(span: Span | None, error_code=None, error: str = "") -> None:
@@ -196,6 +243,57 @@ def request_attributes(model: str, params, *, operation: str) -> dict:
     if params.stop:
         attributes["gen_ai.request.stop_sequences"] = list(params.stop)
     return attributes
+
+
+def set_request(span: Span, model: str, params, operation: str, request_id: str, num_prompt_tokens: int,
+                priority: int) -> None:
+    """The gateway's `generate` span, once its request is read and tokenized."""
+    span.set_attributes({
+        **request_attributes(model, params, operation=operation),
+        "gen_ai.response.id": request_id,
+        "gen_ai.usage.input_tokens": num_prompt_tokens,
+        "baton.request_id": request_id,
+        "baton.priority": priority,
+    })
+
+
+def set_route(span: Span, decode_address: str, prefill_address: str | None) -> None:
+    """Where the gateway sends a request (no prefill worker: colocated on the decode worker)."""
+    span.set_attributes({
+        "baton.route": "disaggregated" if prefill_address is not None else "colocated",
+        "baton.decode_worker": decode_address,
+    })
+    if prefill_address is not None:
+        span.set_attribute("baton.prefill_worker", prefill_address)
+
+
+def set_response(span: Span, model: str, finish_reason: str, num_output_tokens: int,
+                 time_to_first_token: float | None) -> None:
+    """The gateway's `generate` span, as its stream ends."""
+    span.set_attributes({
+        "gen_ai.response.model": model,
+        "gen_ai.response.finish_reasons": [finish_reason],
+        "gen_ai.usage.output_tokens": num_output_tokens,
+    })
+    if time_to_first_token is not None:
+        span.set_attribute("baton.time_to_first_token_s", time_to_first_token)
+
+
+def set_prefill_result(span: Span, output) -> None:
+    """A prefill worker's span, once its first token is out (output: engine RequestOutput)."""
+    span.set_attributes({
+        "baton.prefill.chunks": sum(isinstance(event, PrefillChunk) for event in output.events or ()),
+        "baton.first_token_id": output.new_token_ids[0],
+        "baton.kv.blocks": len(output.kv_block_ids or ()),
+    })
+
+
+def set_finish(span: Span, finish_reason: str | None, num_output_tokens: int) -> None:
+    """A worker's span, at its request's last output."""
+    span.set_attributes({
+        "gen_ai.response.finish_reasons": [finish_reason],
+        "gen_ai.usage.output_tokens": num_output_tokens,
+    })
 
 
 def end_call_span(span: Span | None, context, error: BaseException | None) -> None:
@@ -254,6 +352,15 @@ def _status_code(code):
         if status.value[0] == code:
             return None if status == grpc.StatusCode.OK else status
     return None
+
+
+def set_timings(span: Span, timings) -> None:
+    """A request's engine timings (engine.request.RequestTimings) onto its worker span."""
+    if timings.queue_time is not None:
+        span.set_attribute("baton.queue_time_s", timings.queue_time)
+    if timings.prefill_time is not None:
+        span.set_attribute("baton.prefill_time_s", timings.prefill_time)
+    span.set_attribute("baton.num_preemptions", timings.num_preemptions)
 
 
 def transfer_attributes(*, num_blocks: int, num_bytes: int, seconds: float, verified: bool | None = None) -> dict:

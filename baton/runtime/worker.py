@@ -1,90 +1,30 @@
-"""What the prefill and decode workers share: settings, building and warming the engine,
-model info and stats, and the process's serve-until-SIGTERM lifecycle."""
+"""What the prefill and decode workers share: building and warming the engine, model
+info and stats, tracing of a call, and the process's serve-until-SIGTERM lifecycle."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-import torch
+import grpc
 
 from baton.runtime import tracing
-from baton.wire.internal.v1 import worker_pb2
 from baton.runtime.metrics import WorkerMetrics, engine_snapshot, serve_metrics
-from baton.runtime.server import GrpcServer
-from baton.wire.v1 import generation_pb2 as pb
+from baton.runtime.server import GrpcServer, install_uvloop
+from baton.runtime.settings import WorkerSettings
+from baton.wire import convert
+from baton.wire.records import ModelInfo, WorkerStats
 from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.envs import configure_process
+from engine.outputs import KvReceive, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerStats
 from kvtransfer import KvLayoutSpec
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """One worker process: where it listens, what it serves, how its engine is sized."""
-
-    role: str  # "prefill" | "decode"
-    listen: str = "127.0.0.1:0"
-    # The address peers use to reach this worker; default: the listen address.
-    advertise: str | None = None
-    worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    # KV handoff.
-    lease_s: float = 30.0  # prefill: held KV is freed if not pulled within this
-    transfer_timeout_s: float = 30.0  # every rendezvous and block transfer
-    verify_kv: bool = False  # compare per-block checksums on both sides of every transfer
-    transfer_host: str = "127.0.0.1"  # decode: where it hosts the rendezvous store
-    grace_s: float = 10.0  # SIGTERM: seconds in-flight requests get to finish
-    metrics_port: int | None = None  # Prometheus /metrics on the listen host; None: off
-
-    def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
-        for name in ("lease_s", "transfer_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-
-
-def engine_config(
-    model: str,
-    *,
-    dtype: str = "float32",
-    max_model_len: int | None = None,
-    block_size: int = 16,
-    num_kv_blocks: int | None = None,
-    kv_cache_memory_bytes: int | None = None,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
-    num_threads: int | None = None,
-    attention_backend: str = "auto",
-    preemption_mode: str = "auto",
-    swap_space_bytes: int = 256 * 1024**2,
-    seed: int = 0,
-) -> EngineConfig:
-    return EngineConfig(
-        model=model,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        cache=CacheConfig(
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            swap_space_bytes=swap_space_bytes,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            preemption_mode=preemption_mode,
-        ),
-        num_threads=num_threads,
-        attention_backend=attention_backend,
-        seed=seed,
-    )
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -97,38 +37,37 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
-def model_info(engine: LLMEngine) -> pb.ModelInfo:
+def model_info(engine: LLMEngine) -> ModelInfo:
     tokenizer = engine.tokenizer
-    return pb.ModelInfo(
+    return ModelInfo(
         model=engine.model_name,
         max_context_length=engine.max_model_len,
         vocab_size=engine.vocab_size,
-        eos_token_ids=list(engine.eos_token_ids),
+        eos_token_ids=tuple(engine.eos_token_ids),
         has_chat_template=bool(tokenizer is not None and getattr(tokenizer, "chat_template", None)),
     )
 
 
-def kv_layout_spec(engine: LLMEngine) -> KvLayoutSpec:
-    return KvLayoutSpec.from_kv_layout(engine.kv_layout)
-
-
-def layout_to_pb(spec: KvLayoutSpec) -> worker_pb2.KvLayout:
-    return worker_pb2.KvLayout(
-        num_layers=spec.num_layers,
-        block_size=spec.block_size,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        dtype=spec.dtype,
-    )
-
-
-def layout_from_pb(message: worker_pb2.KvLayout) -> KvLayoutSpec:
-    return KvLayoutSpec(
-        num_layers=message.num_layers,
-        block_size=message.block_size,
-        num_kv_heads=message.num_kv_heads,
-        head_dim=message.head_dim,
-        dtype=message.dtype,
+def worker_stats(stats: SchedulerStats, **fields) -> WorkerStats:
+    """A worker's stats: the scheduler's counters plus the worker's own `fields`."""
+    return WorkerStats(
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_swapped=stats.num_swapped,
+        num_kv_blocks_total=stats.num_kv_blocks_total,
+        num_kv_blocks_used=stats.num_kv_blocks_used,
+        num_kv_blocks_free=stats.num_kv_blocks_free,
+        num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
+        num_kv_handoffs_pending=stats.num_held + stats.num_receiving,
+        num_preemptions_recompute=stats.num_preemptions_recompute,
+        num_preemptions_swap=stats.num_preemptions_swap,
+        num_steps=stats.num_steps,
+        mean_seqs_per_step=stats.mean_seqs_per_step,
+        mean_queue_seconds=stats.mean_queue_time,
+        num_finished=stats.num_finished,
+        recent=stats.recent,
+        oldest_queued_seconds=stats.oldest_queued_time,
+        **fields,
     )
 
 
@@ -143,9 +82,10 @@ class WorkerBase:
         self.settings = settings
         self.worker_id = settings.worker_id
         self.address = settings.listen
-        self.llm: LLMEngine | None = None
+        self.llm: LLMEngine | None = None  # the engine thread's; read only what never changes
         self.engine: AsyncEngine | None = None
-        self._model_info: pb.ModelInfo | None = None
+        self.model_info: ModelInfo | None = None
+        self.layout: KvLayoutSpec | None = None
         self.metrics: WorkerMetrics | None = None  # set by load
 
     async def load(self, address: str) -> None:
@@ -153,14 +93,15 @@ class WorkerBase:
         self.address = address
         llm = await asyncio.to_thread(build_engine, self.settings.engine)
         self.llm = llm
-        self._model_info = model_info(llm)
-        self.metrics = WorkerMetrics(self._model_info.model, self.settings.role)
+        self.model_info = model_info(llm)
+        self.layout = KvLayoutSpec.from_kv_layout(llm.kv_layout)
+        self.metrics = WorkerMetrics(self.model_info.model, self.settings.role)
         self.engine = AsyncEngine(llm, on_kv_receive=self._on_kv_receive,
                                   on_last_output=lambda output: self.metrics.record_timings(output.timings))
         self.engine.start()
         self.metrics.watch_engine(engine_snapshot(self.engine, asyncio.get_running_loop()))
 
-    def _on_kv_receive(self, receive) -> None:
+    def _on_kv_receive(self, receive: KvReceive) -> None:
         raise AssertionError(f"{self.settings.role} worker got a KV receive")
 
     async def stop(self) -> None:
@@ -168,36 +109,39 @@ class WorkerBase:
             await self.engine.stop()
 
     async def _require_engine(self, context) -> AsyncEngine:
-        import grpc
-
         if self.engine is None or not self.engine.is_alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not ready (model loading or stopped)")
         return self.engine
 
-    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+    async def GetModelInfo(self, request, context):
         await self._require_engine(context)
-        return self._model_info
+        return convert.model_info_to_pb(self.model_info)
 
-    async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
-        from baton.wire.convert import worker_stats_to_pb
+    async def GetStats(self, request, context):
+        return convert.worker_stats_to_pb(await self.stats())
 
+    async def stats(self) -> WorkerStats:
+        """This worker's stats now; a worker still loading (or stopped) says it is not serving."""
         engine = self.engine
-        if engine is None or not engine.is_alive:  # loading or stopped: answer, but not serving
-            return worker_pb2.WorkerStats(worker_id=self.worker_id, role=self.settings.role, serving=False)
+        if engine is None or not engine.is_alive:
+            return WorkerStats(worker_id=self.worker_id, role=self.settings.role, serving=False)
         stats = await engine.call(lambda llm: llm.get_metrics(with_queue_times=False))
-        return worker_stats_to_pb(
+        scheduler = self.settings.engine.scheduler
+        return worker_stats(
             stats,
             worker_id=self.worker_id,
             role=self.settings.role,
-            model=self._model_info.model,
+            model=self.model_info.model,
             serving=engine.is_alive,
-            max_num_seqs=self.settings.engine.scheduler.max_num_seqs,
-            max_num_batched_tokens=self.settings.engine.scheduler.max_num_batched_tokens,
-            kv_block_bytes=self.llm.kv_layout.bytes_per_block,
+            block_size=self.layout.block_size,
+            kv_block_bytes=self.layout.bytes_per_block,
+            max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
             **self.extra_stats(),
         )
 
     def extra_stats(self) -> dict:
+        """The role's own counters, as WorkerStats fields."""
         return {}
 
     # ----------------------------------------------------------------- tracing
@@ -208,25 +152,20 @@ class WorkerBase:
         return tracing.start_span(name, tracing.extract(context.invocation_metadata()), tracing.SERVER, {
             "baton.request_id": request_id,
             "baton.worker_id": self.worker_id,
-            "gen_ai.request.model": self._model_info.model if self._model_info else "",
+            "gen_ai.request.model": self.model_info.model if self.model_info else "",
             **(attributes or {}),
         })
 
-    def _observe(self, output, span) -> None:
+    @staticmethod
+    def _observe(output: RequestOutput, span) -> None:
         """A request's last output here: its timings onto its span (the metrics get them
         from the engine's on_last_output, read or not)."""
-        timings = output.timings
-        if timings is None:
-            return
-        if tracing.recording(span):
-            if timings.queue_time is not None:
-                span.set_attribute("baton.queue_time_s", timings.queue_time)
-            if timings.prefill_time is not None:
-                span.set_attribute("baton.prefill_time_s", timings.prefill_time)
-            span.set_attribute("baton.num_preemptions", timings.num_preemptions)
+        if output.timings is not None and tracing.recording(span):
+            tracing.set_timings(span, output.timings)
 
 
-async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service, service_name: str) -> None:
+async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service: Callable,
+                     service_name: str) -> None:
     """Serve one worker until SIGTERM: listen first (health NOT_SERVING), then load and
     warm the model off the event loop, then turn SERVING."""
     server = GrpcServer(settings.listen, [service_name])
@@ -234,12 +173,23 @@ async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service,
     await server.start()
     address = settings.advertise or server.address
     logger.info("%s worker %s listening on %s; loading %s", settings.role,
-                settings.worker_id, server.address, settings.engine.model)
+                settings.worker_id, server.address, settings.model)
     await service.load(address)
     if settings.metrics_port is not None:
-        host = settings.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-        port = serve_metrics(service.metrics.registry, settings.metrics_port, host)
+        port = serve_metrics(service.metrics.registry, settings.metrics_port, settings.listen)
         logger.info("%s worker %s metrics on port %d", settings.role, settings.worker_id, port)
     await server.set_serving(True)
     logger.info("%s worker %s serving on %s", settings.role, settings.worker_id, address)
     await server.serve_until_signal(service.stop, settings.grace_s)
+
+
+def serve_worker(settings: WorkerSettings, service: WorkerBase, add_service: Callable, service_name: str) -> None:
+    """A worker process's entry point: set up the process (torch threads, huge pages for
+    the cache and weights, uvloop, tracing), then serve until SIGTERM."""
+    configure_process(settings.threads)
+    install_uvloop()
+    tracing.configure_tracing(f"{settings.role}-worker", settings.worker_id)
+    try:
+        asyncio.run(run_worker(settings, service, add_service, service_name))
+    finally:
+        tracing.shutdown_tracing()

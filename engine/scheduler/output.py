@@ -1,0 +1,32 @@
+"""SchedulerOutput: the work of one step, as the scheduler hands it to the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockCopy
+from engine.preemption import PreemptionKind
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What to run in one step.
+
+    `requests[i]` gets `num_scheduled_tokens[i]` tokens of work, starting at its
+    `num_computed_tokens`. The runner runs `swap_out` copies, then `swap_in`
+    copies, then the forward pass (freed blocks may be reused in the same step).
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    swap_out: list[BlockCopy] = field(default_factory=list)
+    swap_in: list[BlockCopy] = field(default_factory=list)
+    preempted: list[tuple[Request, PreemptionKind]] = field(default_factory=list)
+    # Requests admitted this step whose prompt KV must now be received into their blocks.
+    kv_receives: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests and not self.swap_out and not self.swap_in

@@ -1,0 +1,471 @@
+"""Token-budget, iteration-level scheduler with chunked prefill and preemption.
+
+One loop, no prefill/decode phases: each step every request's
+`num_computed_tokens` catches up with its `num_tokens` as far as the step's
+token budget allows. Order of service within a step:
+
+    1. RUNNING requests, highest priority first: one token when decoding, a
+       chunk when prefilling. A request whose table cannot grow preempts the
+       lowest-priority, most recently admitted running request (possibly
+       itself) by recompute or swap, whichever the cost model finds cheaper.
+    2. SWAPPED requests come back if nothing was preempted this step.
+    3. WAITING requests are admitted by the admission policy, if nothing was
+       preempted this step and no request is still swapped out: continuous
+       (continuous.py) or static batch-at-a-time (static.py).
+
+Disaggregated serving adds two states that hold blocks but are not
+scheduled. A `prefill_only` request becomes HELD after its first sampled
+token: its blocks stay allocated until `release_held` hands them off. A
+`kv_remote` request (its prompt's KV computed by another engine) is admitted
+like any other, but admission allocates all of its prompt's blocks and marks
+it RECEIVING, listed in `SchedulerOutput.kv_receives`; `complete_kv_receive`
+then makes it RUNNING with the prompt computed, or, if the KV never arrived,
+requeues it to prefill here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+from engine.block_pool import KVCacheManager, cdiv
+from engine.config import SchedulerConfig
+from engine.preemption import PreemptionCostModel, PreemptionKind
+from engine.request import Request, RequestStatus, by_sort_key
+from engine.scheduler.continuous import ContinuousAdmission
+from engine.scheduler.output import SchedulerOutput
+from engine.scheduler.policy import AdmissionPolicy
+from engine.scheduler.static import StaticAdmission
+from engine.scheduler.stats import RecentStats, SchedulerCounters, SchedulerStats, snapshot_stats
+from engine.timeline import Admitted, KvReceived, KvReceiveFailed, Preempted, SwappedIn
+
+ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
+    "continuous": ContinuousAdmission,
+    "static": StaticAdmission,
+}
+
+
+class Scheduler:
+    """Owns the request queues and decides each step's work."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        cost_model: PreemptionCostModel,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.cost_model = cost_model
+        self.max_model_len = max_model_len
+        self.block_size = kv.block_size
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []  # sorted by Request.sort_key
+        self.swapped: list[Request] = []  # sorted by Request.sort_key
+        self.held: dict[str, Request] = {}
+        self.receiving: dict[str, Request] = {}
+        # The WAITING requests are the policy's.
+        self.policy: AdmissionPolicy = ADMISSION_POLICIES[config.policy](self)
+        self._num_arrivals = 0
+        self._num_admissions = 0
+        self.step_index = 0
+        self.counters = SchedulerCounters()
+        # This step left requests waiting for KV blocks / at the max_num_seqs cap.
+        self._step_blocked_by_kv = False
+        self._step_seq_capped = False
+
+    # ------------------------------------------------------------- requests
+    @property
+    def num_waiting(self) -> int:
+        return self.policy.num_waiting
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences counted against max_num_seqs: running, and receiving (about to run)."""
+        return len(self.running) + len(self.receiving)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step could do any work (HELD and RECEIVING requests wait on others)."""
+        return bool(self.running or self.swapped or self.policy.num_waiting)
+
+    def peak_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The most tokens a request ever holds in the KV cache.
+
+        The last sampled token ends the request before its KV is computed.
+        """
+        return min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
+
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError for a request that could never run here."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}"
+            )
+        peak_tokens = self.peak_kv_tokens(num_prompt_tokens, max_tokens)
+        if cdiv(peak_tokens, self.block_size) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"request needs up to {cdiv(peak_tokens, self.block_size)} KV blocks; "
+                f"the cache has {self.kv.pool.num_blocks}"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        request.arrival_step = self.step_index
+        request.arrival_index = self._num_arrivals
+        self._num_arrivals += 1
+        self.requests[request.request_id] = request
+        self.policy.add(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request in any state and free everything it holds."""
+        assert status.is_finished
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.kv.free(request.request_id)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.kv.free_swapped(request.request_id)
+        elif request.status in (RequestStatus.HELD, RequestStatus.RECEIVING):
+            queue = self.held if request.status == RequestStatus.HELD else self.receiving
+            del queue[request.request_id]
+            self.kv.free(request.request_id)
+        else:
+            self.policy.remove(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.requests.pop(request.request_id, None)
+        self.policy.on_finished(request)
+        self.counters.num_finished += 1
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """End a request. A RECEIVING one keeps its blocks until `complete_kv_receive`:
+        its KV may be being written into them right now."""
+        request = self.requests.get(request_id)
+        if request is None or request.abort_requested:
+            return None
+        if request.status == RequestStatus.RECEIVING:
+            request.abort_requested = True
+        else:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    # ------------------------------------------------------------ KV handoff
+    def release_held(self, request_id: str) -> Request | None:
+        """End a HELD request whose KV was handed off (or given up); frees its blocks."""
+        request = self.held.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_HANDED_OFF)
+        return request
+
+    def complete_kv_receive(self, request_id: str, ok: bool) -> Request | None:
+        """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here)."""
+        request = self.receiving.get(request_id)
+        if request is None:
+            return None
+        if request.abort_requested:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            return None
+        del self.receiving[request_id]
+        request.kv_remote = False
+        if request.events is not None:
+            request.record(KvReceived() if ok else KvReceiveFailed())
+        if ok:
+            request.kv_ready_time = time.monotonic()
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=by_sort_key)
+        else:
+            self.kv.free(request_id)
+            request.status = RequestStatus.WAITING
+            self.policy.add(request)
+        return request
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        config = self.config
+        budget = config.max_num_batched_tokens
+        chunk_cap = config.long_prefill_token_threshold or budget
+        kv = self.kv
+        running = self.running
+        requests = out.requests
+        num_scheduled = out.num_scheduled_tokens
+
+        # 1. Running requests, highest priority first.
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            if num_new > chunk_cap:
+                num_new = chunk_cap
+            if num_new <= 0:
+                i += 1
+                continue
+            while not kv.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            ):
+                victim = running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                requests.append(request)
+                num_scheduled.append(num_new)
+                budget -= num_new
+                i += 1
+
+        self._step_blocked_by_kv = bool(out.preempted)
+        self._step_seq_capped = False
+        if not out.preempted:
+            now = time.monotonic()
+            budget = self._schedule_swapped(out, budget, chunk_cap)
+            # NOTE: newcomers wait until every swapped request is back, so none starves.
+            if not self.swapped:
+                policy = self.policy
+                budget = policy.admit(out, budget, chunk_cap, now)
+                self._step_blocked_by_kv = policy.is_kv_short
+                self._step_seq_capped = policy.is_seq_capped
+
+        out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
+        kv = self.kv
+        while self.swapped and budget > 0 and self.num_seqs < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, chunk_cap)
+            num_blocks = cdiv(request.num_computed_tokens + num_new, self.block_size)
+            if num_blocks + self._growth_reserve() > kv.num_free_blocks:
+                break
+            copies = kv.swap_in(request.request_id)
+            assert copies is not None
+            out.swap_in.extend(copies)
+            self.swapped.pop(0)
+            self.counters.record_entry()
+            if request.events is not None:
+                request.record(SwappedIn(num_blocks=len(copies)))
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=by_sort_key)
+            budget = self._schedule_admitted(out, request, num_new, budget)
+        return budget
+
+    def _growth_reserve(self) -> int:
+        """Blocks kept free so the running batch can grow for a few decode steps."""
+        return cdiv(len(self.running) * self.config.admission_reserve_steps, self.block_size)
+
+    def admit(
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        budget: int,
+        chunk_cap: int,
+        now: float,
+        reserve: bool = False,
+    ) -> int:
+        """Move a request the policy took off its queue into the batch, scheduling its
+        first chunk; with `reserve`, take its worst-case blocks now. Returns the budget left."""
+        assert request.num_computed_tokens == 0
+        request.status = RequestStatus.RECEIVING if request.kv_remote else RequestStatus.RUNNING
+        effective_priority = (
+            request.priority
+            - (self.step_index - request.arrival_step) // self.config.priority_aging_steps
+        )
+        request.sort_key = (effective_priority, self._num_admissions)
+        self._num_admissions += 1
+        first = request.first_scheduled_time is None
+        if first:
+            request.first_scheduled_time = now
+        self.counters.record_entry(now - request.arrival_time if first else None)
+        if not request.kv_remote and request.prefill_start_time is None:
+            request.prefill_start_time = now
+        if request.events is not None:
+            request.record(Admitted(
+                queue_time_s=now - request.arrival_time, readmitted=not first, kv_remote=request.kv_remote
+            ))
+        if request.kv_remote:
+            num_tokens = request.num_prompt_tokens
+            if reserve:
+                num_tokens = self.peak_kv_tokens(num_tokens, request.sampling_params.max_tokens)
+            ok = self.kv.allocate_slots(request.request_id, num_tokens)
+            assert ok, "admission checked the free blocks"
+            self.receiving[request.request_id] = request
+            out.kv_receives.append(request)
+            return budget
+        bisect.insort(self.running, request, key=by_sort_key)
+        if reserve:
+            peak = self.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
+            ok = self.kv.allocate_slots(request.request_id, peak)
+            assert ok, "admission checked the free blocks"
+        num_new = min(request.num_tokens, budget, chunk_cap)
+        if num_new == 0:  # static batching admits past the token budget
+            ok = self.kv.allocate_slots(request.request_id, 0)
+            assert ok
+            return budget
+        return self._schedule_admitted(out, request, num_new, budget)
+
+    def _schedule_admitted(
+        self, out: SchedulerOutput, request: Request, num_new: int, budget: int
+    ) -> int:
+        ok = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+        assert ok, "admission checked the free blocks"
+        out.requests.append(request)
+        out.num_scheduled_tokens.append(num_new)
+        return budget - num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        mode = self.config.preemption_mode
+        kv = self.kv
+        request_id = request.request_id
+        kind = PreemptionKind.RECOMPUTE
+        if mode != "recompute" and kv.can_swap_out(request_id):
+            if mode == "swap":
+                kind = PreemptionKind.SWAP
+            else:
+                kind = self.cost_model.choose(
+                    request.num_computed_tokens, len(kv.get_block_ids(request_id))
+                )
+        if request.events is not None:
+            request.record(Preempted(
+                kind=kind,
+                num_blocks=len(kv.get_block_ids(request_id)),
+                num_computed_tokens=request.num_computed_tokens,
+            ))
+        self.running.remove(request)
+        request.num_preemptions += 1
+        out.preempted.append((request, kind))
+        if kind is PreemptionKind.SWAP:
+            copies = kv.swap_out(request_id)
+            out.swap_out.extend(copies)
+            self.counters.record_preemption(kind, len(copies))
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=by_sort_key)
+        else:
+            self.counters.record_preemption(kind)
+            kv.free(request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.policy.requeue(request)
+
+    # ---------------------------------------------------------------- update
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled_requests: list[Request],
+        sampled_token_ids: list[int],
+    ) -> list[Request]:
+        """Advance progress by the step's work, append sampled tokens, finish what stopped.
+
+        Returns the requests that finished in this step.
+        """
+        for request, num_new in zip(out.requests, out.num_scheduled_tokens):
+            request.num_computed_tokens += num_new
+        finished: list[Request] = []
+        max_model_len = self.max_model_len
+        for request, token_id in zip(sampled_requests, sampled_token_ids):
+            token_ids = request.all_token_ids
+            token_ids.append(token_id)
+            params = request.sampling_params
+            num_output = len(token_ids) - len(request.prompt_token_ids)
+            status = None
+            if num_output >= params.min_tokens and (
+                token_id in request.eos_token_ids or token_id in params.stop_token_ids
+            ):
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+            elif num_output >= params.max_tokens or len(token_ids) >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.finish_request(request, status)
+                finished.append(request)
+            elif request.prefill_only:
+                self._hold(request)
+        self._end_step(out)
+        return finished
+
+    def _hold(self, request: Request) -> None:
+        """Take a prefilled request out of the batch, keeping its blocks for a handoff."""
+        self.running.remove(request)
+        request.status = RequestStatus.HELD
+        self.held[request.request_id] = request
+
+    def _end_step(self, out: SchedulerOutput) -> None:
+        self.step_index += 1
+        used = self.kv.num_used_blocks
+        if used:
+            held = sum(request.num_computed_tokens for request in self.running)
+            kv_efficiency = held / (used * self.block_size)
+        else:
+            kv_efficiency = 1.0
+        self.counters.end_step(
+            len(out.requests),
+            out.total_num_scheduled_tokens,
+            used,
+            kv_efficiency,
+            self.policy.num_waiting,
+            self._step_blocked_by_kv or bool(self.swapped),
+            self._step_seq_capped,
+        )
+
+    # ---------------------------------------------------------------- stats
+    def recent_stats(self, now: float | None = None) -> RecentStats:
+        """Counts and means over the steps of the last RECENT_WINDOW_S seconds."""
+        now = time.monotonic() if now is None else now
+        return self.counters.recent(now, self.kv.pool.num_blocks)
+
+    def stats(self, with_queue_times: bool = True) -> SchedulerStats:
+        """Queues, KV blocks and counters now; `with_queue_times` adds every queue time so far."""
+        return snapshot_stats(self, with_queue_times)
+
+    # ------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Each live request is in exactly one queue, and holds exactly the blocks its state allows."""
+        self.kv.check_integrity()
+        waiting = self.policy.waiting_requests()
+        queues = {
+            RequestStatus.WAITING: waiting,
+            RequestStatus.RUNNING: self.running,
+            RequestStatus.SWAPPED: self.swapped,
+            RequestStatus.HELD: list(self.held.values()),
+            RequestStatus.RECEIVING: list(self.receiving.values()),
+        }
+        seen: set[str] = set()
+        for status, queue in queues.items():
+            for request in queue:
+                if request.status != status:
+                    raise AssertionError(f"{request} is in the {status.name} queue")
+                if request.request_id in seen:
+                    raise AssertionError(f"{request} is queued twice")
+                seen.add(request.request_id)
+        if seen != set(self.requests):
+            raise AssertionError("queues and the request table disagree")
+        holders = self.kv.holders()
+        for request in self.running:
+            if not self.kv.has_blocks(request.request_id):
+                raise AssertionError(f"running {request} holds no block table")
+            covered = len(self.kv.get_block_ids(request.request_id)) * self.block_size
+            if covered < request.num_computed_tokens:
+                raise AssertionError(f"{request} has computed tokens outside its blocks")
+        for request in waiting:
+            if request.request_id in holders or request.num_computed_tokens != 0:
+                raise AssertionError(f"waiting {request} holds KV")
+        running_ids = {request.request_id for request in self.running}
+        swapped_ids = {request.request_id for request in self.swapped}
+        handoff_ids = set(self.held) | set(self.receiving)
+        if holders != running_ids | swapped_ids | handoff_ids:
+            raise AssertionError(
+                "block holders are not exactly the running, swapped, held and receiving requests"
+            )
+        if self.running != sorted(self.running, key=by_sort_key):
+            raise AssertionError("running queue out of priority order")
+        if self.num_seqs > self.config.max_num_seqs:
+            raise AssertionError("more running sequences than max_num_seqs")

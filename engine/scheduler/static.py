@@ -1,0 +1,81 @@
+"""Static (batch-at-a-time) admission: a new batch forms only when the last one is done."""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+from engine.block_pool import cdiv
+from engine.request import Request, by_sort_key
+from engine.scheduler.policy import AdmissionPolicy
+
+if TYPE_CHECKING:
+    from engine.scheduler.output import SchedulerOutput
+    from engine.scheduler.scheduler import Scheduler
+
+
+class StaticAdmission(AdmissionPolicy):
+    """Classic batch-at-a-time serving on the same loop.
+
+    A member is admitted only if its worst case (prompt + max_tokens) fits in the
+    free blocks, which it then holds from admission on: a batch that may not be
+    broken up cannot preempt, so it must reserve up front, as servers without
+    paging do. The reservation, not the token budget, bounds a static batch when
+    memory is short; the batch may exceed the token budget (its prompts are then
+    prefilled over the next steps). Members preempted from outside (the static
+    loop itself never needs to) come back first, into their own batch.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__(scheduler)
+        self.batch: set[str] = set()  # request ids of the current batch's members
+        self.requeued: list[Request] = []  # members preempted by recompute, in running order
+
+    def requeue(self, request: Request) -> None:
+        bisect.insort(self.requeued, request, key=by_sort_key)
+
+    def remove(self, request: Request) -> None:
+        if request in self.requeued:
+            self.requeued.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def on_finished(self, request: Request) -> None:
+        self.batch.discard(request.request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.requeued)
+
+    def waiting_requests(self) -> list[Request]:
+        return [*self.waiting, *self.requeued]
+
+    def admit(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
+        self.is_kv_short = self.is_seq_capped = False
+        scheduler = self.scheduler
+        max_num_seqs = scheduler.config.max_num_seqs
+        requeued = self.requeued
+        while requeued and scheduler.num_seqs < max_num_seqs:
+            if not self._can_reserve(requeued[0]):
+                self.is_kv_short = True
+                return budget
+            request = requeued.pop(0)
+            budget = scheduler.admit(out, request, budget, chunk_cap, now, reserve=True)
+        if self.batch:
+            return budget
+        waiting = self.waiting
+        while waiting and scheduler.num_seqs < max_num_seqs:
+            request = waiting.peek()
+            if not self._can_reserve(request):
+                self.is_kv_short = True
+                break
+            waiting.pop()
+            self.batch.add(request.request_id)
+            budget = scheduler.admit(out, request, budget, chunk_cap, now, reserve=True)
+        return budget
+
+    def _can_reserve(self, request: Request) -> bool:
+        """Whether the request's worst-case blocks fit in the free blocks."""
+        scheduler = self.scheduler
+        peak = scheduler.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        return cdiv(peak, scheduler.block_size) <= scheduler.kv.num_free_blocks - self.num_promised_blocks()

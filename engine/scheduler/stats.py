@@ -1,0 +1,263 @@
+"""What the scheduler has done: cumulative counters, and the same over the last minute.
+
+`SchedulerCounters` is bumped by the scheduler as it works. After every step it
+also snapshots all of its cumulative counts into a ring spanning the last
+RECENT_WINDOW_S seconds, so the recent statistics are the difference between
+the ring's two ends, whatever the step rate. `SchedulerStats` and `RecentStats`
+are the frozen snapshots handed out (`Scheduler.stats`, `snapshot_stats`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.preemption import PreemptionKind
+
+if TYPE_CHECKING:
+    from engine.request import Request
+    from engine.scheduler.scheduler import Scheduler
+
+RECENT_WINDOW_S = 60.0
+# Bounds the ring at a very high step rate; the window then covers fewer seconds.
+_MAX_RECENT_STEPS = 1 << 16
+# The cumulative counts each snapshot holds, in this order (see SchedulerCounters._totals).
+_TOTALS = ("steps", "seqs", "tokens", "kv_used", "waiting", "admissions", "preempt_recompute",
+           "preempt_swap", "swap_blocks", "queued", "queue_time", "kv_blocked", "seq_capped")
+
+
+@dataclass(frozen=True, slots=True)
+class RecentStats:
+    """What the scheduler did over its recent steps: the last `window_s` seconds, or
+    fewer steps if it has been idle (steps happen only while there is work)."""
+
+    window_s: float
+    seconds: float  # from the window's first step to its last
+    seconds_since_last_step: float  # inf: no step yet
+    num_steps: int
+    mean_batch_size: float  # sequences per step
+    mean_tokens_per_step: float
+    mean_kv_usage: float  # fraction of KV blocks in use after each step
+    mean_num_waiting: float  # requests left waiting after each step
+    num_admissions: int  # entries into the running batch: admissions, readmissions, swap-ins
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_swapped_blocks_out: int
+    num_queued: int  # requests admitted for the first time
+    mean_queue_time: float  # their mean arrival-to-admission time
+    # Steps that ended with requests waiting because KV blocks were short (admission
+    # refused for lack of free blocks, or held back by a preemption or swapped requests),
+    # and because max_num_seqs sequences were already running.
+    num_steps_kv_blocked: int
+    num_steps_seq_capped: int
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
+
+    @property
+    def preemption_rate(self) -> float:
+        """Preemptions per entry into the running batch."""
+        return self.num_preemptions / self.num_admissions if self.num_admissions else 0.0
+
+    @property
+    def mean_swap_blocks(self) -> float:
+        """Blocks moved out per swap preemption."""
+        return self.num_swapped_blocks_out / self.num_preemptions_swap if self.num_preemptions_swap else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's counters (see Scheduler.stats)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_held: int  # KV held for a handoff (prefill side)
+    num_receiving: int  # blocks allocated, KV arriving (decode side)
+    num_queued_prefill_tokens: int  # prompt tokens admitted or waiting, not yet computed
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_swap_blocks_total: int
+    num_swap_blocks_used: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_swapped_blocks_out: int
+    num_steps: int
+    num_tokens_last_step: int
+    num_tokens_scheduled_total: int
+    mean_tokens_per_step: float
+    mean_seqs_per_step: float
+    kv_memory_efficiency: float
+    num_finished: int
+    mean_queue_time: float
+    queue_times: tuple[float, ...]
+    recent: RecentStats
+    oldest_queued_time: float  # seconds the longest-waiting never-admitted request has waited (0: none)
+
+
+class SchedulerCounters:
+    """Cumulative counts of the scheduler's work, and their snapshots over the recent window."""
+
+    __slots__ = (
+        "num_steps", "num_tokens_last_step", "num_tokens_total", "num_seqs_total",
+        "kv_efficiency_total", "num_kv_blocks_used_total", "num_waiting_total", "num_entries",
+        "num_preemptions", "num_swapped_blocks_out", "queue_times", "queue_time_total",
+        "num_steps_kv_blocked", "num_steps_seq_capped", "num_finished", "snapshots",
+    )
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.num_tokens_last_step = 0
+        self.num_tokens_total = 0
+        # Sums over steps, for per-step means.
+        self.num_seqs_total = 0
+        self.kv_efficiency_total = 0.0
+        self.num_kv_blocks_used_total = 0
+        self.num_waiting_total = 0
+        self.num_entries = 0  # admissions, readmissions and swap-ins
+        self.num_preemptions = {PreemptionKind.RECOMPUTE: 0, PreemptionKind.SWAP: 0}
+        self.num_swapped_blocks_out = 0
+        self.queue_times: list[float] = []  # arrival to first admission, per request
+        self.queue_time_total = 0.0
+        self.num_steps_kv_blocked = 0
+        self.num_steps_seq_capped = 0
+        self.num_finished = 0
+        # (time, totals) after each step of the recent window; the first is its baseline.
+        self.snapshots: deque[tuple[float, tuple]] = deque(maxlen=_MAX_RECENT_STEPS)
+        self.snapshots.append((time.monotonic(), self._totals()))
+
+    def record_entry(self, queue_time: float | None = None) -> None:
+        """A request entered the running batch; `queue_time` on its first admission only."""
+        self.num_entries += 1
+        if queue_time is not None:
+            self.queue_times.append(queue_time)
+            self.queue_time_total += queue_time
+
+    def record_preemption(self, kind: PreemptionKind, num_blocks_swapped_out: int = 0) -> None:
+        self.num_preemptions[kind] += 1
+        self.num_swapped_blocks_out += num_blocks_swapped_out
+
+    def end_step(
+        self,
+        num_seqs: int,
+        num_tokens: int,
+        num_kv_blocks_used: int,
+        kv_efficiency: float,
+        num_waiting: int,
+        is_kv_short: bool,
+        is_seq_capped: bool,
+    ) -> None:
+        """Count a finished step and snapshot the totals.
+
+        `kv_efficiency` is the share of the used blocks' slots that hold computed
+        KV; `is_kv_short` / `is_seq_capped` say why requests were left waiting, if any.
+        """
+        self.num_steps += 1
+        self.num_tokens_last_step = num_tokens
+        self.num_tokens_total += num_tokens
+        self.num_seqs_total += num_seqs
+        self.kv_efficiency_total += kv_efficiency
+        self.num_kv_blocks_used_total += num_kv_blocks_used
+        self.num_waiting_total += num_waiting
+        if num_waiting:
+            if is_kv_short:
+                self.num_steps_kv_blocked += 1
+            elif is_seq_capped:
+                self.num_steps_seq_capped += 1
+        now = time.monotonic()
+        snapshots = self.snapshots
+        snapshots.append((now, self._totals()))
+        # Keep one snapshot older than the window: the baseline of its first step.
+        while len(snapshots) > 2 and snapshots[1][0] < now - RECENT_WINDOW_S:
+            snapshots.popleft()
+
+    def _totals(self) -> tuple:
+        """The cumulative counts named in _TOTALS, in that order."""
+        return (
+            self.num_steps, self.num_seqs_total, self.num_tokens_total, self.num_kv_blocks_used_total,
+            self.num_waiting_total, self.num_entries, self.num_preemptions[PreemptionKind.RECOMPUTE],
+            self.num_preemptions[PreemptionKind.SWAP], self.num_swapped_blocks_out, len(self.queue_times),
+            self.queue_time_total, self.num_steps_kv_blocked, self.num_steps_seq_capped,
+        )
+
+    def recent(self, now: float, num_kv_blocks: int) -> RecentStats:
+        """Counts and means over the steps of the RECENT_WINDOW_S seconds before `now`."""
+        snapshots = self.snapshots
+        while len(snapshots) > 1 and snapshots[1][0] < now - RECENT_WINDOW_S:
+            snapshots.popleft()
+        (first_time, first), (last_time, last) = snapshots[0], snapshots[-1]
+        if len(snapshots) == 1 or last_time < now - RECENT_WINDOW_S:
+            first = last  # idle for the whole window
+        delta = dict(zip(_TOTALS, (b - a for a, b in zip(first, last))))
+        steps = delta["steps"]
+        per_step = 1 / steps if steps else 0.0
+        return RecentStats(
+            window_s=RECENT_WINDOW_S,
+            seconds=last_time - max(first_time, now - RECENT_WINDOW_S) if steps else 0.0,
+            seconds_since_last_step=now - last_time if self.num_steps else float("inf"),
+            num_steps=steps,
+            mean_batch_size=delta["seqs"] * per_step,
+            mean_tokens_per_step=delta["tokens"] * per_step,
+            mean_kv_usage=delta["kv_used"] * per_step / num_kv_blocks if num_kv_blocks else 0.0,
+            mean_num_waiting=delta["waiting"] * per_step,
+            num_admissions=delta["admissions"],
+            num_preemptions_recompute=delta["preempt_recompute"],
+            num_preemptions_swap=delta["preempt_swap"],
+            num_swapped_blocks_out=delta["swap_blocks"],
+            num_queued=delta["queued"],
+            mean_queue_time=delta["queue_time"] / delta["queued"] if delta["queued"] else 0.0,
+            num_steps_kv_blocked=delta["kv_blocked"],
+            num_steps_seq_capped=delta["seq_capped"],
+        )
+
+
+def snapshot_stats(scheduler: Scheduler, with_queue_times: bool) -> SchedulerStats:
+    """The scheduler's queues, KV pools and counters now (see Scheduler.stats)."""
+    counters = scheduler.counters
+    steps = max(counters.num_steps, 1)
+    kv = scheduler.kv
+    waiting = scheduler.policy.waiting_requests()
+    # Never admitted (a requeued request was admitted before).
+    arrivals = [request.arrival_time for request in waiting if request.first_scheduled_time is None]
+    return SchedulerStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(waiting),
+        num_swapped=len(scheduler.swapped),
+        num_held=len(scheduler.held),
+        num_receiving=len(scheduler.receiving),
+        num_queued_prefill_tokens=_num_queued_prefill_tokens(waiting, scheduler.running),
+        num_kv_blocks_total=kv.pool.num_blocks,
+        num_kv_blocks_used=kv.num_used_blocks,
+        num_kv_blocks_free=kv.num_free_blocks,
+        num_swap_blocks_total=kv.swap_pool.num_blocks,
+        num_swap_blocks_used=kv.swap_pool.num_used,
+        num_preemptions_recompute=counters.num_preemptions[PreemptionKind.RECOMPUTE],
+        num_preemptions_swap=counters.num_preemptions[PreemptionKind.SWAP],
+        num_swapped_blocks_out=counters.num_swapped_blocks_out,
+        num_steps=counters.num_steps,
+        num_tokens_last_step=counters.num_tokens_last_step,
+        num_tokens_scheduled_total=counters.num_tokens_total,
+        mean_tokens_per_step=counters.num_tokens_total / steps,
+        mean_seqs_per_step=counters.num_seqs_total / steps,
+        kv_memory_efficiency=counters.kv_efficiency_total / steps,
+        num_finished=counters.num_finished,
+        mean_queue_time=counters.queue_time_total / max(len(counters.queue_times), 1),
+        queue_times=tuple(counters.queue_times) if with_queue_times else (),
+        recent=scheduler.recent_stats(),
+        oldest_queued_time=time.monotonic() - min(arrivals) if arrivals else 0.0,
+    )
+
+
+def _num_queued_prefill_tokens(waiting: list[Request], running: list[Request]) -> int:
+    """Prompt (or recompute) tokens not yet computed: waiting requests and running chunks."""
+    # A kv_remote request's prompt arrives computed.
+    queued = sum(request.num_tokens for request in waiting if not request.kv_remote)
+    for request in running:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining > 1:
+            queued += remaining
+    return queued

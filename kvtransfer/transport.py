@@ -1,0 +1,120 @@
+"""The KV handoff's data plane behind one small interface.
+
+A channel joins one prefill worker (the sender) to one decode worker (the
+receiver). The receiver offers it, the sender joins, and from then on each
+transfer is a `send_blocks` on one side paired with a `recv_blocks` on the other
+under a tag both were given:
+
+    receiver                                  sender
+    offer = listen(id, host, device, t)
+    offer.rendezvous ----- (control plane, gRPC OpenKvChannel) -----> 
+    transport = offer.accept()    <======>    transport = join(rendezvous, device)
+    transport.recv_blocks(...)    <======     transport.send_blocks(...)
+
+Today's transport is a two-rank torch.distributed group (`KvChannel`: Gloo for
+CPU caches, NCCL for CUDA ones); transports that copy within a host (shared
+memory, CUDA IPC) implement the same interface. Callers above kvtransfer
+(prefill_worker/kv_sender.py, decode_worker/kv_receiver.py) see only this module.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+
+
+class KvTransferError(RuntimeError):
+    """A rendezvous or transfer failed or timed out. The transport is then broken: close
+    it and open a new channel (under a new channel id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """What one transfer (or raw send/recv) moved, and how long it took on this side."""
+
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """What the sender needs to join a channel the receiver offers: its id, where the
+    receiver hosts the rendezvous, and the timeout of the join and of every later wait."""
+
+    channel_id: str
+    host: str
+    port: int
+    timeout_s: float
+
+
+class KvTransport(ABC):
+    """One end of an open channel. Every call blocks its thread until done or failed
+    (run them off the event loop, one at a time per channel); any failure raises
+    KvTransferError and breaks the transport for good.
+
+    Sender block src_ids[i] lands in receiver block dst_ids[i]; both sides are given
+    both lists, so each can plan the transfer without a round trip, and the receiver
+    checks that both agree before any byte lands in its cache.
+    """
+
+    backend: str  # what moves the bytes, e.g. "gloo" or "nccl"
+
+    @property
+    @abstractmethod
+    def is_broken(self) -> bool:
+        """True once a transfer failed or the transport was closed."""
+
+    @abstractmethod
+    def send_blocks(
+        self, kv_cache: KVCache, block_ids: Sequence[int], tag: int, peer_block_ids: Sequence[int]
+    ) -> TransferStats:
+        """Send blocks `block_ids` of `kv_cache` into the receiver's `peer_block_ids`."""
+
+    @abstractmethod
+    def recv_blocks(
+        self, kv_cache: KVCache, block_ids: Sequence[int], tag: int, peer_block_ids: Sequence[int]
+    ) -> TransferStats:
+        """Receive the sender's `peer_block_ids` into blocks `block_ids` of `kv_cache`;
+        returns once they are in the cache. Blocks not in `block_ids` are never written."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the transport; idempotent, any thread, never waits for the peer."""
+
+
+@dataclass(frozen=True)
+class ChannelOffer:
+    """A channel the receiver hosts: send `rendezvous` to the sender, then `accept()`
+    (blocking) returns the transport once the sender has joined, or raises
+    KvTransferError when it does not within the rendezvous timeout."""
+
+    rendezvous: Rendezvous
+    accept: Callable[[], KvTransport]
+
+
+def listen(channel_id: str, host: str, device: torch.device | str, timeout_s: float) -> ChannelOffer:
+    """Receiver side: start hosting a channel on `host` for a cache on `device`."""
+    from kvtransfer.channel import KvChannel
+
+    store = KvChannel.host_store(host)
+    rendezvous = Rendezvous(channel_id, host, store.port, timeout_s)
+    return ChannelOffer(rendezvous, lambda: KvChannel.connect(
+        channel_id=channel_id, host=host, port=store.port, rank=1, device=device, timeout_s=timeout_s,
+        store=store,
+    ))
+
+
+def join(rendezvous: Rendezvous, device: torch.device | str) -> KvTransport:
+    """Sender side: join the channel `rendezvous` names, for a cache on `device`."""
+    from kvtransfer.channel import KvChannel
+
+    return KvChannel.connect(
+        channel_id=rendezvous.channel_id, host=rendezvous.host, port=rendezvous.port, rank=0, device=device,
+        timeout_s=rendezvous.timeout_s,
+    )

@@ -1,0 +1,200 @@
+"""The prefill side of the KV handoff, mirror of decode_worker/kv_receiver.py: leases on
+the KV held for decode workers, one channel per decode worker (joined when that worker
+opens it), and the send of one request's blocks over it.
+
+    Prefill done  -> hold(): the blocks stay pinned under a lease
+    OpenKvChannel -> open_channel(): join the channel the decode worker hosts
+    SendKv        -> send(): accepted (lease pinned) ... blocks sent ... done
+                     then the blocks are freed, sent or not (the decode side re-prefills)
+    ReleaseKv, or the lease expiring -> the blocks are freed unsent
+
+Every call into the engine goes through the AsyncEngine (the engine thread), and
+every transfer runs on its channel's own thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from baton.runtime.metrics import WorkerMetrics
+from baton.wire.records import KvChannelOpened, OpenKvChannel, SendKv, SendKvAccepted, SendKvDone
+from engine.async_engine import AsyncEngine
+from engine.kv_cache import KVCache
+from kvtransfer import KvLayoutSpec, KvLeaseTable, KvTransferError, KvTransport, block_checksums, join
+
+logger = logging.getLogger(__name__)
+
+LEASE_SWEEP_S = 0.25
+
+
+class SendRefused(Exception):
+    """A send that cannot start; nothing was sent and the lease (if any) is untouched."""
+
+
+class NoChannel(SendRefused):
+    """No open channel by that id (never opened, broken, or closed)."""
+
+
+class NotHeld(SendRefused):
+    """No KV held for the request: released, already sent, or its lease expired."""
+
+
+class AlreadySending(SendRefused):
+    """Another send of the same request is running."""
+
+
+class BlockCountMismatch(SendRefused):
+    """The receiver allocated another number of blocks than are held."""
+
+
+@dataclass
+class _Channel:
+    """An open channel to one decode worker; its transfers run one at a time on its thread."""
+
+    transport: KvTransport
+    executor: ThreadPoolExecutor
+    decode_worker_id: str
+
+    def close(self) -> None:
+        self.executor.submit(self.transport.close)
+        self.executor.shutdown(wait=False)
+
+
+class KvSender:
+    """Holds prefilled KV under leases and sends it to the decode workers that pull it."""
+
+    def __init__(self, worker_id: str, engine: AsyncEngine, kv_cache: KVCache, layout: KvLayoutSpec,
+                 lease_s: float, metrics: WorkerMetrics) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.lease_s = lease_s
+        self.metrics = metrics
+        self.leases = KvLeaseTable()
+        self._channels: dict[str, _Channel] = {}
+        self._sweeper: asyncio.Task | None = None
+        # Counters (WorkerStats).
+        self.num_transfers = 0
+        self.num_transfer_failures = 0
+        self.num_transferred_bytes = 0
+        self.transfer_seconds = 0.0
+        self.num_leases_expired = 0
+
+    def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_leases())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    def counters(self) -> dict:
+        return dict(
+            num_transfers=self.num_transfers,
+            num_transfer_failures=self.num_transfer_failures,
+            num_transferred_bytes=self.num_transferred_bytes,
+            transfer_seconds=self.transfer_seconds,
+            num_leases_expired=self.num_leases_expired,
+        )
+
+    # ------------------------------------------------------------------ leases
+    def hold(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
+        """The engine holds `block_ids` for the request: they wait under a lease to be pulled."""
+        self.leases.hold(request_id, block_ids, num_tokens, self.lease_s)
+
+    async def release(self, request_id: str) -> bool:
+        """Give up a request's KV (its gateway is done with it). A request not held yet may
+        still be prefilling: it is aborted there. Whether anything was released."""
+        if request_id not in self.leases:
+            return await self.engine.abort(request_id)
+        if self.leases.release(request_id):
+            await self.engine.call(lambda llm: llm.release_kv(request_id))
+        return True  # or it is being sent: the send frees it when done
+
+    async def _sweep_leases(self) -> None:
+        """Free KV nobody pulled in time (a decode worker that vanished, a gateway that gave up)."""
+        while True:
+            await asyncio.sleep(LEASE_SWEEP_S)
+            expired = self.leases.expired(time.monotonic())
+            if not expired:
+                continue
+            self.num_leases_expired += len(expired)
+            logger.warning("KV lease expired for %d request(s): %s", len(expired), expired[:5])
+            await self.engine.call(lambda llm: [llm.release_kv(request_id) for request_id in expired])
+
+    # ------------------------------------------------------------------ channels
+    async def open_channel(self, request: OpenKvChannel) -> KvChannelOpened:
+        """Join the channel a decode worker hosts. KvLayoutMismatchError if its cache blocks
+        differ from ours; KvTransferError if the rendezvous fails."""
+        self.layout.check_matches(request.layout)
+        rendezvous = request.rendezvous
+        old = self._channels.pop(rendezvous.channel_id, None)
+        if old is not None:  # the decode worker reopened it (e.g. after a failed transfer)
+            old.close()
+        executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-send-{rendezvous.channel_id}")
+        device = self.kv_cache.blocks.device
+        try:
+            transport = await asyncio.get_running_loop().run_in_executor(executor, join, rendezvous, device)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        self._channels[rendezvous.channel_id] = _Channel(transport, executor, request.decode_worker_id)
+        logger.info("opened KV channel %s to decode worker %s (%s)", rendezvous.channel_id,
+                    request.decode_worker_id, transport.backend)
+        return KvChannelOpened(self.worker_id, transport.backend)
+
+    def backend(self, channel_id: str) -> str:
+        channel = self._channels.get(channel_id)
+        return channel.transport.backend if channel is not None else ""
+
+    # ------------------------------------------------------------------ sends
+    async def send(self, request: SendKv) -> AsyncIterator[SendKvAccepted | SendKvDone]:
+        """Send a held request's blocks: yields accepted (the lease is pinned; only then
+        may the receiver post its receives), then done. Raises a SendRefused before
+        anything is sent, KvTransferError if the transfer fails. Sent or failed, the
+        blocks are freed afterwards: the decode side has them, or prefills again."""
+        channel = self._channels.get(request.channel_id)
+        if channel is None or channel.transport.is_broken:
+            raise NoChannel(f"no open KV channel {request.channel_id!r}")
+        request_id = request.request_id
+        try:
+            lease = self.leases.begin_send(request_id)
+        except KeyError:
+            raise NotHeld(f"no KV held for {request_id!r} (released, sent or lease expired)") from None
+        except ValueError:
+            raise AlreadySending(f"KV of {request_id!r} is already being sent") from None
+        block_ids = list(lease.block_ids)
+        try:
+            if len(request.block_ids) != len(block_ids):
+                raise BlockCountMismatch(
+                    f"receiver allocated {len(request.block_ids)} blocks; {len(block_ids)} are held")
+            yield SendKvAccepted(block_ids)
+            loop = asyncio.get_running_loop()
+            try:
+                stats = await loop.run_in_executor(channel.executor, channel.transport.send_blocks,
+                                                   self.kv_cache, block_ids, request.tag, request.block_ids)
+                checksums = []
+                if request.verify:  # the receiver compares them with its own
+                    checksums = await loop.run_in_executor(channel.executor, block_checksums, self.kv_cache,
+                                                           block_ids)
+            except KvTransferError as error:
+                self.num_transfer_failures += 1
+                self.metrics.transfer_failures.inc()
+                logger.warning("KV send of %s failed: %s", request_id, error)
+                raise
+            self.num_transfers += 1
+            self.num_transferred_bytes += stats.num_bytes
+            self.transfer_seconds += stats.seconds
+            self.metrics.record_transfer(stats.num_bytes, stats.seconds)
+            yield SendKvDone(checksums, stats.num_bytes, stats.seconds)
+        finally:
+            self.leases.end_send(request_id)
+            await self.engine.call(lambda llm: llm.release_kv(request_id))
