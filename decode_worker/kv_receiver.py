@@ -15,11 +15,12 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
 from baton.runtime.clients import Metadata, PrefillWorkerClient
-from baton.wire.records import KvHandle, OpenKvChannel, SendKv, SendKvAccepted, SendKvDone, TransferReport
+from baton.wire.records import KvHandle, OpenKvChannel, SendKv, SendKvAccepted, SendKvDone
 from engine.kv_cache import KVCache
 from kvtransfer import KvLayoutSpec, KvTransferError, KvTransport, block_checksums, listen
 from kvtransfer.wire import TAG_BITS
@@ -28,6 +29,17 @@ logger = logging.getLogger(__name__)
 
 # Tags are per channel and wrap well inside int32 (kvtransfer derives message tags from them).
 MAX_TAG = 1 << TAG_BITS  # the header carries the full tag; wire tags wrap here anyway
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveResult:
+    """How one request's KV pull went."""
+
+    ok: bool
+    verified: bool = False  # every block's checksum matched the sender's
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str = ""  # why it failed (the caller then prefills the prompt itself)
 
 
 class _Peer:
@@ -96,7 +108,7 @@ class KvReceiver:
             peer = self._peers[address] = _Peer(address)
         return peer
 
-    async def receive(self, handle: KvHandle, block_ids: list[int], trace_metadata: Metadata = None) -> TransferReport:
+    async def receive(self, handle: KvHandle, block_ids: list[int], trace_metadata: Metadata = None) -> ReceiveResult:
         """Pull the KV `handle` names into `block_ids`. Never raises: a failure is reported
         (the caller then prefills the prompt itself). `trace_metadata` goes with the
         calls to the prefill worker."""
@@ -109,13 +121,13 @@ class KvReceiver:
             self.num_transfer_failures += 1
             message = _describe(error)
             logger.warning("KV pull of %s from %s failed: %s", handle.request_id, handle.prefill_address, message)
-            return TransferReport(ok=False, error=message, seconds=time.perf_counter() - started)
+            return ReceiveResult(ok=False, error=message, seconds=time.perf_counter() - started)
         seconds = time.perf_counter() - started
         self.num_transfers += 1
         self.num_transfers_verified += verified
         self.num_transferred_bytes += num_bytes
         self.transfer_seconds += seconds
-        return TransferReport(True, verified, num_bytes, seconds)
+        return ReceiveResult(True, verified, num_bytes, seconds)
 
     async def _pull(self, peer: _Peer, handle: KvHandle, block_ids: list[int], trace_metadata) -> tuple[bool, int]:
         """(verified, bytes received); raises on any failure."""

@@ -15,8 +15,8 @@ from baton.runtime.settings import DecodeWorkerSettings
 from baton.runtime.worker import WorkerBase, serve_worker
 from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
-from baton.wire.records import DecodeRequest, KvHandle, TokenEvent, TransferReport
-from decode_worker.kv_receiver import KvReceiver
+from baton.wire.records import DecodeRequest, KvHandle, TokenEvent
+from decode_worker.kv_receiver import KvReceiver, ReceiveResult
 from engine.outputs import KvReceive, RequestOutput
 from kvtransfer import KvLayoutMismatchError
 
@@ -31,9 +31,8 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, settings: DecodeWorkerSettings) -> None:
         super().__init__(settings)
         self.receiver: KvReceiver | None = None
-        # Requests admitted with a handle: the handle, and the future their pull resolves.
+        # Requests admitted with a handle, until their Decode call ends.
         self._handles: dict[str, KvHandle] = {}
-        self._pulls: dict[str, asyncio.Future[TransferReport]] = {}
         self._spans: dict[str, object] = {}  # traced requests' decode spans, for their kv_transfer
         self._tasks: set[asyncio.Task] = set()
 
@@ -85,7 +84,6 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
 
         finished = False
         try:
-            transfer = await self._pulls[request_id] if request.kv_handle is not None else None
             async for output in stream:
                 tracing.add_events(span, output.events)
                 if output.finished:
@@ -95,8 +93,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                         tracing.set_finish(span, output.finish_reason, output.num_output_tokens)
                 if output.finish_reason == "abort":
                     await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
-                yield _token_event(output, transfer)
-                transfer = None
+                yield _token_event(output)
         finally:
             self._forget(request_id)
             if not finished:
@@ -111,7 +108,6 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                                                  priority=work.priority, trace=traced)
         handle.layout.check_matches(self.layout)
         self._handles[work.request_id] = handle
-        self._pulls[work.request_id] = asyncio.get_running_loop().create_future()
         if span is not None:
             self._spans[work.request_id] = span
         return await self.engine.add_prefilled_request(work.request_id, work.prompt_token_ids,
@@ -121,9 +117,6 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
     def _forget(self, request_id: str) -> None:
         self._handles.pop(request_id, None)
         self._spans.pop(request_id, None)
-        pull = self._pulls.pop(request_id, None)
-        if pull is not None and not pull.done():
-            pull.cancel()
 
     # -------------------------------------------------------------- KV receive
     def _on_kv_receive(self, receive: KvReceive) -> None:
@@ -140,24 +133,21 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         request_id = receive.request_id
         handle = self._handles.get(request_id)
         if handle is None:  # the Decode call already ended; the engine aborts it when told
-            report = TransferReport(ok=False, error="request gone")
+            result = ReceiveResult(ok=False, error="request gone")
         else:
-            report = await self._receive(handle, receive)
-            if report.ok:
-                self.metrics.record_transfer(report.num_bytes, report.seconds)
+            result = await self._receive(handle, receive)
+            if result.ok:
+                self.metrics.record_transfer(result.num_bytes, result.seconds)
             else:
                 self.metrics.transfer_failures.inc()
         # NOTE: the engine keeps the blocks of a request aborted meanwhile until this call,
         # so the receive above never writes into blocks that belong to someone else.
-        await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, report.ok))
-        if handle is not None and not report.ok:
+        await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok))
+        if handle is not None and not result.ok:
             # Tell the prefill worker to drop its lease if the send never happened.
             self._spawn(self._release_remote(handle))
-        pull = self._pulls.get(request_id)
-        if pull is not None and not pull.done():
-            pull.set_result(report)
 
-    async def _receive(self, handle: KvHandle, receive: KvReceive) -> TransferReport:
+    async def _receive(self, handle: KvHandle, receive: KvReceive) -> ReceiveResult:
         """The pull itself, in a `kv_transfer` span under the request's decode span when traced."""
         parent = self._spans.get(receive.request_id)
         if parent is None:
@@ -167,21 +157,21 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             "baton.kv.direction": "receive",
             "baton.kv.peer": handle.prefill_address,
         })
-        report = None
+        result = None
         try:
-            report = await self.receiver.receive(handle, receive.block_ids, tracing.metadata(span))
+            result = await self.receiver.receive(handle, receive.block_ids, tracing.metadata(span))
         finally:
-            if report is None:  # cancelled (shutdown)
+            if result is None:  # cancelled (shutdown)
                 tracing.end_span(span, grpc.StatusCode.CANCELLED, "the pull was cancelled")
-            elif report.ok:
+            elif result.ok:
                 span.set_attributes(tracing.transfer_attributes(
-                    num_blocks=len(receive.block_ids), num_bytes=report.num_bytes, seconds=report.seconds,
-                    verified=report.verified,
+                    num_blocks=len(receive.block_ids), num_bytes=result.num_bytes, seconds=result.seconds,
+                    verified=result.verified,
                 ))
                 tracing.end_span(span)
             else:
-                tracing.end_span(span, grpc.StatusCode.UNAVAILABLE, report.error)
-        return report
+                tracing.end_span(span, grpc.StatusCode.UNAVAILABLE, result.error)
+        return result
 
     async def _release_remote(self, handle: KvHandle) -> None:
         try:
@@ -191,15 +181,12 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                         error.code().name)
 
 
-def _token_event(output: RequestOutput, transfer: TransferReport | None) -> TokenEvent:
+def _token_event(output: RequestOutput) -> TokenEvent:
     return TokenEvent(
         token_ids=output.new_token_ids,
         logprobs=output.new_logprobs or [],
         finish_reason=output.finish_reason if output.finished else None,
         stop_token_id=output.stop_reason if isinstance(output.stop_reason, int) else None,
-        num_prompt_tokens=output.num_prompt_tokens,
-        num_output_tokens=output.num_output_tokens,
-        transfer=transfer,
     )
 
 

@@ -76,9 +76,6 @@ class BlockPool:
             if count == 1:
                 free.append(block_id)
 
-    def ref_count(self, block_id: int) -> int:
-        return self._ref_counts[block_id]
-
     def check_integrity(self, held: dict[int, int]) -> None:
         """Assert the pool agrees with `held` (block id -> number of holders)."""
         free = self._free
@@ -221,9 +218,6 @@ class KVCacheManager:
         self._swapped[request_id] = cpu_ids
         self.free(request_id)
         return copies
-
-    def num_swapped_blocks(self, request_id: str) -> int:
-        return len(self._swapped[request_id])
 
     def swap_in(self, request_id: str) -> list[BlockCopy] | None:
         """Bring a swapped request back to device blocks; None (no change) if blocks are short."""

@@ -79,11 +79,6 @@ class IncrementalDetokenizer:
             self._chunks = [self._text]
         return self._text
 
-    @property
-    def is_done(self) -> bool:
-        """A stop string matched or flush() was called: later calls return ""."""
-        return self._done
-
     def append(self, new_token_ids: Sequence[int]) -> str:
         """Add output tokens; return the text they finalize (possibly "")."""
         if self._done:

@@ -276,20 +276,12 @@ class LLMEngine:
         if runner_out.swap_bytes:
             self.cost_model.observe_swap(runner_out.swap_bytes, runner_out.swap_seconds)
         kv_receives = [
-            KvReceive(
-                request.request_id,
-                list(self.kv_manager.get_block_ids(request.request_id)),
-                request.num_prompt_tokens,
-            )
+            KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)))
             for request in sched_out.kv_receives
         ]
         return StepOutput(
             outputs=outputs,
             kv_receives=kv_receives,
-            num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
-            num_scheduled_seqs=len(sched_out.requests),
-            num_preempted=len(sched_out.preempted),
-            step_seconds=seconds,
         )
 
     def _final_output(

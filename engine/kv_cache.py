@@ -56,9 +56,6 @@ class KVCache:
         self.blocks = torch.zeros(self._shape(num_blocks), dtype=layout.dtype, device=device)
         self.swap_blocks = torch.zeros(self._shape(num_swap_blocks), dtype=layout.dtype, pin_memory=pin)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = self._layer_views(self.blocks)
-        self.swap_layers: list[tuple[torch.Tensor, torch.Tensor]] = (
-            self._layer_views(self.swap_blocks) if num_swap_blocks else []
-        )
 
     @property
     def block_rows(self) -> torch.Tensor:

@@ -49,7 +49,6 @@ class KvReceive:
 
     request_id: str
     block_ids: list[int]
-    num_tokens: int  # prompt tokens whose KV arrives
 
 
 @dataclass(slots=True)
@@ -58,10 +57,6 @@ class StepOutput:
 
     outputs: list[RequestOutput] = field(default_factory=list)
     kv_receives: list[KvReceive] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    num_scheduled_seqs: int = 0
-    num_preempted: int = 0
-    step_seconds: float = 0.0
 
 
 @dataclass(slots=True)

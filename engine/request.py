@@ -82,11 +82,9 @@ class Request:
         "sort_key",
         "first_scheduled_time",
         "first_token_time",
-        "finished_time",
         "num_preemptions",
         "stop_reason",
         "logprobs",
-        "swap_block_ids",
         "prefill_only",
         "kv_remote",
         "abort_requested",
@@ -130,11 +128,9 @@ class Request:
         self.sort_key: tuple[int, int] = (priority, 0)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.finished_time: float | None = None
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
-        self.swap_block_ids: list[int] = []
         # Disaggregated serving. `prefill_only`: after the first sampled token the
         # request stops and holds its KV (HELD) for a handoff instead of decoding.
         # `kv_remote`: the prompt's KV comes from another engine; admission

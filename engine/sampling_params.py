@@ -104,10 +104,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
-    @property
-    def has_penalty(self) -> bool:
-        return self.repetition_penalty != 1.0
-
 
 def _check_real(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

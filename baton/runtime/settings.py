@@ -200,11 +200,6 @@ def from_args(cls: type, args: argparse.Namespace, env: Mapping[str, str] | None
         raise SettingsError(str(error)) from None
 
 
-def env_value(name: str, default: str | None = None) -> str | None:
-    """A BATON_* variable that is not a process setting (e.g. a benchmark's)."""
-    return os.environ.get(env_name(name), default)
-
-
 def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment plus `extra`, for a child process."""
     return {**os.environ, **(extra or {})}

@@ -63,7 +63,6 @@ def worker_stats(stats: SchedulerStats, **fields) -> WorkerStats:
         num_preemptions_swap=stats.num_preemptions_swap,
         num_steps=stats.num_steps,
         mean_seqs_per_step=stats.mean_seqs_per_step,
-        mean_queue_seconds=stats.mean_queue_time,
         num_finished=stats.num_finished,
         recent=stats.recent,
         oldest_queued_seconds=stats.oldest_queued_time,

@@ -28,7 +28,6 @@ from baton.wire.records import (
     SendKvDone,
     TextDelta,
     TokenEvent,
-    TransferReport,
     WorkerStats,
     WorkerStatus,
     WorkRequest,
@@ -324,39 +323,23 @@ def decode_request_from_pb(message: worker_pb2.DecodeRequest) -> DecodeRequest:
     return DecodeRequest(work, message.first_token_id, handle)
 
 
-def transfer_report_to_pb(report: TransferReport) -> worker_pb2.TransferReport:
-    return worker_pb2.TransferReport(ok=report.ok, verified=report.verified, num_bytes=report.num_bytes,
-                                     seconds=report.seconds, error=report.error)
-
-
 def token_event_to_pb(event: TokenEvent) -> worker_pb2.DecodeEvent:
     message = worker_pb2.DecodeEvent(
         token_ids=event.token_ids,
         logprobs=logprobs_to_pb(event.logprobs),
         finish_reason=finish_reason_to_pb(event.finish_reason),
-        num_prompt_tokens=event.num_prompt_tokens,
-        num_output_tokens=event.num_output_tokens,
     )
     if event.stop_token_id is not None:
         message.stop_token_id = event.stop_token_id
-    if event.transfer is not None:
-        message.transfer.CopyFrom(transfer_report_to_pb(event.transfer))
     return message
 
 
 def token_event_from_pb(message: worker_pb2.DecodeEvent) -> TokenEvent:
-    transfer = None
-    if message.HasField("transfer"):
-        t = message.transfer
-        transfer = TransferReport(t.ok, t.verified, t.num_bytes, t.seconds, t.error)
     return TokenEvent(
         token_ids=list(message.token_ids),
         logprobs=logprobs_from_pb(message.logprobs),
         finish_reason=finish_reason_from_pb(message.finish_reason),
         stop_token_id=message.stop_token_id if message.HasField("stop_token_id") else None,
-        num_prompt_tokens=message.num_prompt_tokens,
-        num_output_tokens=message.num_output_tokens,
-        transfer=transfer,
     )
 
 

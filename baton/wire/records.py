@@ -18,9 +18,6 @@ from engine.scheduler.stats import RecentStats
 from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.transport import Rendezvous
 
-PROMPT_KINDS = ("text", "token_ids", "messages")
-
-
 # ------------------------------------------------------------------ public API
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
@@ -116,17 +113,6 @@ class DecodeRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class TransferReport:
-    """How one request's KV handoff went (on the decode side)."""
-
-    ok: bool
-    verified: bool = False  # every block's checksum matched the sender's
-    num_bytes: int = 0
-    seconds: float = 0.0
-    error: str = ""  # why it failed (the decode worker then prefilled the prompt itself)
-
-
-@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """New tokens of a request, from a worker; the last event has `finish_reason` set."""
 
@@ -134,9 +120,6 @@ class TokenEvent:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_token_id: int | None = None  # the EOS or stop token that ended it ("stop")
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # generated so far, the prefill worker's first token included
-    transfer: TransferReport | None = None  # on the first event of a handed-off request
 
 
 # ------------------------------------------------------- the KV handoff's control
@@ -209,7 +192,6 @@ class WorkerStats:
     num_steps: int = 0
     num_finished: int = 0
     mean_seqs_per_step: float = 0.0
-    mean_queue_seconds: float = 0.0
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
     num_transfers: int = 0

@@ -26,7 +26,3 @@ class SchedulerOutput:
     preempted: list[tuple[Request, PreemptionKind]] = field(default_factory=list)
     # Requests admitted this step whose prompt KV must now be received into their blocks.
     kv_receives: list[Request] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests and not self.swap_out and not self.swap_in

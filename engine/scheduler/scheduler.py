@@ -140,7 +140,6 @@ class Scheduler:
         else:
             self.policy.remove(request)
         request.status = status
-        request.finished_time = time.monotonic()
         self.requests.pop(request.request_id, None)
         self.policy.on_finished(request)
         self.counters.num_finished += 1
