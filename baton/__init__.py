@@ -1,2 +1,9 @@
-"""Baton's command line (`baton up`, `baton generate`, one role per process) and the
-Python stubs generated from protos/: `baton.wire.v1` (public) and `baton.wire.internal.v1`."""
+"""Baton's serving layers, bottom to top (docs/ARCHITECTURE.md draws them):
+
+    baton.wire       the wire contract: stubs generated from protos/, records, conversion
+    baton.runtime    what every process shares: settings, gRPC server and worker bases,
+                     clients of the internal services, tracing, metrics
+    (gateway, prefill_worker, decode_worker: the roles, top-level packages)
+    baton.cli        the `baton` command, the only code that imports the roles
+    baton.devtools   the stub generator and an in-memory OTLP receiver (tests, benchmarks)
+"""

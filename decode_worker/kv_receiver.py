@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -116,27 +116,27 @@ class KvReceiver:
         peer = self._peer(handle.prefill_address)
         try:
             async with peer.lock:
-                verified, num_bytes = await self._pull(peer, handle, block_ids, trace_metadata)
+                pulled = await self._pull(peer, handle, block_ids, trace_metadata)
         except (KvTransferError, grpc.aio.AioRpcError, asyncio.TimeoutError, ValueError) as error:
             self.num_transfer_failures += 1
             message = _describe(error)
             logger.warning("KV pull of %s from %s failed: %s", handle.request_id, handle.prefill_address, message)
             return ReceiveResult(ok=False, error=message, seconds=time.perf_counter() - started)
-        seconds = time.perf_counter() - started
+        result = replace(pulled, seconds=time.perf_counter() - started)
         self.num_transfers += 1
-        self.num_transfers_verified += verified
-        self.num_transferred_bytes += num_bytes
-        self.transfer_seconds += seconds
-        return ReceiveResult(True, verified, num_bytes, seconds)
+        self.num_transfers_verified += result.verified
+        self.num_transferred_bytes += result.num_bytes
+        self.transfer_seconds += result.seconds
+        return result
 
-    async def _pull(self, peer: _Peer, handle: KvHandle, block_ids: list[int], trace_metadata) -> tuple[bool, int]:
-        """(verified, bytes received); raises on any failure."""
+    async def _pull(self, peer: _Peer, handle: KvHandle, block_ids: list[int], trace_metadata) -> ReceiveResult:
+        """The pull (its seconds left for the caller to time); raises on any failure."""
         if len(block_ids) != handle.num_blocks:
             raise ValueError(f"allocated {len(block_ids)} blocks for {handle.num_blocks} held")
         if peer.transport is None or peer.transport.is_broken:
             await self._open(peer, trace_metadata)
         loop = asyncio.get_running_loop()
-        request = SendKv(peer.channel_id, handle.request_id, peer.next_tag(), block_ids, self.verify)
+        request = SendKv(peer.channel_id, handle.request_id, peer.next_tag(), len(block_ids), block_ids, self.verify)
         call = peer.client.send_kv(request, timeout=self.timeout_s * 2, metadata=trace_metadata)
         try:
             accepted = await call.next_event()
@@ -150,12 +150,12 @@ class KvReceiver:
             if not isinstance(done, SendKvDone):
                 raise ValueError("prefill worker did not confirm the send")
             if not self.verify:
-                return False, stats.num_bytes
+                return ReceiveResult(True, num_bytes=stats.num_bytes)
             mine = await loop.run_in_executor(peer.executor, block_checksums, self.kv_cache, block_ids)
             if mine != done.block_checksums:
                 bad = sum(a != b for a, b in zip(mine, done.block_checksums))
                 raise KvTransferError(f"checksum mismatch in {bad} of {len(mine)} blocks")
-            return True, stats.num_bytes
+            return ReceiveResult(True, verified=True, num_bytes=stats.num_bytes)
         except BaseException:
             call.cancel()
             raise

@@ -5,13 +5,13 @@ chunked and mixed with decodes."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
 
 from baton.runtime import tracing
 from baton.runtime.settings import DecodeWorkerSettings
+from baton.runtime.tasks import BackgroundTasks
 from baton.runtime.worker import WorkerBase, serve_worker
 from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
@@ -34,7 +34,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         # Requests admitted with a handle, until their Decode call ends.
         self._handles: dict[str, KvHandle] = {}
         self._spans: dict[str, object] = {}  # traced requests' decode spans, for their kv_transfer
-        self._tasks: set[asyncio.Task] = set()
+        self._background = BackgroundTasks()
 
     async def load(self, address: str) -> None:
         await super().load(address)
@@ -101,7 +101,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 await engine.abort(request_id)
 
     async def _admit(self, request: DecodeRequest, span, traced: bool):
-        """Queue the request in the engine; a handed-off one also waits for its pull."""
+        """Queue the request in the engine (a handed-off one is pulled once admitted)."""
         work, handle = request.request, request.kv_handle
         if handle is None:
             return await self.engine.add_request(work.request_id, work.prompt_token_ids, work.params,
@@ -121,13 +121,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
     # -------------------------------------------------------------- KV receive
     def _on_kv_receive(self, receive: KvReceive) -> None:
         """The engine admitted a handed-off request and allocated its blocks: pull its KV."""
-        self._spawn(self._pull(receive))
-
-    def _spawn(self, coroutine) -> None:
-        """Run `coroutine` as a task kept referenced until it ends (asyncio holds only a weak one)."""
-        task = asyncio.create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background.spawn(self._pull(receive))
 
     async def _pull(self, receive: KvReceive) -> None:
         request_id = receive.request_id
@@ -145,7 +139,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok))
         if handle is not None and not result.ok:
             # Tell the prefill worker to drop its lease if the send never happened.
-            self._spawn(self._release_remote(handle))
+            self._background.spawn(self._release_remote(handle))
 
     async def _receive(self, handle: KvHandle, receive: KvReceive) -> ReceiveResult:
         """The pull itself, in a `kv_transfer` span under the request's decode span when traced."""

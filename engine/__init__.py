@@ -1,9 +1,10 @@
 """Baton's engine: paged KV cache, iteration-level scheduler, Llama-family runner, sampler.
 
-Importing `engine` (or any module under it) does no work and loads no model
-code: the names below are imported from their modules when first used, so a
-process that needs only a light part (the gateway's tokenizer, the wire
-records) never loads the model, attention or kernel modules.
+Importing `engine` does no work (no environment variable, no thread count: the
+entry points set those up, see engine/envs.py), and the names below are imported
+from their modules when first used, so a process that needs only a light part
+(the gateway's tokenizer, the wire records) never loads the model, attention or
+kernel modules.
 """
 
 from __future__ import annotations

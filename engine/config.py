@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_DTYPE = "float32"
 
 SchedulerPolicy = Literal["continuous", "static"]
 PreemptionMode = Literal["auto", "recompute", "swap"]
@@ -15,24 +17,21 @@ PreemptionMode = Literal["auto", "recompute", "swap"]
 # the native CPU backend on CPU when its kernels build, else "torch".
 ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-}
+# User-facing dtype names, and the torch dtype each stands for.
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float64": "float64", "fp64": "float64"}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map a user-facing dtype name to a torch dtype (float32, bfloat16, float64)."""
+    import torch  # here, not at import: the settings of every process import this module
+
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+        if str(dtype).removeprefix("torch.") not in _DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float64")
         return dtype
     try:
-        return _DTYPES[dtype.lower()]
+        return getattr(torch, _DTYPES[dtype.lower()])
     except KeyError:
         raise ValueError(
             f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float64"
@@ -143,7 +142,7 @@ class EngineConfig:
     """Everything an engine is built from."""
 
     model: str = DEFAULT_MODEL
-    dtype: torch.dtype = torch.float32
+    dtype: str | torch.dtype = DEFAULT_DTYPE  # a torch.dtype once constructed
     max_model_len: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

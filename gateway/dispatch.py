@@ -13,14 +13,14 @@ Decode(prompt) alone, and the decode worker prefills it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from baton.runtime import tracing
-from baton.wire.records import DecodeRequest, KvHandle, PrefillResult, TokenEvent, WorkRequest
+from baton.runtime.tasks import BackgroundTasks
+from baton.wire.records import DecodeRequest, PrefillResult, TokenEvent, WorkRequest
 from gateway.errors import RequestError
 from gateway.prepare import PreparedRequest
 from gateway.workers import Worker, WorkerPool
@@ -35,7 +35,7 @@ class Dispatcher:
 
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
-        self._background: set[asyncio.Task] = set()
+        self._background = BackgroundTasks()
 
     async def run(self, prepared: PreparedRequest,
                   time_remaining: Callable[[], float | None]) -> AsyncIterator[TokenEvent]:
@@ -71,7 +71,8 @@ class Dispatcher:
                 if result.finish_reason is not None:
                     return
                 request = DecodeRequest(work, result.first_token_id, result.kv_handle)
-        async for event in self._decode(decode, request, time_remaining, trace_metadata):
+        holder = prefill if request.kv_handle is not None else None
+        async for event in self._decode(decode, request, holder, time_remaining, trace_metadata):
             yield event
 
     async def _prefill(self, worker: Worker, decode: Worker, work: WorkRequest,
@@ -88,11 +89,17 @@ class Dispatcher:
                 self.pool.prefill_moved(worker, decode, len(work.prompt_token_ids))
                 return None
             raise RequestError(error.code(), error.details() or "prefill failed") from None
+        except ValueError as error:  # a KV handle no cache could have: a worker of another release
+            self._background.spawn(self._release(worker, work.request_id, trace_metadata))
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"prefill worker {worker.address} sent an unusable KV handle: {error}") from None
         finally:
             worker.num_in_flight -= 1
 
-    async def _decode(self, worker: Worker, request: DecodeRequest, time_remaining: Callable[[], float | None],
-                      trace_metadata) -> AsyncIterator[TokenEvent]:
+    async def _decode(self, worker: Worker, request: DecodeRequest, holder: Worker | None,
+                      time_remaining: Callable[[], float | None], trace_metadata) -> AsyncIterator[TokenEvent]:
+        """Stream the decode worker's events; `holder` is the prefill worker holding the
+        request's KV, if it was handed off."""
         events = worker.client.decode(request, timeout=time_remaining(), metadata=trace_metadata)
         worker.num_in_flight += 1
         got_event = False
@@ -108,22 +115,14 @@ class Dispatcher:
         finally:
             worker.num_in_flight -= 1
             await events.aclose()  # the client went away or a stop string matched: abort on the worker
-            if request.kv_handle is not None and not got_event:
+            if holder is not None and not got_event:
                 # The decode side may never have pulled the KV: drop the lease now, not at expiry.
-                self._spawn(self._release(request.kv_handle, trace_metadata))
+                self._background.spawn(self._release(holder, request.request.request_id, trace_metadata))
 
-    async def _release(self, handle: KvHandle, trace_metadata) -> None:
-        for worker in self.pool.prefill:
-            if worker.address == handle.prefill_address or worker.stats.worker_id == handle.prefill_worker_id:
-                try:
-                    await worker.client.release_kv(handle.request_id, timeout=RELEASE_TIMEOUT_S,
-                                                   metadata=trace_metadata)
-                except grpc.aio.AioRpcError:
-                    pass
-                return
-
-    def _spawn(self, coroutine) -> None:
-        """Run `coroutine` as a task kept referenced until it ends (asyncio holds only a weak one)."""
-        task = asyncio.create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    async def _release(self, prefill: Worker, request_id: str, trace_metadata) -> None:
+        """Drop the KV `prefill` holds for a request that will not pull it (best effort: the
+        lease expires anyway)."""
+        try:
+            await prefill.client.release_kv(request_id, timeout=RELEASE_TIMEOUT_S, metadata=trace_metadata)
+        except grpc.aio.AioRpcError:
+            pass

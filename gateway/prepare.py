@@ -7,7 +7,7 @@ with the reason for anything wrong with the request itself.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import jinja2
@@ -35,7 +35,7 @@ class PreparedRequest:
     span: object | None = None  # its `generate` span (None: tracing off)
 
     def work(self) -> WorkRequest:
-        return WorkRequest(self.request_id, self.prompt_token_ids, self.params, self.priority)
+        return WorkRequest(self.request_id, self.prompt_token_ids, replace(self.params, stop=None), self.priority)
 
 
 class RequestPreparer:

@@ -98,7 +98,7 @@ class Worker:
 
 
 class WorkerPool:
-    """Stubs for every configured worker, a background poller, and `pick_*`."""
+    """A client for every configured worker, a background poller, and `pick_*`."""
 
     def __init__(self, prefill_addresses: list[str], decode_addresses: list[str], policy: RoutingPolicy) -> None:
         self.policy = policy

@@ -1,34 +1,45 @@
-"""KV handoff data plane: the transport interface (transport.py) and today's transport,
+"""KV handoff data plane: the transport interface (transport.py, opened by connect.py) and today's transport,
 two-rank torch.distributed channels (Gloo for CPU caches, NCCL for CUDA); the layout
-both ends must share, per-block checksums, and the prefill side's leases."""
+both ends must share, per-block checksums, and the prefill side's leases.
 
-from kvtransfer.channel import KvChannel
-from kvtransfer.checksum import block_checksums
-from kvtransfer.layout import KvLayoutMismatchError, KvLayoutSpec
-from kvtransfer.lease import KvLease, KvLeaseTable, LeaseState
-from kvtransfer.transport import (
-    ChannelOffer,
-    KvTransferError,
-    KvTransport,
-    Rendezvous,
-    TransferStats,
-    join,
-    listen,
-)
+The names below are imported from their modules when first used: the wire records
+read `KvLayoutSpec` and `Rendezvous` without loading torch.distributed.
+"""
 
-__all__ = [
-    "ChannelOffer",
-    "KvChannel",
-    "KvLayoutMismatchError",
-    "KvLayoutSpec",
-    "KvLease",
-    "KvLeaseTable",
-    "KvTransferError",
-    "KvTransport",
-    "LeaseState",
-    "Rendezvous",
-    "TransferStats",
-    "block_checksums",
-    "join",
-    "listen",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for type checkers only: never run
+    from kvtransfer.channel import KvChannel
+    from kvtransfer.checksum import block_checksums
+    from kvtransfer.layout import KvLayoutMismatchError, KvLayoutSpec
+    from kvtransfer.lease import KvLease, KvLeaseTable, LeaseState
+    from kvtransfer.connect import ChannelOffer, join, listen
+    from kvtransfer.transport import KvTransferError, KvTransport, Rendezvous, TransferStats
+
+_LOCATIONS = {
+    "KvChannel": "kvtransfer.channel",
+    "block_checksums": "kvtransfer.checksum",
+    "KvLayoutMismatchError": "kvtransfer.layout",
+    "KvLayoutSpec": "kvtransfer.layout",
+    "KvLease": "kvtransfer.lease",
+    "KvLeaseTable": "kvtransfer.lease",
+    "LeaseState": "kvtransfer.lease",
+    "ChannelOffer": "kvtransfer.connect",
+    "KvTransferError": "kvtransfer.transport",
+    "KvTransport": "kvtransfer.transport",
+    "Rendezvous": "kvtransfer.transport",
+    "TransferStats": "kvtransfer.transport",
+    "join": "kvtransfer.connect",
+    "listen": "kvtransfer.connect",
+}
+__all__ = sorted(_LOCATIONS)
+
+
+def __getattr__(name: str):
+    module_name = _LOCATIONS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'kvtransfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(module_name), name)

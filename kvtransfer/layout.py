@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from engine.kv_cache import KVLayout
+    from engine.kv_cache import KVLayout
 
 
 class KvLayoutMismatchError(ValueError):
@@ -36,6 +38,8 @@ class KvLayoutSpec:
                 raise KvLayoutMismatchError(
                     f"invalid KV layout: {name} must be a positive int, got {value!r}"
                 )
+        import torch  # here: the records of every process import this module, few build a spec
+
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise KvLayoutMismatchError(f"invalid KV layout: unknown dtype {self.dtype!r}")
 
@@ -51,11 +55,13 @@ class KvLayoutSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.dtype)
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def block_numel(self) -> int:

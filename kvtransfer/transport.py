@@ -7,9 +7,11 @@ under a tag both were given:
 
     receiver                                  sender
     offer = listen(id, host, device, t)
-    offer.rendezvous ----- (control plane, gRPC OpenKvChannel) -----> 
+    offer.rendezvous ----- (control plane, gRPC OpenKvChannel) ----->
     transport = offer.accept()    <======>    transport = join(rendezvous, device)
     transport.recv_blocks(...)    <======     transport.send_blocks(...)
+
+(`listen` and `join`, which build the transport for a device, are in connect.py.)
 
 Today's transport is a two-rank torch.distributed group (`KvChannel`: Gloo for
 CPU caches, NCCL for CUDA ones); transports that copy within a host (shared
@@ -20,12 +22,14 @@ memory, CUDA IPC) implement the same interface. Callers above kvtransfer
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from engine.kv_cache import KVCache
+    from engine.kv_cache import KVCache
 
 
 class KvTransferError(RuntimeError):
@@ -86,35 +90,3 @@ class KvTransport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the transport; idempotent, any thread, never waits for the peer."""
-
-
-@dataclass(frozen=True)
-class ChannelOffer:
-    """A channel the receiver hosts: send `rendezvous` to the sender, then `accept()`
-    (blocking) returns the transport once the sender has joined, or raises
-    KvTransferError when it does not within the rendezvous timeout."""
-
-    rendezvous: Rendezvous
-    accept: Callable[[], KvTransport]
-
-
-def listen(channel_id: str, host: str, device: torch.device | str, timeout_s: float) -> ChannelOffer:
-    """Receiver side: start hosting a channel on `host` for a cache on `device`."""
-    from kvtransfer.channel import KvChannel
-
-    store = KvChannel.host_store(host)
-    rendezvous = Rendezvous(channel_id, host, store.port, timeout_s)
-    return ChannelOffer(rendezvous, lambda: KvChannel.connect(
-        channel_id=channel_id, host=host, port=store.port, rank=1, device=device, timeout_s=timeout_s,
-        store=store,
-    ))
-
-
-def join(rendezvous: Rendezvous, device: torch.device | str) -> KvTransport:
-    """Sender side: join the channel `rendezvous` names, for a cache on `device`."""
-    from kvtransfer.channel import KvChannel
-
-    return KvChannel.connect(
-        channel_id=rendezvous.channel_id, host=rendezvous.host, port=rendezvous.port, rank=0, device=device,
-        timeout_s=rendezvous.timeout_s,
-    )

@@ -173,9 +173,9 @@ class KvSender:
             raise AlreadySending(f"KV of {request_id!r} is already being sent") from None
         block_ids = list(lease.block_ids)
         try:
-            if len(request.block_ids) != len(block_ids):
-                raise BlockCountMismatch(
-                    f"receiver allocated {len(request.block_ids)} blocks; {len(block_ids)} are held")
+            if request.num_blocks != len(block_ids) or len(request.block_ids) != len(block_ids):
+                raise BlockCountMismatch(f"receiver allocated {request.num_blocks} blocks ({len(request.block_ids)} "
+                                         f"ids given); {len(block_ids)} are held")
             yield SendKvAccepted(block_ids)
             loop = asyncio.get_running_loop()
             try:

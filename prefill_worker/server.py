@@ -15,7 +15,7 @@ from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import KvHandle, PrefillResult, SendKvDone, WorkRequest
 from kvtransfer import KvLayoutMismatchError, KvTransferError
-from prefill_worker.kv_sender import AlreadySending, BlockCountMismatch, KvSender, NoChannel, NotHeld
+from prefill_worker.kv_sender import AlreadySending, BlockCountMismatch, KvSender, NoChannel, NotHeld, SendRefused
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +119,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def _send_kv(self, request: worker_pb2.SendKvRequest, context, span):
         await self._require_engine(context)
-        try:
-            send = convert.send_kv_from_pb(request)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        send = convert.send_kv_from_pb(request)
         events = self.sender.send(send)
         try:
             async for event in events:
@@ -133,7 +130,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
                     span.set_attributes({"baton.kv.checksummed": send.verify,
                                          "baton.kv.backend": self.sender.backend(send.channel_id)})
                 yield convert.send_kv_event_to_pb(event)
-        except tuple(_REFUSALS) as refusal:
+        except SendRefused as refusal:
             await context.abort(_REFUSALS[type(refusal)], str(refusal))
         except KvTransferError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV send failed: {error}")

@@ -28,14 +28,21 @@ ROLES = ("gateway", "prefill_worker", "decode_worker")
 # What "model, attention or kernel code" is: modules that run or build the model.
 MODEL_CODE = ("engine.model", "engine.attention", "engine.kernels", "engine.model_runner", "engine.engine",
               "engine.forward_batch", "engine.sampler", "engine.llm", "engine.async_engine")
+# All the gateway may load of the libraries: records, the tokenizer and the detokenizer.
+GATEWAY_LIBRARY = {
+    "engine", "engine.config", "engine.sampling_params", "engine.outputs", "engine.tokenizer",
+    "engine.detokenizer", "engine.scheduler", "engine.scheduler.stats", "engine.preemption", "engine.timeline",
+    "kvtransfer", "kvtransfer.layout", "kvtransfer.transport",
+}
 # The modules that may build or read protobuf messages: the conversion module, and the
 # servicers (which hand messages between grpc and it).
 PROTOBUF_EDGE = {
     "baton.wire.convert",
-    "baton.runtime.worker",  # WorkerBase: GetStats and GetModelInfo, shared by both workers
     "gateway.service", "gateway.admin", "gateway.server",
     "prefill_worker.server", "decode_worker.server",
 }
+# The modules that call or register gRPC services: the clients, and the servicers.
+GRPC_EDGE = PROTOBUF_EDGE - {"baton.wire.convert"} | {"baton.runtime.clients"}
 MAX_LINES = 500
 
 
@@ -70,8 +77,10 @@ def imports(name: str) -> frozenset[str]:
     for node in _runtime_nodes(ast.parse(known[name].read_text(), str(known[name]))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            # A package's lazily loaded names count as imports of the modules they live in.
+            lazy = lazy_names(node.module)
+            targets = [node.module] + [lazy.get(alias.name, f"{node.module}.{alias.name}") for alias in node.names]
         else:
             continue
         for target in targets:
@@ -83,6 +92,18 @@ def imports(name: str) -> frozenset[str]:
     found.update(".".join(parts[:i]) for i in range(1, len(parts)))
     found.discard(name)
     return frozenset(found)
+
+
+@cache
+def lazy_names(package: str) -> dict[str, str]:
+    """A package's names loaded on first use (its __init__'s `_LOCATIONS`): name -> module."""
+    path = modules().get(package)
+    if path is None or path.name != "__init__.py":
+        return {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_LOCATIONS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
 
 
 def _runtime_nodes(tree: ast.AST):
@@ -141,12 +162,28 @@ def test_no_serving_code_imports_the_dev_tooling():
     assert edges(PACKAGES, ("baton.devtools",)) == []
 
 
+def test_imports_are_absolute_and_visible():
+    """No relative imports, and no module imported by name except a package's lazy names
+    (which the graph reads from `_LOCATIONS`): otherwise the graph above would miss edges."""
+    hidden = []
+    for path in source_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                hidden.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} relative import")
+            if (isinstance(node, ast.Attribute) and node.attr == "import_module" and path.name != "__init__.py"
+                    or isinstance(node, ast.Name) and node.id == "__import__"):
+                hidden.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} import by name")
+    assert hidden == []
+
+
 def test_the_gateway_imports_a_tokenizer_not_a_model():
     """Statically (every import in the gateway's files, transitively) and for real (a
     fresh interpreter that imports the gateway's modules)."""
     gateway = [name for name in modules() if within(name, "gateway")]
     loaded = {target for name in gateway for target in reachable(name)}
     assert not [name for name in loaded if within(name, *MODEL_CODE)]
+    libraries = {name for name in loaded if within(name, "engine", "kvtransfer")}
+    assert libraries <= GATEWAY_LIBRARY, libraries - GATEWAY_LIBRARY
     script = (f"import sys; import {', '.join(gateway)}; "
               f"print('\\n'.join(m for m in sys.modules if m.startswith('engine')))")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -161,6 +198,15 @@ def test_protobuf_messages_only_in_servicers_and_the_conversion_module():
     importers = {source for source in modules() if not source.endswith(("_pb2", "_pb2_grpc"))
                  for target in imports(source) if target.endswith("_pb2")}
     assert importers <= PROTOBUF_EDGE, importers - PROTOBUF_EDGE
+    callers = {source for source in modules() if not source.endswith(("_pb2", "_pb2_grpc"))
+               for target in imports(source) if target.endswith("_pb2_grpc")}
+    assert callers <= GRPC_EDGE, callers - GRPC_EDGE
+    # Nor reached through the conversion module's own imports.
+    through = [f"{path.relative_to(REPO_ROOT)}:{node.lineno}" for path in source_files()
+               if module_name(path) not in GRPC_EDGE | PROTOBUF_EDGE
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+               and getattr(node.value, "id", "") == "convert" and node.attr in ("pb", "worker_pb2", "json_format")]
+    assert through == []
     for name in ("gateway.workers", "gateway.dispatch", "gateway.prepare", "prefill_worker.kv_sender",
                  "decode_worker.kv_receiver"):
         assert not [t for t in imports(name) if t.endswith(("_pb2", "_pb2_grpc"))], name
@@ -195,11 +241,16 @@ def test_no_task_is_left_without_a_reference():
     dropped = []
     for path in source_files():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-                function = node.value.func
+            if not isinstance(node, ast.Expr):
+                continue
+            call = node.value  # also `create_task(...).add_done_callback(...)`: the task itself is dropped
+            while isinstance(call, ast.Call):
+                function = call.func
                 name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", "")
                 if name in ("create_task", "ensure_future"):
                     dropped.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+                    break
+                call = function.value if isinstance(function, ast.Attribute) else None
     assert not dropped, f"tasks created without a kept reference: {dropped}"
 
 

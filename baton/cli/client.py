@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from baton.runtime.clients import GenerationClient
 from baton.runtime.settings import DEFAULT_GATEWAY_ADDRESS, add_flags, from_args, setting
-from baton.wire import convert
 from baton.wire.records import ChatMessage, GenerateRequest, TextDelta
-from baton.wire.v1 import generation_pb2_grpc
 from engine.sampling_params import SamplingParams
 
 
@@ -29,8 +28,8 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
-    parser.add_argument("--top-p", type=float, help="(default: the server's, 1.0)")
-    parser.add_argument("--top-k", type=int, help="(default: the server's, off)")
+    parser.add_argument("--top-p", type=float, help="(default: 1.0, off)")
+    parser.add_argument("--top-k", type=int, help="(default: 0, off)")
     parser.add_argument("--seed", type=int, help="(default: none)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="(default: %(default)s)")
@@ -55,28 +54,27 @@ def build_request(args: argparse.Namespace) -> GenerateRequest:
 def generate_command(args: argparse.Namespace) -> int:
     gateway = from_args(GatewayAddress, args).gateway
     try:
-        request = convert.generate_request_to_pb(build_request(args))
+        request = build_request(args)
     except ValueError as error:
         print(f"baton generate: error: {error}", file=sys.stderr)
         return 2
     with grpc.insecure_channel(gateway) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        client = GenerationClient(channel)
         try:
             if args.stream:
                 final: TextDelta | None = None
-                for message in stub.GenerateStream(request, timeout=args.timeout_s):
-                    final = convert.text_delta_from_pb(message)
+                for final in client.generate_stream(request, timeout=args.timeout_s):
                     sys.stdout.write(final.text)
                     sys.stdout.flush()
                 sys.stdout.write("\n")
             else:
-                final = convert.text_delta_from_pb(stub.Generate(request, timeout=args.timeout_s))
+                final = client.generate(request, timeout=args.timeout_s)
                 print(final.text)
         except grpc.RpcError as error:
             print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1
     print(
-        f"[finish: {final.finish_reason}; prompt tokens: {final.num_prompt_tokens}; "
+        f"[finish: {final.finish_reason or 'unspecified'}; prompt tokens: {final.num_prompt_tokens}; "
         f"completion tokens: {final.num_completion_tokens}]",
         file=sys.stderr,
     )

@@ -14,10 +14,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.runtime.clients import GatewayAdminClient
+from baton.runtime.clients import GatewayAdminClient, worker_stats
 from baton.runtime.settings import child_environment
-from baton.wire import convert
-from baton.wire.internal.v1 import worker_pb2_grpc
 from baton.wire.records import WorkerStats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,9 +54,7 @@ class Deployment:
     def stats(self, role: str) -> WorkerStats:
         process = self.worker(role)
         with grpc.insecure_channel(process.address) as channel:
-            stub_class = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-            message = stub_class(channel).GetStats(convert.GET_STATS, timeout=10)
-        return convert.worker_stats_from_pb(message)
+            return worker_stats(channel, role, timeout=10)
 
     def logs(self) -> str:
         return "\n".join(f"----- {p.role} ({p.address}) -----\n{p.log()[-6000:]}" for p in self.processes)

@@ -32,6 +32,7 @@ import grpc
 from baton.cli.client import GatewayAddress
 from baton.runtime.clients import GatewayAdminClient
 from baton.runtime.settings import add_flags, from_args
+from baton.wire import convert
 from baton.wire.records import DeploymentStatus, WorkerStats, WorkerStatus
 
 # Memory pressure: the mean share of KV blocks in use.
@@ -210,7 +211,8 @@ def _render_worker(worker: WorkerStatus) -> list[str]:
 
 
 def to_json(status: DeploymentStatus, findings: list[Finding]) -> str:
-    return json.dumps({"status": asdict(status), "findings": [asdict(finding) for finding in findings]}, indent=2)
+    return json.dumps({"status": convert.deployment_status_to_json(status),
+                       "findings": [asdict(finding) for finding in findings]}, indent=2)
 
 
 def add_status_flags(parser: argparse.ArgumentParser) -> None:

@@ -9,16 +9,18 @@ cancels the call on the server, which aborts the request there.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
 from baton.runtime.server import open_channel
 from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2_grpc
+from baton.wire.v1 import generation_pb2_grpc
 from baton.wire.records import (
     DecodeRequest,
     DeploymentStatus,
+    GenerateRequest,
     KvChannelOpened,
     ModelInfo,
     OpenKvChannel,
@@ -26,6 +28,7 @@ from baton.wire.records import (
     SendKv,
     SendKvAccepted,
     SendKvDone,
+    TextDelta,
     TokenEvent,
     WorkerStats,
     WorkRequest,
@@ -35,9 +38,9 @@ Metadata = Sequence[tuple[str, str]] | None
 
 
 class WorkerClient:
-    """What both worker services answer: stats and model info."""
+    """What both worker services answer: stats and model info (a subclass names its service)."""
 
-    _stub_class = worker_pb2_grpc.DecodeWorkerStub
+    _stub_class: type
 
     def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
         self.address = address
@@ -111,6 +114,28 @@ class DecodeWorkerClient(WorkerClient):
         finally:
             if not call.done():  # the client went away or a stop string matched: abort on the worker
                 call.cancel()
+
+
+def worker_stats(channel: grpc.Channel, role: str, timeout: float) -> WorkerStats:
+    """A worker's stats over a blocking channel (`role`: "prefill" or "decode")."""
+    stub_class = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    return convert.worker_stats_from_pb(stub_class(channel).GetStats(convert.GET_STATS, timeout=timeout))
+
+
+class GenerationClient:
+    """The public service, blocking (`baton generate`)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._stub = generation_pb2_grpc.GenerationStub(channel)
+
+    def generate(self, request: GenerateRequest, timeout: float) -> TextDelta:
+        """The whole answer, as one delta."""
+        return convert.text_delta_from_pb(self._stub.Generate(convert.generate_request_to_pb(request),
+                                                              timeout=timeout))
+
+    def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[TextDelta]:
+        for message in self._stub.GenerateStream(convert.generate_request_to_pb(request), timeout=timeout):
+            yield convert.text_delta_from_pb(message)
 
 
 class GatewayAdminClient:

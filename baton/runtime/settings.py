@@ -161,7 +161,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                                 help=help_text)
         else:
             parse = _parser_of(f, hint)
-            parser.add_argument(name, type=_argparse_type(parse), default=argparse.SUPPRESS, metavar=_metavar(hint),
+            parser.add_argument(name, type=_argparse_type(parse), default=argparse.SUPPRESS, metavar=_metavar(f, hint),
                                 help=help_text)
 
 
@@ -175,7 +175,9 @@ def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
-def _metavar(hint: Any) -> str:
+def _metavar(f: dataclasses.Field, hint: Any) -> str:
+    if f.metadata["parse"] is parse_size:
+        return "SIZE"
     base = _base_type(hint)
     return {int: "N", float: "X"}.get(base, "LIST" if typing.get_origin(base) is tuple else "TEXT")
 
@@ -207,7 +209,7 @@ def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 # ------------------------------------------------------------------ the roles
 def _half_the_cores() -> int:
-    return max(1, len(os.sched_getaffinity(0)) // 2)
+    return max(1, (os.cpu_count() or 2) // 2)
 
 
 @dataclass(frozen=True)
@@ -221,8 +223,7 @@ class WorkerSettings:
     worker_id: str = setting(help="worker id in stats, logs and KV handles", shown="random",
                              default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
     model: str = setting(DEFAULT_MODEL, MODEL_HELP)
-    dtype: str = setting(str(default_of(EngineConfig, "dtype")).removeprefix("torch."),
-                         "float32, bfloat16 or float64")
+    dtype: str = setting(default_of(EngineConfig, "dtype"), "float32, bfloat16 or float64")
     max_model_len: int | None = setting(None, "cap on prompt + output tokens", shown="the model's")
     block_size: int = setting(default_of(CacheConfig, "block_size"), "tokens per KV block")
     num_kv_blocks: int | None = setting(None, "KV blocks", shown="from --kv-cache-memory")
@@ -297,7 +298,7 @@ class GatewaySettings:
     grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (0: any free one)",
                                        shown="off")
-    # Conditional disaggregation (gateway/routing.py, RoutingPolicy).
+    # Conditional disaggregation (RoutingPolicy in gateway/workers.py).
     max_local_prefill_tokens: int = setting(0, "prompts this short are prefilled on their decode worker "
                                                "(no handoff)")
     max_prefill_queue_tokens: int = setting(2048, "above this many queued prefill tokens, prompts go to a "

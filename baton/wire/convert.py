@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import fields
 
+from google.protobuf import json_format
+
 from baton.wire.internal.v1 import worker_pb2
 from baton.wire.records import (
     ChatMessage,
@@ -41,7 +43,6 @@ from kvtransfer.transport import Rendezvous
 
 _FINISH_REASONS = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 _FINISH_NAMES = {value: name for name, value in _FINISH_REASONS.items()}
-_UINT64 = (1 << 64) - 1
 
 # Empty requests, shared (a message is only read by grpc).
 GET_STATS = worker_pb2.GetStatsRequest()
@@ -389,15 +390,13 @@ def kv_channel_opened_from_pb(message: worker_pb2.OpenKvChannelResponse) -> KvCh
 
 def send_kv_to_pb(request: SendKv) -> worker_pb2.SendKvRequest:
     return worker_pb2.SendKvRequest(channel_id=request.channel_id, request_id=request.request_id, tag=request.tag,
-                                    num_blocks=len(request.block_ids), verify=request.verify,
+                                    num_blocks=request.num_blocks, verify=request.verify,
                                     block_ids=request.block_ids)
 
 
 def send_kv_from_pb(message: worker_pb2.SendKvRequest) -> SendKv:
-    """ValueError if the block count and the ids disagree."""
-    if message.num_blocks != len(message.block_ids):
-        raise ValueError(f"{message.num_blocks} blocks announced, {len(message.block_ids)} block ids given")
-    return SendKv(message.channel_id, message.request_id, message.tag, list(message.block_ids), message.verify)
+    return SendKv(message.channel_id, message.request_id, message.tag, message.num_blocks,
+                  list(message.block_ids), message.verify)
 
 
 def send_kv_event_to_pb(event: SendKvAccepted | SendKvDone) -> worker_pb2.SendKvEvent:
@@ -406,8 +405,7 @@ def send_kv_event_to_pb(event: SendKvAccepted | SendKvDone) -> worker_pb2.SendKv
             accepted=worker_pb2.SendKvAccepted(num_blocks=len(event.block_ids), block_ids=event.block_ids)
         )
     return worker_pb2.SendKvEvent(done=worker_pb2.SendKvDone(
-        block_checksums=[c & _UINT64 for c in event.block_checksums], num_bytes=event.num_bytes,
-        seconds=event.seconds,
+        block_checksums=event.block_checksums, num_bytes=event.num_bytes, seconds=event.seconds,
     ))
 
 
@@ -459,6 +457,12 @@ def deployment_status_to_pb(status: DeploymentStatus) -> worker_pb2.DeploymentSt
             message.stats.CopyFrom(worker_stats_to_pb(worker.stats))
         workers.append(message)
     return worker_pb2.DeploymentStatus(model=status.model, workers=workers)
+
+
+def deployment_status_to_json(status: DeploymentStatus) -> dict:
+    """The status as protobuf's JSON mapping of DeploymentStatus (proto field names; 64-bit
+    counts as strings, fields at their default left out), as `baton status --json` prints it."""
+    return json_format.MessageToDict(deployment_status_to_pb(status), preserving_proto_field_name=True)
 
 
 def deployment_status_from_pb(message: worker_pb2.DeploymentStatus) -> DeploymentStatus:

@@ -7,17 +7,34 @@
     waiting.py      WaitingQueue: the aging heap of waiting requests
     output.py       SchedulerOutput: one step's work
     stats.py        counters, the recent window, SchedulerStats / RecentStats
+
+The names below are imported from their modules when first used, so reading the
+stats records (as the wire layer does) does not load the scheduler itself.
 """
 
-from engine.scheduler.output import SchedulerOutput
-from engine.scheduler.scheduler import ADMISSION_POLICIES, Scheduler
-from engine.scheduler.stats import RECENT_WINDOW_S, RecentStats, SchedulerStats
+from __future__ import annotations
 
-__all__ = [
-    "ADMISSION_POLICIES",
-    "RECENT_WINDOW_S",
-    "RecentStats",
-    "Scheduler",
-    "SchedulerOutput",
-    "SchedulerStats",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for type checkers only: never run
+    from engine.scheduler.output import SchedulerOutput
+    from engine.scheduler.scheduler import ADMISSION_POLICIES, Scheduler
+    from engine.scheduler.stats import RECENT_WINDOW_S, RecentStats, SchedulerStats
+
+_LOCATIONS = {
+    "ADMISSION_POLICIES": "engine.scheduler.scheduler",
+    "Scheduler": "engine.scheduler.scheduler",
+    "SchedulerOutput": "engine.scheduler.output",
+    "RECENT_WINDOW_S": "engine.scheduler.stats",
+    "RecentStats": "engine.scheduler.stats",
+    "SchedulerStats": "engine.scheduler.stats",
+}
+__all__ = sorted(_LOCATIONS)
+
+
+def __getattr__(name: str):
+    module_name = _LOCATIONS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'engine.scheduler' has no attribute {name!r}")
+    return getattr(importlib.import_module(module_name), name)

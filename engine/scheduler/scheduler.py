@@ -69,13 +69,17 @@ class Scheduler:
         self.policy: AdmissionPolicy = ADMISSION_POLICIES[config.policy](self)
         self._num_arrivals = 0
         self._num_admissions = 0
-        self.step_index = 0
         self.counters = SchedulerCounters()
         # This step left requests waiting for KV blocks / at the max_num_seqs cap.
         self._step_blocked_by_kv = False
         self._step_seq_capped = False
 
     # ------------------------------------------------------------- requests
+    @property
+    def step_index(self) -> int:
+        """Steps run so far (waiting requests age by it)."""
+        return self.counters.num_steps
+
     @property
     def num_waiting(self) -> int:
         return self.policy.num_waiting
@@ -398,7 +402,6 @@ class Scheduler:
         self.held[request.request_id] = request
 
     def _end_step(self, out: SchedulerOutput) -> None:
-        self.step_index += 1
         used = self.kv.num_used_blocks
         if used:
             held = sum(request.num_computed_tokens for request in self.running)
