@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.lazy import lazy_attributes
+
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig"]
 
 if TYPE_CHECKING:  # for type checkers only: never run
@@ -29,10 +31,4 @@ _LOCATIONS = {
 }
 
 
-def __getattr__(name: str):
-    module_name = _LOCATIONS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module_name), name)
+__getattr__ = lazy_attributes(__name__, _LOCATIONS)

@@ -8,8 +8,9 @@ read `KvLayoutSpec` and `Rendezvous` without loading torch.distributed.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from engine.lazy import lazy_attributes
 
 if TYPE_CHECKING:  # for type checkers only: never run
     from kvtransfer.channel import KvChannel
@@ -38,8 +39,4 @@ _LOCATIONS = {
 __all__ = sorted(_LOCATIONS)
 
 
-def __getattr__(name: str):
-    module_name = _LOCATIONS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'kvtransfer' has no attribute {name!r}")
-    return getattr(importlib.import_module(module_name), name)
+__getattr__ = lazy_attributes(__name__, _LOCATIONS)

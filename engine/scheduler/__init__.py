@@ -14,8 +14,9 @@ stats records (as the wire layer does) does not load the scheduler itself.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from engine.lazy import lazy_attributes
 
 if TYPE_CHECKING:  # for type checkers only: never run
     from engine.scheduler.output import SchedulerOutput
@@ -33,8 +34,4 @@ _LOCATIONS = {
 __all__ = sorted(_LOCATIONS)
 
 
-def __getattr__(name: str):
-    module_name = _LOCATIONS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'engine.scheduler' has no attribute {name!r}")
-    return getattr(importlib.import_module(module_name), name)
+__getattr__ = lazy_attributes(__name__, _LOCATIONS)
