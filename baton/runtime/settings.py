@@ -80,8 +80,9 @@ def parse_size(text: str) -> int:
 
 
 def format_size(num_bytes: int) -> str:
+    """The shortest exact form parse_size reads back: 1073741824 -> '1G'."""
     for unit, size in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
-        if num_bytes % size == 0:
+        if num_bytes and num_bytes % size == 0:
             return f"{num_bytes // size}{unit}"
     return str(num_bytes)
 
