@@ -40,14 +40,14 @@ def up_command(args: argparse.Namespace) -> int:
     return up(settings)
 
 
-def up(args: UpSettings) -> int:
+def up(settings: UpSettings) -> int:
     # Every worker may use every core: idle workers sleep (see start_deployment).
-    threads = args.threads or max(1, len(os.sched_getaffinity(0)))
-    worker_args = ["--log-level", args.log_level]
-    if args.kv_cache_memory is not None:
-        worker_args += ["--kv-cache-memory", format_size(args.kv_cache_memory)]
-    if args.verify_kv:
-        worker_args.append("--verify-kv")
+    threads = settings.threads or max(1, len(os.sched_getaffinity(0)))
+    worker_args = ["--log-level", settings.log_level]
+    if settings.kv_cache_memory is not None:
+        worker_args += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
+    if settings.verify_kv:
+        worker_settings.append("--verify-kv")
     stopping = False
 
     def stop(signum=None, frame=None) -> None:
@@ -57,10 +57,10 @@ def up(args: UpSettings) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         deployment = start_deployment(
-            args.model,
+            settings.model,
             None,
-            gateway_address=f"127.0.0.1:{args.port}",
-            prefill=not args.colocated,
+            gateway_address=f"127.0.0.1:{settings.port}",
+            prefill=not settings.colocated,
             worker_args=worker_args,
             threads=threads,
             timeout_s=STARTUP_TIMEOUT_S,
@@ -69,9 +69,9 @@ def up(args: UpSettings) -> int:
         print(f"baton up: {error}", file=sys.stderr)
         return 1
     gateway = deployment.gateway
-    mode = "colocated" if args.colocated else "disaggregated"
+    mode = "colocated" if settings.colocated else "disaggregated"
     print(
-        f"\nBaton is serving {args.model} ({mode}) at {gateway}\n"
+        f"\nBaton is serving {settings.model} ({mode}) at {gateway}\n"
         f"  baton generate --gateway {gateway} --chat \"What is the capital of France?\"\n"
         f"Ctrl-C stops it.\n",
         flush=True,
