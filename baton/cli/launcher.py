@@ -47,7 +47,7 @@ def up(settings: UpSettings) -> int:
     if settings.kv_cache_memory is not None:
         worker_args += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
     if settings.verify_kv:
-        worker_settings.append("--verify-kv")
+        worker_args.append("--verify-kv")
     stopping = False
 
     def stop(signum=None, frame=None) -> None:
