@@ -17,7 +17,7 @@ STAMP := $(VENV)/.baton-setup.stamp
 # No hub access here: everything loads from local files.
 RUN_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: setup kernels test run demo protos bench bench-serving clean distclean
+.PHONY: setup kernels test test-gpu bench-gpu run demo protos bench bench-serving clean distclean
 
 setup: $(STAMP)
 
@@ -40,6 +40,18 @@ $(STAMP): pyproject.toml
 
 test: kernels
 	$(RUN_ENV) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# On a GPU machine, from the source tree on that machine's own torch (see
+# ../shared/gpu/README.md: `source .gpu/env.sh` first): the tests marked `gpu`
+# and the Triton kernel tests, natively and in bfloat16. No venv, no install.
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -m gpu tests/ $(PYTEST_ARGS)
+	$(GPU_PYTHON) -m pytest -q tests/test_triton_kernels.py $(PYTEST_ARGS)
+
+# The GPU benchmark (benchmarks/gpu.py): JSON and plots under benchmarks/results/gpu.
+bench-gpu:
+	$(GPU_PYTHON) -m benchmarks.gpu --out benchmarks/results/gpu $(BENCH_ARGS)
 
 # A local gateway (port 50051) + prefill worker + decode worker serving SmolLM2-135M.
 # Each worker may use every core (an idle worker's threads sleep); Ctrl-C stops all three.

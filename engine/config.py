@@ -9,42 +9,60 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_DTYPE = "float32"
+DEFAULT_DEVICE = "cpu"
+# The dtype "auto" stands for, per device type: CPU matmuls are fastest and exact in
+# float32; GPUs run bfloat16 at full tensor-core rate.
+DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 
 SchedulerPolicy = Literal["continuous", "static"]
 PreemptionMode = Literal["auto", "recompute", "swap"]
 # Attention backend names (engine.attention.get_attention_backend builds them). "auto":
-# the native CPU backend on CPU when its kernels build, else "torch".
-ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+# "triton" on CUDA; on CPU the native backend when its kernels build, else "torch".
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 # User-facing dtype names, and the torch dtype each stands for.
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16",
            "float64": "float64", "fp64": "float64"}
+_DTYPE_NAMES = "auto, float32, bfloat16, float16 or float64"
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map a user-facing dtype name to a torch dtype (float32, bfloat16, float64)."""
+def resolve_dtype(dtype: str | torch.dtype, device: str = DEFAULT_DEVICE) -> torch.dtype:
+    """Map a user-facing dtype name to a torch dtype; "auto" is the device's default."""
     import torch  # here, not at import: the settings of every process import this module
 
     if isinstance(dtype, torch.dtype):
         if str(dtype).removeprefix("torch.") not in _DTYPES.values():
-            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float64")
+            raise ValueError(f"unsupported dtype {dtype}; use {_DTYPE_NAMES}")
         return dtype
+    if dtype.lower() == "auto":
+        dtype = DEFAULT_DTYPES[device_type(device)]
     try:
         return getattr(torch, _DTYPES[dtype.lower()])
     except KeyError:
-        raise ValueError(
-            f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float64"
-        ) from None
+        raise ValueError(f"unsupported dtype {dtype!r}; use {_DTYPE_NAMES}") from None
+
+
+def device_type(device: str) -> str:
+    """"cpu" or "cuda" for a device string ("cpu", "cuda", "cuda:N"); ValueError otherwise."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu" and not index:
+        return kind
+    if kind == "cuda" and (not index or index.isdigit()):
+        return kind
+    raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache shape and size.
 
-    Exactly one of `num_kv_blocks` / `kv_cache_memory_bytes` sizes the device
-    pool; when neither is given the pool is sized from `kv_cache_memory_bytes`'s
-    default budget. The swap pool (CPU side, for swap preemption) is sized by
+    At most one of `num_kv_blocks` / `kv_cache_memory_bytes` sizes the device
+    pool. When neither is given, a CPU engine takes the default budget
+    (DEFAULT_KV_CACHE_MEMORY_BYTES) and a CUDA engine what is left of
+    `gpu_memory_utilization` of the GPU's memory after the weights and a
+    profiling forward at the full token budget (as vLLM sizes it). The swap
+    pool (host memory, pinned on CUDA, for swap preemption) is sized by
     `num_swap_blocks` or, if that is None, by `swap_space_bytes`.
     """
 
@@ -53,6 +71,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_swap_blocks: int | None = None
     swap_space_bytes: int = 256 * 1024**2
+    gpu_memory_utilization: float = 0.9
 
     DEFAULT_KV_CACHE_MEMORY_BYTES = 1024**3
 
@@ -69,12 +88,20 @@ class CacheConfig:
             raise ValueError("num_swap_blocks must be >= 0")
         if self.swap_space_bytes < 0:
             raise ValueError("swap_space_bytes must be >= 0")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
 
-    def resolve_num_blocks(self, bytes_per_block: int) -> int:
-        """Number of device blocks, from the explicit count or the memory budget."""
+    @property
+    def is_sized(self) -> bool:
+        """Whether the pool's size is given (else a CUDA engine measures what is free)."""
+        return self.num_kv_blocks is not None or self.kv_cache_memory_bytes is not None
+
+    def resolve_num_blocks(self, bytes_per_block: int, free_bytes: int | None = None) -> int:
+        """Number of device blocks: the explicit count, else the memory budget, else
+        `free_bytes` (what profiling left for the cache), else the default budget."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        budget = self.kv_cache_memory_bytes or self.DEFAULT_KV_CACHE_MEMORY_BYTES
+        budget = self.kv_cache_memory_bytes or free_bytes or self.DEFAULT_KV_CACHE_MEMORY_BYTES
         num_blocks = budget // bytes_per_block
         if num_blocks <= 0:
             raise ValueError(
@@ -142,7 +169,8 @@ class EngineConfig:
     """Everything an engine is built from."""
 
     model: str = DEFAULT_MODEL
-    dtype: str | torch.dtype = DEFAULT_DTYPE  # a torch.dtype once constructed
+    device: str = DEFAULT_DEVICE  # "cpu", "cuda" or "cuda:N"
+    dtype: str | torch.dtype = "auto"  # a torch.dtype once constructed ("auto": DEFAULT_DTYPES)
     max_model_len: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -150,7 +178,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        device_type(self.device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -167,7 +196,7 @@ _KEYWORD_ALIASES = {"scheduler_policy": "policy"}
 def engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
     """An EngineConfig from flat keywords, each routed to the config that has a field of its name.
 
-    The names are the fields of EngineConfig (dtype, max_model_len,
+    The names are the fields of EngineConfig (device, dtype, max_model_len,
     attention_backend, seed), CacheConfig (block_size, num_kv_blocks, ...) and
     SchedulerConfig (max_num_seqs, max_num_batched_tokens, ...; its `policy`
     also as `scheduler_policy`). What is not given keeps the dataclass's default.

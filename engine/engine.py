@@ -6,10 +6,13 @@ import itertools
 import time
 from collections.abc import Sequence
 
+import torch
+
 from engine.block_pool import KVCacheManager, cdiv
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize
 from engine.kv_cache import KVCache, KVLayout
+from engine.memory import profile_kv_cache_budget
 from engine.model.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import KvReceive, RequestOutput, StepOutput
@@ -30,9 +33,16 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {config.device!r}: this machine has no CUDA device torch can use")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
         if loaded is None:
             loaded = load_model(
-                config.model, config.dtype, config.max_model_len, config.attention_backend
+                config.model, config.dtype, config.max_model_len, config.attention_backend,
+                self.device, config.seed,
             )
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -49,7 +59,12 @@ class LLMEngine:
             dtype=config.dtype,
         )
         bytes_per_block = self.kv_layout.bytes_per_block
-        num_blocks = config.cache.resolve_num_blocks(bytes_per_block)
+        free_bytes = None
+        if self.device.type == "cuda" and not config.cache.is_sized:
+            free_bytes = profile_kv_cache_budget(
+                loaded.model, self.kv_layout, config, self.max_model_len, self.device
+            )
+        num_blocks = config.cache.resolve_num_blocks(bytes_per_block, free_bytes)
         num_swap_blocks = config.cache.resolve_num_swap_blocks(bytes_per_block)
         self.kv_manager = KVCacheManager(
             num_blocks=num_blocks,
@@ -58,7 +73,7 @@ class LLMEngine:
             max_blocks_per_seq=cdiv(self.max_model_len, block_size),
             initial_rows=min(config.scheduler.max_num_seqs, 1024),
         )
-        self.kv_cache = KVCache(self.kv_layout, num_blocks, num_swap_blocks)
+        self.kv_cache = KVCache(self.kv_layout, num_blocks, num_swap_blocks, self.device)
         self.cost_model = PreemptionCostModel(bytes_per_block)
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, self.cost_model, self.max_model_len

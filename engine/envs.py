@@ -8,6 +8,7 @@ API; the workers do it in their main).
 from __future__ import annotations
 
 import os
+import sys
 
 
 def configure_process(num_threads: int | None = None) -> None:
@@ -33,3 +34,21 @@ def configure_process(num_threads: int | None = None) -> None:
 def native_arch() -> str:
     """The -march the CPU kernels are built for: BATON_NATIVE_ARCH, else the building machine's."""
     return os.environ.get("BATON_NATIVE_ARCH", "native")
+
+
+# The Triton kernel modules: their @triton.jit decorators read TRITON_INTERPRET at import.
+_TRITON_KERNEL_MODULES = ("engine.kernels.triton_lang", "engine.kernels.triton_attention", "engine.kernels.triton_ops")
+
+
+def use_triton_interpreter() -> None:
+    """Run Baton's Triton kernels on CPU tensors through Triton's interpreter (slow,
+    exact): sets TRITON_INTERPRET=1, which must happen before the kernels are imported."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    imported = [name for name in _TRITON_KERNEL_MODULES if name in sys.modules]
+    if imported:
+        raise RuntimeError(
+            "the Triton kernels were imported for a GPU in this process; they run on CPU "
+            "tensors only when TRITON_INTERPRET=1 is set before that"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"

@@ -36,11 +36,16 @@ class ForwardBatch:
     num_prefill_tokens: int
 
 
-
 def prepare_forward_batch(
     out: SchedulerOutput, kv: KVCacheManager, device: torch.device | str = "cpu"
 ) -> ForwardBatch:
-    """Flatten the scheduled work into model inputs (decodes first, then chunks)."""
+    """Flatten the scheduled work into model inputs (decodes first, then chunks).
+
+    Every index array of the step is written into one int64 host buffer (pinned
+    for a CUDA device) and reaches the device in one non-blocking copy:
+
+        [ input_ids N | positions N | slots N | query_start B+1 | seq_lens B | block_tables B*MB | samples S ]
+    """
     block_size = kv.block_size
     block_tables = kv.block_tables
     get_row = kv.get_row
@@ -50,6 +55,7 @@ def prepare_forward_batch(
     decodes = [r for r, n in zip(requests, num_scheduled) if n == 1]
     num_decodes = len(decodes)
     chunks = [(r, n) for r, n in zip(requests, num_scheduled) if n != 1] if num_decodes != len(requests) else []
+    num_seqs = num_decodes + len(chunks)
 
     # Decode group, vectorized.
     d_pos = np.fromiter((r.num_computed_tokens for r in decodes), np.int64, num_decodes)
@@ -57,58 +63,83 @@ def prepare_forward_batch(
     d_ids = np.fromiter(
         (r.all_token_ids[r.num_computed_tokens] for r in decodes), np.int64, num_decodes
     )
-    max_seq_len = int(d_pos.max()) + 1 if num_decodes else 0
-    d_tables = block_tables[d_rows, : cdiv(max_seq_len, block_size)]
+    decode_max_seq_len = int(d_pos.max()) + 1 if num_decodes else 0
+    chunk_rows = np.fromiter((get_row(r.request_id) for r, _ in chunks), np.int64, len(chunks))
+    chunk_ends = np.fromiter((r.num_computed_tokens + n for r, n in chunks), np.int64, len(chunks))
+    max_seq_len = max(decode_max_seq_len, int(chunk_ends.max()) if len(chunks) else 0)
+    max_blocks = cdiv(max_seq_len, block_size)
+    tables = block_tables[np.concatenate([d_rows, chunk_rows]), :max_blocks]  # [B, MB]
     d_block_idx = d_pos // block_size
-    d_slots = d_tables[np.arange(num_decodes), d_block_idx] * block_size + (d_pos - d_block_idx * block_size)
+    d_slots = tables[np.arange(num_decodes), d_block_idx] * block_size + (d_pos - d_block_idx * block_size)
 
     # Prefill chunks, one contiguous range each.
     ids_parts = [d_ids]
     pos_parts = [d_pos]
     slot_parts = [d_slots]
-    prefills: list[PrefillChunk] = []
     sample_requests = [r for r in decodes if r.num_computed_tokens + 1 == len(r.all_token_ids)]
     if len(sample_requests) == num_decodes:
         sample_idx = list(range(num_decodes))
     else:
         sample_idx = [i for i, r in enumerate(decodes) if r.num_computed_tokens + 1 == len(r.all_token_ids)]
+    query_start = list(range(num_decodes + 1))
     token_start = num_decodes
-    for request, num_new in chunks:
+    for index, (request, num_new) in enumerate(chunks):
         start = request.num_computed_tokens
         end = start + num_new
-        table = block_tables[get_row(request.request_id), : cdiv(end, block_size)]
         positions = np.arange(start, end, dtype=np.int64)
         block_idx = positions // block_size
         ids_parts.append(np.asarray(request.all_token_ids[start:end], dtype=np.int64))
         pos_parts.append(positions)
-        slot_parts.append(table[block_idx] * block_size + (positions - block_idx * block_size))
-        prefills.append(
-            PrefillChunk(
-                token_start=token_start,
-                num_tokens=num_new,
-                context_len=end,
-                block_ids=torch.from_numpy(table.copy()),
-            )
-        )
+        slot_parts.append(tables[num_decodes + index, block_idx] * block_size + (positions - block_idx * block_size))
         token_start += num_new
+        query_start.append(token_start)
         if end == len(request.all_token_ids):
             sample_requests.append(request)
             sample_idx.append(token_start - 1)
+    num_tokens = token_start
 
+    # The one host buffer, then its views on the device.
+    sizes = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * max_blocks, len(sample_idx))
+    pinned = torch.device(device).type == "cuda"
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=pinned)
+    host_parts = np.split(host.numpy(), np.cumsum(sizes)[:-1])
+    np.concatenate(ids_parts, out=host_parts[0])
+    np.concatenate(pos_parts, out=host_parts[1])
+    np.concatenate(slot_parts, out=host_parts[2])
+    host_parts[3][:] = query_start
+    host_parts[4][:num_decodes] = d_pos + 1
+    host_parts[4][num_decodes:] = chunk_ends
+    host_parts[5][:] = tables.reshape(-1)
+    host_parts[6][:] = sample_idx
+    buffer = host.to(device, non_blocking=True)
+    input_ids, positions, slots, starts, seq_lens, flat_tables, samples = torch.split(buffer, sizes)
+    device_tables = flat_tables.view(num_seqs, max_blocks)
+
+    prefills = tuple(
+        PrefillChunk(
+            token_start=query_start[num_decodes + index],
+            num_tokens=num_new,
+            context_len=int(chunk_ends[index]),
+            block_ids=device_tables[num_decodes + index, : cdiv(int(chunk_ends[index]), block_size)],
+        )
+        for index, (_, num_new) in enumerate(chunks)
+    )
     attn = AttentionBatch(
-        slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(device),
+        slot_mapping=slots,
+        query_start=starts,
+        seq_lens=seq_lens,
+        block_tables=device_tables,
         num_decode_tokens=num_decodes,
-        decode_block_tables=torch.from_numpy(d_tables).to(device),
-        decode_seq_lens=torch.from_numpy(d_pos + 1).to(device),
-        decode_max_seq_len=max_seq_len,
-        prefills=tuple(prefills),
+        max_query_len=max((n for _, n in chunks), default=1 if num_decodes else 0),
+        max_seq_len=max_seq_len,
+        decode_max_seq_len=decode_max_seq_len,
+        prefills=prefills,
     )
     return ForwardBatch(
-        input_ids=torch.from_numpy(np.concatenate(ids_parts)).to(device),
-        positions=torch.from_numpy(np.concatenate(pos_parts)).to(device),
+        input_ids=input_ids,
+        positions=positions,
         attn=attn,
-        sample_indices=torch.tensor(sample_idx, dtype=torch.long, device=device),
+        sample_indices=samples,
         sample_requests=sample_requests,
-        num_prefill_tokens=token_start - num_decodes,
+        num_prefill_tokens=num_tokens - num_decodes,
     )
-

@@ -40,6 +40,11 @@ class KVCache:
 
     Zero-filled: attention reads whole blocks and masks the unused slots, so
     those slots must hold finite values.
+
+    On CUDA the swap pool is pinned and swaps are asynchronous copies on the
+    compute stream: the host never waits for them, and stream order keeps them
+    between the forward passes that read and write the same blocks. Nothing
+    reads the swap pool on the host.
     """
 
     def __init__(
@@ -80,12 +85,17 @@ class KVCache:
     def _copy(self, copies, source: torch.Tensor, destination: torch.Tensor) -> int:
         if not copies:
             return 0
-        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=source.device)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=destination.device)
-        # Whole blocks (all layers at once) as rows: one gather and one scatter per swap.
         row = self.layout.bytes_per_block // source.element_size()
-        rows = source.view(source.shape[0], row).index_select(0, src)
-        destination.view(destination.shape[0], row).index_copy_(0, dst, rows.to(destination.device))
-        if self.blocks.device.type == "cuda":
-            torch.cuda.synchronize(self.blocks.device)
+        source_rows = source.view(source.shape[0], row)
+        destination_rows = destination.view(destination.shape[0], row)
+        if source.device == destination.device:
+            # Whole blocks (all layers at once) as rows: one gather and one scatter per swap.
+            src = torch.tensor([c.src for c in copies], dtype=torch.long)
+            dst = torch.tensor([c.dst for c in copies], dtype=torch.long)
+            destination_rows.index_copy_(0, dst, source_rows.index_select(0, src))
+        else:
+            # Device <-> pinned host: one asynchronous copy per block row (a row is
+            # megabytes on a real model, so per-copy overhead is small).
+            for copy in copies:
+                destination_rows[copy.dst].copy_(source_rows[copy.src], non_blocking=True)
         return len(copies) * self.layout.bytes_per_block

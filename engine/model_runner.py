@@ -47,9 +47,10 @@ class ModelRunner:
         self.num_kv_heads = layout.num_kv_heads
         self.head_dim = layout.head_dim
         self.dtype = layout.dtype
-        self.device = kv_cache.layers[0][0].device
+        self.device = kv_cache.blocks.device
         self.backend = model.attention_backend
-        self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
+        # Unseeded rows draw their noise on the device; seeded rows from their own generator.
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
 
     # -------------------------------------------------------------- execution
     @torch.inference_mode()
@@ -61,7 +62,9 @@ class ModelRunner:
             swap_bytes += self.kv_cache.swap_out(out.swap_out)
         if out.swap_in:
             swap_bytes += self.kv_cache.swap_in(out.swap_in)
-        swap_seconds = time.perf_counter() - swap_started if swap_bytes else 0.0
+        # On CUDA the copies are asynchronous (see KVCache): their time is not known here.
+        is_timed = swap_bytes and self.device.type == "cpu"
+        swap_seconds = time.perf_counter() - swap_started if is_timed else 0.0
         if not out.requests:
             return ModelRunnerOutput([], [], None, swap_bytes, swap_seconds)
         batch = prepare_forward_batch(out, self.kv_manager, self.device)

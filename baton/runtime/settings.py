@@ -36,7 +36,12 @@ GRACE_S = 10.0  # SIGTERM: seconds in-flight calls get to finish (every role)
 # A prefill worker's steps are prefill chunks only: a smaller token budget than a decode
 # worker's keeps each step short, so a prompt's first token is not held up behind others.
 PREFILL_MAX_NUM_BATCHED_TOKENS = 512
-MODEL_HELP = f"model: {DEFAULT_MODEL!r}, a Hugging Face model directory or a .gguf file"
+MODEL_HELP = (f"model: {DEFAULT_MODEL!r}, a Hugging Face model directory, a .gguf file, "
+              "or dummy:<name> (random weights at a real model's shapes: dummy:llama-3.1-8b, ...)")
+DEVICE_HELP = "cpu, cuda or cuda:N"
+DTYPE_HELP = "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 or float64"
+GPU_MEMORY_UTILIZATION_HELP = ("CUDA: fraction of the GPU's memory for weights, activations and the KV cache, "
+                               "which gets what the rest leaves")
 
 
 class SettingsError(ValueError):
@@ -213,6 +218,10 @@ def _half_the_cores() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
+KV_CACHE_MEMORY_SHOWN = (f"{format_size(CacheConfig.DEFAULT_KV_CACHE_MEMORY_BYTES)} on CPU, "
+                         "from --gpu-memory-utilization on CUDA")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """One worker process: where it listens, what it serves, how its engine is sized."""
@@ -224,12 +233,15 @@ class WorkerSettings:
     worker_id: str = setting(help="worker id in stats, logs and KV handles", shown="random",
                              default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
     model: str = setting(DEFAULT_MODEL, MODEL_HELP)
-    dtype: str = setting(default_of(EngineConfig, "dtype"), "float32, bfloat16 or float64")
+    device: str = setting(default_of(EngineConfig, "device"), DEVICE_HELP)
+    dtype: str = setting(default_of(EngineConfig, "dtype"), DTYPE_HELP)
     max_model_len: int | None = setting(None, "cap on prompt + output tokens", shown="the model's")
     block_size: int = setting(default_of(CacheConfig, "block_size"), "tokens per KV block")
     num_kv_blocks: int | None = setting(None, "KV blocks", shown="from --kv-cache-memory")
     kv_cache_memory: int | None = setting(None, "KV cache budget, e.g. 512M, 2G", parse=parse_size,
-                                          shown=format_size(CacheConfig.DEFAULT_KV_CACHE_MEMORY_BYTES))
+                                          shown=KV_CACHE_MEMORY_SHOWN)
+    gpu_memory_utilization: float = setting(default_of(CacheConfig, "gpu_memory_utilization"),
+                                            GPU_MEMORY_UTILIZATION_HELP)
     swap_space: int = setting(default_of(CacheConfig, "swap_space_bytes"), "CPU swap pool for swap preemption",
                               parse=parse_size, shown=format_size(default_of(CacheConfig, "swap_space_bytes")))
     max_num_seqs: int = setting(default_of(SchedulerConfig, "max_num_seqs"), "sequences per step")
@@ -237,7 +249,8 @@ class WorkerSettings:
                                           "token budget per step (prefill chunks + decodes)")
     preemption_mode: str = setting(default_of(SchedulerConfig, "preemption_mode"),
                                    "auto (cheaper of recompute and swap, per sequence), recompute or swap")
-    attention_backend: str = setting(default_of(EngineConfig, "attention_backend"), "auto, torch or cpu")
+    attention_backend: str = setting(default_of(EngineConfig, "attention_backend"),
+                                     "auto (triton on CUDA, cpu on CPU), triton, torch or cpu")
     threads: int = setting(help="torch threads", shown="half the cores", default_factory=_half_the_cores)
     lease_s: float = setting(30.0, "prefill: seconds held KV waits to be pulled")
     transfer_timeout_s: float = setting(30.0, "timeout of each KV rendezvous and transfer")
@@ -260,6 +273,7 @@ class WorkerSettings:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         object.__setattr__(self, "engine", engine_config(
             self.model,
+            device=self.device,
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
@@ -267,6 +281,7 @@ class WorkerSettings:
             # An explicit block count sizes the pool by itself.
             kv_cache_memory_bytes=None if self.num_kv_blocks else self.kv_cache_memory,
             swap_space_bytes=self.swap_space,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             preemption_mode=self.preemption_mode,

@@ -16,12 +16,27 @@ from engine.config import ATTENTION_BACKENDS
 
 
 def get_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """The attention backend called `name`; its implementation is imported on demand."""
+    """The attention backend called `name` for tensors on `device`; its implementation
+    is imported on demand. "auto" is "triton" on CUDA, else "cpu" where the native
+    kernels build, else "torch"."""
+    device = torch.device(device)
     if name == "auto":
-        from engine.kernels import cpu_kernels_available
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            from engine.kernels import cpu_kernels_available
 
-        use_cpu = torch.device(device).type == "cpu" and cpu_kernels_available()
-        name = "cpu" if use_cpu else "torch"
+            name = "cpu" if cpu_kernels_available() else "torch"
+    if name == "triton":
+        if device.type == "cpu":
+            from engine.envs import use_triton_interpreter
+
+            use_triton_interpreter()
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device)
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu attention backend runs on CPU tensors, not {device}")
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 

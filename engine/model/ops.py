@@ -1,0 +1,56 @@
+"""The fused elementwise ops a model runs, chosen by the device it runs on.
+
+    device   ops                 RMSNorm (+ residual add)   RoPE            SiLU-and-mul
+    cpu      native, if built    engine/kernels/cpu_ops     cpu_ops         cpu_ops
+    cpu      torch otherwise     torch                      torch           torch
+    cuda     triton              engine/kernels/triton_ops  torch (*)       torch
+
+(*) On CUDA the Triton attention backend rotates q and k inside its fused
+RoPE + KV-store kernel, so the model's own RoPE op only runs under other
+backends. A `None` op means the plain torch formula, which follows
+transformers op for op (and is the only path exact in float64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelOps:
+    """Fused replacements of the model's elementwise code; None = the torch formula."""
+
+    name: str
+    # (hidden [N, D], weight [D], eps) -> [N, D]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    # (x [N, D], residual [N, D] updated in place to x + residual, weight, eps) -> norm of the sum
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    # (qkv [N, heads, Dh] rotated in place on heads [0, n), cos [N, Dh], sin [N, Dh], n) -> None
+    rotary_embedding_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None] | None = None
+    # gate_up [N, 2I] -> silu(gate) * up [N, I]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+TORCH_OPS = ModelOps("torch")
+
+
+def select_ops(device: torch.device | str) -> ModelOps:
+    """The fused ops for `device`: native kernels on CPU (when they build), Triton on CUDA."""
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        from engine.kernels import triton_ops
+
+        return ModelOps("triton", rms_norm=triton_ops.rms_norm, add_rms_norm=triton_ops.add_rms_norm)
+    from engine import kernels
+
+    if device_type == "cpu" and kernels.cpu_kernels_available():
+        return ModelOps(
+            "cpu",
+            rms_norm=kernels.rms_norm,
+            rotary_embedding_=kernels.rotary_embedding_,
+            silu_and_mul=kernels.silu_and_mul,
+        )
+    return TORCH_OPS

@@ -1,0 +1,100 @@
+"""Device-generic engine pieces that CPU tests can check: the device and dtype
+options, random-weight `dummy:` models at real shapes, the one-buffer step
+upload, and the fused ops chosen by device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig, engine_config
+from engine.dummy_models import DUMMY_MODELS, dummy_model
+from engine.model.dummy import parameter_shapes, random_state_dict
+from engine.model.llama import ModelArch
+from engine.model.ops import select_ops
+from engine.tokenizer import load_tokenizer
+
+
+def test_device_and_dtype_options():
+    assert EngineConfig().device == "cpu" and EngineConfig().dtype == torch.float32
+    assert EngineConfig(device="cuda").dtype == torch.bfloat16, "auto is bfloat16 on CUDA"
+    assert EngineConfig(device="cuda:1", dtype="fp16").dtype == torch.float16
+    assert engine_config("m", device="cuda", dtype="float32").dtype == torch.float32
+    for device in ("gpu", "cuda:x", "cpu:0", ""):
+        with pytest.raises(ValueError, match="unknown device"):
+            EngineConfig(device=device)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        engine_config("m", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        EngineConfig(attention_backend="flash")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        LLM("dummy:smollm2-135m", device="cuda")
+
+
+@pytest.mark.parametrize("name", sorted(DUMMY_MODELS))
+def test_dummy_architectures_match_transformers_parameter_for_parameter(name):
+    """Our parameter list of each dummy architecture holds exactly the numbers of
+    transformers' model of the same config (built on the meta device: no memory)."""
+    spec = DUMMY_MODELS[name]
+    config = AutoConfig.for_model(spec.model_type, **spec.config)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+    hf_count = sum(p.numel() for p in hf_model.parameters())
+    shapes = parameter_shapes(ModelArch.from_hf_config(config))
+    ours = sum(torch.Size(shape).numel() for shape in shapes.values())
+    assert ours == hf_count
+    if name == "llama-3.1-8b":
+        assert ours == 8_030_261_248, "Llama-3.1-8B's published parameter count"
+
+
+def test_dummy_model_serves_text_with_reproducible_random_weights():
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = LLM("dummy:smollm2-135m", max_model_len=128, num_kv_blocks=64, seed=1)
+    out = first.generate(["hello there"], params)[0]
+    assert len(out.token_ids) == 6 and out.text == first.get_tokenizer().decode(out.token_ids)
+    again = LLM("dummy:smollm2-135m", max_model_len=128, num_kv_blocks=64, seed=1)
+    assert again.generate(["hello there"], params)[0].token_ids == out.token_ids
+    other = random_state_dict(first.engine.runner.model.arch, torch.float32, "cpu", seed=2)
+    assert not torch.equal(other["embed_tokens.weight"], first.engine.runner.model.embed_tokens.weight)
+
+
+def test_dummy_tokenizer_round_trips_text_and_names_every_id():
+    tokenizer = load_tokenizer("dummy:llama-3.1-8b")
+    text = "Paged KV, 64-bit offsets: ünïcode too."
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert len(tokenizer) == DUMMY_MODELS["llama-3.1-8b"].vocab_size
+    assert tokenizer.decode([1000, 128255]) == " w1000 w128255"
+    assert tokenizer.eos_token_id == DUMMY_MODELS["llama-3.1-8b"].eos_token_id
+    with pytest.raises(ValueError, match="unknown dummy model"):
+        dummy_model("dummy:gpt-5")
+
+
+def test_step_inputs_are_views_of_one_buffer():
+    llm = LLM("dummy:smollm2-135m", max_model_len=128, num_kv_blocks=64)
+    engine = llm.engine
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=3))
+    engine.step()  # the prompt
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=3))
+    from engine.forward_batch import prepare_forward_batch
+
+    batch = prepare_forward_batch(engine.scheduler.schedule(), engine.kv_manager)
+    batch.attn.check_integrity(engine.kv_layout.block_size)
+    tensors = [batch.input_ids, batch.positions, batch.sample_indices, batch.attn.slot_mapping,
+               batch.attn.query_start, batch.attn.seq_lens, batch.attn.block_tables]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert batch.attn.query_start.tolist() == [0, 1, 4]  # one decode, then a chunk of 3
+    assert batch.input_ids.tolist()[1:] == [5, 6, 7]
+
+
+def test_fused_ops_follow_the_device():
+    from engine.kernels import cpu_kernels_available
+
+    assert select_ops("cpu").name == ("cpu" if cpu_kernels_available() else "torch")
+    llm = LLM("dummy:smollm2-135m", max_model_len=64, num_kv_blocks=16, attention_backend="torch")
+    assert llm.engine.runner.model.ops.name == select_ops("cpu").name, "chosen by device, not backend"

@@ -1,0 +1,114 @@
+"""The engine and the workers on a CUDA GPU (marker `gpu`: skipped without one; `make test-gpu`).
+
+The Triton kernels' own tests (tests/test_triton_kernels.py) run natively there
+too, in bfloat16 as well; these check the whole engine on the GPU: greedy
+parity with transformers in float32 under chunking and both kinds of
+preemption, KV sizing by profiling, random-weight models in bfloat16, and a
+streamed request through `baton up --colocated --device cuda`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+from baton.cli.local import REPO_ROOT, free_port
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
+from engine import LLM, SamplingParams
+from tests.test_parity import TINY_CONFIGS, mixed_workload
+from tests.tiny_models import hf_greedy, make_tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-hd32-untied-bias", "qwen2-gqa-hd32-qkv-bias", "llama3-rope-gqa-hd16"])
+def test_greedy_parity_on_gpu_float32(name, tmp_path):
+    arch, heads, kv_heads, head_dim, tied, extra = TINY_CONFIGS[name]
+    hf_model, model_dir = make_tiny_model(
+        tmp_path, arch, heads, kv_heads, head_dim, tied, dtype=torch.float32, **extra
+    )
+    hf_model = hf_model.to("cuda")
+    prompts, max_tokens = mixed_workload(hf_model.config.vocab_size, num_prompts=20, seed=len(name))
+    with torch.device("cuda"):
+        expected = [hf_greedy(hf_model, p, n) for p, n in zip(prompts, max_tokens)]
+
+    llm = LLM(
+        model_dir,
+        device="cuda",
+        dtype="float32",
+        block_size=4,
+        max_num_batched_tokens=24,
+        max_num_seqs=20,
+        num_kv_blocks=28,
+        num_swap_blocks=6,
+        preemption_mode="swap",
+        admission_reserve_steps=0,
+    )
+    assert llm.engine.runner.backend.name == "triton"
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outputs] == expected
+    stats = llm.get_metrics()
+    assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap > 0
+
+
+def test_kv_cache_sized_from_gpu_memory_utilization():
+    total = torch.cuda.get_device_properties(0).total_memory
+    llm = LLM("dummy:llama-3.2-1b", device="cuda", gpu_memory_utilization=0.3, max_model_len=4096)
+    engine = llm.engine
+    assert engine.kv_cache.blocks.device.type == "cuda" and engine.kv_cache.blocks.dtype == torch.bfloat16
+    assert engine.kv_cache.swap_blocks.is_pinned()
+    cache_bytes = engine.kv_cache.num_blocks * engine.kv_layout.bytes_per_block
+    assert cache_bytes > 1 << 30, "a 1B model leaves gigabytes of 30% of a datacenter GPU for KV"
+    # Weights, cache and the step's activations stay inside the fraction.
+    outputs = llm.generate([[5] * 2000] * 8, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert all(len(out.token_ids) == 4 for out in outputs)
+    assert torch.cuda.max_memory_allocated() <= 0.3 * total + (256 << 20)
+
+
+def test_dummy_model_in_bfloat16_streams_tokens_and_is_seeded():
+    llm = LLM("dummy:smollm2-135m", device="cuda", kv_cache_memory_bytes=1 << 30, seed=7)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=3, ignore_eos=True)
+    first = llm.generate(["The quick brown fox"], params)[0]
+    again = llm.generate(["The quick brown fox"], params)[0]
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 16
+    assert all(0 <= token < 49152 for token in first.token_ids)
+    assert first.text  # the dummy tokenizer decodes every id
+
+
+def test_baton_up_colocated_on_cuda_answers_a_streamed_request(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "baton-up.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--colocated", "--device", "cuda",
+             "--model", "dummy:llama-3.1-8b", "--gpu-memory-utilization", "0.8"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while "Baton is serving" not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()[-5000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-5000:]
+            time.sleep(0.5)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(
+                text="Tell me about GPUs.", sampling=pb.SamplingParams(temperature=0.0, max_tokens=32)
+            )
+            messages = list(stub.GenerateStream(request, timeout=300))
+        assert len(messages) > 1, "tokens are streamed one message at a time"
+        assert "".join(m.text for m in messages)
+        assert messages[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=120)
+    assert code == 0, log_path.read_text()[-5000:]
