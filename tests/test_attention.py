@@ -316,3 +316,31 @@ def test_decode_kernel_refuses_overlapping_blocks_and_reads_block_major_caches()
     overlapping = [c.as_strided(c.shape, ((BLOCK_SIZE - 1) * row, row, HEAD_DIM, 1)) for c in (key_cache, value_cache)]
     with pytest.raises(RuntimeError, match="disjoint"):
         paged_decode_attention(query, *overlapping, batch.decode_block_tables, batch.decode_seq_lens, 0.25, out)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_triton_backend_forward_matches_dense_reference(num_heads, num_kv_heads):
+    """The Triton backend's `forward` (q and k rotated by the caller: a torch store, then
+    the paged kernel; the model's path is `forward_rotary`, tests/test_triton_kernels.py)
+    on a block-major cache, under the interpreter without a GPU."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch, sequences, query, key, value, key_cache, value_cache = make_step(
+        num_heads, num_kv_heads, torch.float32, block_major=True
+    )
+    blocks = key_cache._base
+    others = blocks[:, [0, 2]].clone()
+    backend = get_attention_backend("triton", device)
+    on_device = {name: getattr(batch, name).to(device)
+                 for name in ("slot_mapping", "query_start", "seq_lens", "block_tables")}
+    batch = dataclasses.replace(batch, **on_device)
+    blocks = blocks.to(device)
+    key_cache, value_cache = blocks[:, 1, 0], blocks[:, 1, 1]
+    metadata = backend.build_metadata(batch, BLOCK_SIZE, num_heads, num_kv_heads, HEAD_DIM, torch.float32)
+    query, key, value = (tensor.to(device) for tensor in (query, key, value))
+    out = backend.forward(query, key, value, key_cache, value_cache, metadata, HEAD_DIM**-0.5)
+
+    assert_matches_reference(out.cpu(), sequences, HEAD_DIM**-0.5, torch.float32)
+    flat_keys = key_cache.reshape(-1, num_kv_heads, HEAD_DIM).cpu()
+    assert torch.equal(flat_keys[batch.slot_mapping.cpu()], key.cpu())
+    assert torch.equal(blocks[:, [0, 2]].cpu(), others), "a slot write landed in another layer"

@@ -219,8 +219,10 @@ def test_async_engine_reports_last_outputs_nobody_reads(tiny):
         engine.start()
         try:
             params = SamplingParams(max_tokens=3, ignore_eos=True)
-            read = await engine.add_request("read", list(range(4, 12)), params)
+            # "unread" first: the engine admits it no later than "read", so it has been
+            # admitted (and has a queue time) when "read" ends and it is aborted.
             await engine.add_request("unread", list(range(5, 13)), SamplingParams(max_tokens=100, ignore_eos=True))
+            read = await engine.add_request("read", list(range(4, 12)), params)
             outputs = [output async for output in read]
             await engine.abort("unread")
             for _ in range(100):

@@ -23,7 +23,7 @@ def test_rotary_matches_eager_bitwise(dtype, num_threads):
     angles = torch.rand(num_tokens, head_dim // 2, generator=gen) * 6
     emb = torch.cat([angles, angles], -1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    expected = apply_rotary(qkv[:, :rotated_heads], cos[:, None], sin[:, None])
+    expected = apply_rotary(qkv[:, :rotated_heads], cos, sin)
     untouched = qkv[:, rotated_heads:].clone()
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
@@ -53,8 +53,7 @@ def test_rms_norm_matches_eager(dtype):
     gen = torch.Generator().manual_seed(2)
     hidden = (torch.randn(129, 576, generator=gen) * 3).to(dtype)
     norm = RMSNorm(576, 1e-5)
-    norm.weight.data = torch.randn(576, generator=gen).to(dtype)
-    norm.to(dtype)
+    norm.weight = torch.nn.Parameter(torch.randn(576, generator=gen).to(dtype))
     expected = norm(hidden)
     out = kernels.rms_norm(hidden, norm.weight, 1e-5)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
@@ -64,7 +63,7 @@ def test_rms_norm_matches_eager(dtype):
 def test_rms_norm_reads_strided_rows_and_rejects_bad_weights():
     hidden = torch.randn(8, 2, 64)[:, 0]  # rows 128 elements apart
     norm = RMSNorm(64, 1e-6)
-    norm.weight.data = torch.rand(64) + 0.5
+    norm.weight = torch.nn.Parameter(torch.rand(64) + 0.5)
     torch.testing.assert_close(kernels.rms_norm(hidden, norm.weight, 1e-6), norm(hidden), atol=1e-6, rtol=1e-5)
     with pytest.raises(RuntimeError, match="weight"):
         kernels.rms_norm(hidden, torch.ones(32), 1e-6)

@@ -84,7 +84,10 @@ def test_help_shows_every_default_and_variable():
     assert "(default: 2048; env BATON_MAX_NUM_BATCHED_TOKENS)" in " ".join(decode_help.split())
     assert "(default: 512; env BATON_MAX_NUM_BATCHED_TOKENS)" in " ".join(commands["prefill-worker"].format_help()
                                                                            .split())
-    assert "(default: 1G; env BATON_KV_CACHE_MEMORY)" in " ".join(decode_help.split())
+    assert ("(default: 1G on CPU, from --gpu-memory-utilization on CUDA; env BATON_KV_CACHE_MEMORY)"
+            in " ".join(decode_help.split()))
+    assert "(default: auto; env BATON_DTYPE)" in " ".join(decode_help.split())
+    assert "(default: cpu; env BATON_DEVICE)" in " ".join(decode_help.split())
     for name, command in commands.items():
         for action in command._actions:
             if action.option_strings and action.dest not in ("help", "chat", "stream", "json", "stop", "prompt"):

@@ -1,0 +1,68 @@
+"""benchmarks/gpu.py end to end in its CPU smoke configuration: every section runs at
+tiny sizes (the attention kernel under Triton's interpreter) and gpu.json holds sane
+figures and every target. The figures themselves mean nothing on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import gpu
+from benchmarks.gpu_sizes import TINY
+
+SMOKE_ARGS = ["--device", "cpu", "--model", "dummy:smollm2-135m", "--quick", "--tiny"]
+TARGETS = {"roofline", "attention", "offline-mixed-vs-hf-static", "offline-sharegpt-vs-baton-static",
+           "offline-mixed-vs-baton-static"}
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+# ~35 s on 2 idle cores (the interpreted attention kernel ~6 s, the offline section ~15 s).
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke; on a GPU run the benchmark itself")
+# Not imported here: Triton must not be imported before the benchmark asks for its interpreter.
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)")
+def test_cpu_smoke_writes_every_section(tmp_path):
+    assert gpu.main([*SMOKE_ARGS, "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / gpu.JSON_NAME).read_text())
+    assert payload["errors"] == {}
+    assert payload["environment"]["torch"] and payload["environment"]["device_name"]
+    sections = payload["sections"]
+    assert set(sections) == set(gpu.SECTIONS)
+
+    assert positive(sections["bandwidth"]["gb_per_s"])
+    decode = sections["decode"]["points"]
+    assert [p["batch_size"] for p in decode] == list(TINY.decode_batches)
+    for p in decode:
+        assert all(positive(p[k]) for k in ("ms_per_step", "ms_per_token", "weight_bytes", "kv_bytes"))
+        assert p["mean_context_len"] >= p["context_len"]
+    roofline = sections["roofline"]["points"]
+    assert {(p["batch_size"], p["context_len"]) for p in roofline} == set(TINY.roofline_points)
+    assert all(positive(p["gb_per_s"]) and positive(p["fraction_of_copy"]) for p in roofline)
+    attention = sections["attention"]["points"]
+    assert [(p["batch_size"], p["context_len"]) for p in attention] == list(TINY.attention_shapes)
+    assert all(positive(p["median_seconds"]) and positive(p["kv_bytes"]) for p in attention)
+
+    for workload in gpu.WORKLOADS:
+        entry = sections["offline"]["workloads"][workload]
+        assert entry["unavailable"] == {}
+        assert set(entry["systems"]) == set(gpu.ALL_SYSTEMS)
+        for result in entry["systems"].values():
+            assert result["num_output_tokens"] == entry["num_output_tokens"]
+            assert positive(result["output_tokens_per_second"])
+        # Same weights: the first greedy token agrees with transformers' (float32 on CPU).
+        assert entry["first_token_agreement_with_hf_static"]["baton-continuous"] == 1.0
+
+    targets = {t["name"]: t for t in payload["targets"]}
+    assert set(targets) == TARGETS
+    for target in targets.values():
+        assert positive(target["value"]) and target["passed"] in (True, False)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert sorted(p.name for p in tmp_path.glob("*.png")) == ["gpu_decode.png", "gpu_offline.png",
+                                                                  "gpu_roofline.png"]
