@@ -253,7 +253,8 @@ def _weights(x: Tensor, row_max: Tensor, threshold: Tensor) -> Tensor:
 
 def _argmax_rows(x: Tensor) -> Tensor:
     """Greedy picks: the native CPU kernel when this process has loaded it, else torch."""
-    if x.device.type == "cpu" and x.stride(-1) == 1 and kernels.cpu_kernels_loaded():
+    if (x.device.type == "cpu" and x.stride(-1) == 1 and x.dtype in kernels.CPU_KERNEL_DTYPES
+            and kernels.cpu_kernels_loaded()):
         return kernels.argmax_rows(x)
     return x.argmax(dim=-1)
 

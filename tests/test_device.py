@@ -98,3 +98,15 @@ def test_fused_ops_follow_the_device():
     assert select_ops("cpu").name == ("cpu" if cpu_kernels_available() else "torch")
     llm = LLM("dummy:smollm2-135m", max_model_len=64, num_kv_blocks=16, attention_backend="torch")
     assert llm.engine.runner.model.ops.name == select_ops("cpu").name, "chosen by device, not backend"
+
+
+def test_float16_on_cpu_takes_the_torch_paths():
+    """The native CPU kernels have no float16: "auto" then picks the torch backend and ops."""
+    llm = LLM("dummy:smollm2-135m", dtype="float16", max_model_len=64, num_kv_blocks=16)
+    runner = llm.engine.runner
+    assert (runner.backend.name, runner.model.ops.name, llm.engine.kv_cache.blocks.dtype) == (
+        "torch", "torch", torch.float16)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and all(0 <= t < 49152 for t in out.token_ids)
+    with pytest.raises(ValueError, match="no torch.float16 kernels"):
+        LLM("dummy:smollm2-135m", dtype="float16", attention_backend="cpu", max_model_len=64, num_kv_blocks=16)

@@ -15,18 +15,20 @@ import torch
 from engine.config import ATTENTION_BACKENDS
 
 
-def get_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """The attention backend called `name` for tensors on `device`; its implementation
-    is imported on demand. "auto" is "triton" on CUDA, else "cpu" where the native
-    kernels build, else "torch"."""
+def get_attention_backend(
+    name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
+    """The attention backend called `name` for `dtype` tensors on `device`; its
+    implementation is imported on demand. "auto" is "triton" on CUDA, else "cpu"
+    where the native kernels build and have the dtype, else "torch"."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cuda":
             name = "triton"
         else:
-            from engine.kernels import cpu_kernels_available
+            from engine.kernels import CPU_KERNEL_DTYPES, cpu_kernels_available
 
-            name = "cpu" if cpu_kernels_available() else "torch"
+            name = "cpu" if dtype in CPU_KERNEL_DTYPES and cpu_kernels_available() else "torch"
     if name == "triton":
         if device.type == "cpu":
             from engine.envs import use_triton_interpreter
@@ -37,6 +39,11 @@ def get_attention_backend(name: str, device: torch.device | str = "cpu") -> Atte
         return TritonAttentionBackend(device)
     if name == "cpu" and device.type != "cpu":
         raise ValueError(f"the cpu attention backend runs on CPU tensors, not {device}")
+    if name == "cpu":
+        from engine.kernels import CPU_KERNEL_DTYPES
+
+        if dtype not in CPU_KERNEL_DTYPES:
+            raise ValueError(f"the cpu attention backend has no {dtype} kernels; use the torch backend")
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 

@@ -21,6 +21,8 @@ from engine.envs import native_arch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
+# What the kernels are compiled for (AT_DISPATCH_FLOATING_TYPES_AND(kBFloat16, ...)).
+CPU_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 _SOURCES = (_DIR / "cpu_attention.cpp", _DIR / "cpu_ops.cpp")
 _HEADERS = (_DIR / "cpu_math.h",)
 

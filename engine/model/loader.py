@@ -115,7 +115,7 @@ def assemble_model(
     arch = ModelArch.from_hf_config(config)
     max_model_len, notes = _resolve_max_model_len(arch, max_model_len)
     if isinstance(attention_backend, str):
-        attention_backend = get_attention_backend(attention_backend, device)
+        attention_backend = get_attention_backend(attention_backend, device, dtype)
     # The config's own rotary module gives inv_freq for every static rope type; built
     # on the meta device, that costs no memory.
     with torch.device("meta"):
@@ -125,7 +125,7 @@ def assemble_model(
         raise ValueError("partial rotary embeddings are not supported")
     rotary = RotaryEmbedding(hf_rotary.inv_freq, hf_rotary.attention_scaling, max_model_len, dtype, device)
 
-    model = LlamaForCausalLM(arch, rotary, attention_backend, select_ops(device))
+    model = LlamaForCausalLM(arch, rotary, attention_backend, select_ops(device, dtype))
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     model.pack_linear_weights()

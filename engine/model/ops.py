@@ -3,6 +3,7 @@
     device   ops                 RMSNorm (+ residual add)   RoPE            SiLU-and-mul
     cpu      native, if built    engine/kernels/cpu_ops     cpu_ops         cpu_ops
     cpu      torch otherwise     torch                      torch           torch
+             (and for float16)
     cuda     triton              engine/kernels/triton_ops  torch (*)       torch
 
 (*) On CUDA the Triton attention backend rotates q and k inside its fused
@@ -37,8 +38,9 @@ class ModelOps:
 TORCH_OPS = ModelOps("torch")
 
 
-def select_ops(device: torch.device | str) -> ModelOps:
-    """The fused ops for `device`: native kernels on CPU (when they build), Triton on CUDA."""
+def select_ops(device: torch.device | str, dtype: torch.dtype = torch.float32) -> ModelOps:
+    """The fused ops for `device`: native kernels on CPU (when they build, and for the
+    dtypes they have: float32, bfloat16, float64), Triton on CUDA."""
     device_type = torch.device(device).type
     if device_type == "cuda":
         from engine.kernels import triton_ops
@@ -46,7 +48,7 @@ def select_ops(device: torch.device | str) -> ModelOps:
         return ModelOps("triton", rms_norm=triton_ops.rms_norm, add_rms_norm=triton_ops.add_rms_norm)
     from engine import kernels
 
-    if device_type == "cpu" and kernels.cpu_kernels_available():
+    if dtype in kernels.CPU_KERNEL_DTYPES and kernels.cpu_kernels_available():
         return ModelOps(
             "cpu",
             rms_norm=kernels.rms_norm,
