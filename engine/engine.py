@@ -39,6 +39,9 @@ class LLMEngine:
                 raise ValueError(f"device {config.device!r}: this machine has no CUDA device torch can use")
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
+            # Triton launches on the current device, whatever its tensors' device: one
+            # engine per process, so its device becomes the process's.
+            torch.cuda.set_device(self.device)
         if loaded is None:
             loaded = load_model(
                 config.model, config.dtype, config.max_model_len, config.attention_backend,
@@ -283,13 +286,19 @@ class LLMEngine:
                         events=None if request.events is None else request.take_events(),
                     )
                 )
-        seconds = time.perf_counter() - started
         num_prefill = runner_out.num_prefill_tokens
-        # Learn the prefill rate only from steps that are mostly prefill.
-        if num_prefill >= 64 and num_prefill >= 0.9 * sched_out.total_num_scheduled_tokens:
+        # Learn the prefill rate only from steps that are mostly prefill (and, on CUDA,
+        # swap nothing: there the swap copies are not timed on the host clock).
+        if (num_prefill >= 64 and num_prefill >= 0.9 * sched_out.total_num_scheduled_tokens
+                and not (runner_out.swap_bytes and self.device.type == "cuda")):
+            if self.device.type == "cuda":
+                # A step that samples nothing returns before the GPU is done: wait, so the
+                # clock measures the GPU's work, not the host's launches.
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - started
             self.cost_model.observe_prefill(num_prefill, seconds - runner_out.swap_seconds)
-        if runner_out.swap_bytes:
-            self.cost_model.observe_swap(runner_out.swap_bytes, runner_out.swap_seconds)
+        for num_bytes, seconds in self.runner.finished_swaps():
+            self.cost_model.observe_swap(num_bytes, seconds)
         kv_receives = [
             KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)))
             for request in sched_out.kv_receives

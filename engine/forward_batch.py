@@ -45,6 +45,8 @@ def prepare_forward_batch(
     for a CUDA device) and reaches the device in one non-blocking copy:
 
         [ input_ids N | positions N | slots N | query_start B+1 | seq_lens B | block_tables B*MB | samples S ]
+
+    (each part padded to an even length).
     """
     block_size = kv.block_size
     block_tables = kv.block_tables
@@ -98,11 +100,14 @@ def prepare_forward_batch(
             sample_idx.append(token_start - 1)
     num_tokens = token_start
 
-    # The one host buffer, then its views on the device.
+    # The one host buffer, then its views on the device. Each part starts 16-byte
+    # aligned (an even number of int64s in): Triton specializes kernels on pointer
+    # alignment, and parts at varying alignment would compile variants mid-run.
     sizes = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * max_blocks, len(sample_idx))
+    padded = [size + size % 2 for size in sizes]
     pinned = torch.device(device).type == "cuda"
-    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=pinned)
-    host_parts = np.split(host.numpy(), np.cumsum(sizes)[:-1])
+    host = torch.empty(sum(padded), dtype=torch.int64, pin_memory=pinned)
+    host_parts = [part[:size] for part, size in zip(np.split(host.numpy(), np.cumsum(padded)[:-1]), sizes)]
     np.concatenate(ids_parts, out=host_parts[0])
     np.concatenate(pos_parts, out=host_parts[1])
     np.concatenate(slot_parts, out=host_parts[2])
@@ -112,7 +117,9 @@ def prepare_forward_batch(
     host_parts[5][:] = tables.reshape(-1)
     host_parts[6][:] = sample_idx
     buffer = host.to(device, non_blocking=True)
-    input_ids, positions, slots, starts, seq_lens, flat_tables, samples = torch.split(buffer, sizes)
+    input_ids, positions, slots, starts, seq_lens, flat_tables, samples = (
+        part[:size] for part, size in zip(torch.split(buffer, padded), sizes)
+    )
     device_tables = flat_tables.view(num_seqs, max_blocks)
 
     prefills = tuple(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ class ModelRunnerOutput:
     token_ids: list[int]
     sampler_output: SamplerOutput | None
     swap_bytes: int = 0
-    swap_seconds: float = 0.0
+    swap_seconds: float = 0.0  # host clock; 0 on CUDA, where swaps are asynchronous
     num_prefill_tokens: int = 0  # prompt (or recompute) tokens in the forward pass
 
 
@@ -51,20 +52,14 @@ class ModelRunner:
         self.backend = model.attention_backend
         # Unseeded rows draw their noise on the device; seeded rows from their own generator.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
+        # Swaps not yet reported: (bytes, host seconds, CUDA start/end events or None).
+        self._swap_timings: deque[tuple[int, float, tuple | None]] = deque()
 
     # -------------------------------------------------------------- execution
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Swap, run the forward pass over the scheduled tokens, sample."""
-        swap_bytes = 0
-        swap_started = time.perf_counter()
-        if out.swap_out:
-            swap_bytes += self.kv_cache.swap_out(out.swap_out)
-        if out.swap_in:
-            swap_bytes += self.kv_cache.swap_in(out.swap_in)
-        # On CUDA the copies are asynchronous (see KVCache): their time is not known here.
-        is_timed = swap_bytes and self.device.type == "cpu"
-        swap_seconds = time.perf_counter() - swap_started if is_timed else 0.0
+        swap_bytes, swap_seconds = self._swap(out)
         if not out.requests:
             return ModelRunnerOutput([], [], None, swap_bytes, swap_seconds)
         batch = prepare_forward_batch(out, self.kv_manager, self.device)
@@ -92,6 +87,40 @@ class ModelRunner:
             swap_seconds,
             batch.num_prefill_tokens,
         )
+
+    def _swap(self, out: SchedulerOutput) -> tuple[int, float]:
+        """The step's swap copies: (bytes, seconds on the host clock; 0 on CUDA).
+
+        On CUDA the copies are asynchronous (see KVCache), so they are timed with
+        events and reported by `finished_swaps` once the GPU has done them."""
+        if not (out.swap_out or out.swap_in):
+            return 0, 0.0
+        started = time.perf_counter()
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        num_bytes = self.kv_cache.swap_out(out.swap_out) + self.kv_cache.swap_in(out.swap_in)
+        if events is None:
+            seconds = time.perf_counter() - started
+            self._swap_timings.append((num_bytes, seconds, None))
+            return num_bytes, seconds
+        events[1].record()
+        self._swap_timings.append((num_bytes, 0.0, events))
+        return num_bytes, 0.0
+
+    def finished_swaps(self) -> list[tuple[int, float]]:
+        """(bytes, seconds) of each swap the device has finished since the last call."""
+        finished = []
+        while self._swap_timings:
+            num_bytes, seconds, events = self._swap_timings[0]
+            if events is not None:
+                if not events[1].query():
+                    break
+                seconds = events[0].elapsed_time(events[1]) / 1000
+            finished.append((num_bytes, seconds))
+            self._swap_timings.popleft()
+        return finished
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
         params = [r.sampling_params for r in requests]

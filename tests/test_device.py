@@ -110,3 +110,15 @@ def test_float16_on_cpu_takes_the_torch_paths():
     assert len(out.token_ids) == 4 and all(0 <= t < 49152 for t in out.token_ids)
     with pytest.raises(ValueError, match="no torch.float16 kernels"):
         LLM("dummy:smollm2-135m", dtype="float16", attention_backend="cpu", max_model_len=64, num_kv_blocks=16)
+
+
+def test_backend_choice_by_device_and_dtype():
+    """float64 on CUDA (exact parity runs) takes the torch backend: the Triton kernels
+    have no float64 dots. Neither choice touches a GPU, so this runs anywhere."""
+    from engine.attention import get_attention_backend
+
+    assert get_attention_backend("auto", "cuda", torch.float64).name == "torch"
+    with pytest.raises(ValueError, match="not torch.float64"):
+        get_attention_backend("triton", "cuda", torch.float64)
+    with pytest.raises(ValueError, match="runs on CPU tensors"):
+        get_attention_backend("cpu", "cuda", torch.float32)

@@ -33,7 +33,9 @@ def test_triton_backend_greedy_parity(name, tmp_path):
     # Lengths alone decide the schedule: with this seed the pool below preempts
     # four times by recompute and once by swap, whatever the model.
     prompts, max_tokens = mixed_workload(hf_model.config.vocab_size, num_prompts=8, seed=1)
-    expected = [hf_greedy(hf_model, p, n) for p, n in zip(prompts, max_tokens)]
+    hf_model = hf_model.to(DEVICE)  # the reference on the same device
+    with torch.device(DEVICE):
+        expected = [hf_greedy(hf_model, p, n) for p, n in zip(prompts, max_tokens)]
 
     llm = LLM(
         model_dir,

@@ -19,17 +19,20 @@ def get_attention_backend(
     name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> AttentionBackend:
     """The attention backend called `name` for `dtype` tensors on `device`; its
-    implementation is imported on demand. "auto" is "triton" on CUDA, else "cpu"
-    where the native kernels build and have the dtype, else "torch"."""
+    implementation is imported on demand. "auto" is "triton" on CUDA (except for
+    float64), else "cpu" where the native kernels build and have the dtype, else "torch"."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cuda":
-            name = "triton"
+            # float64 (exact parity runs) has no tensor-core dots: the torch backend.
+            name = "torch" if dtype == torch.float64 else "triton"
         else:
             from engine.kernels import CPU_KERNEL_DTYPES, cpu_kernels_available
 
             name = "cpu" if dtype in CPU_KERNEL_DTYPES and cpu_kernels_available() else "torch"
     if name == "triton":
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"the triton attention backend runs float32, float16 and bfloat16, not {dtype}")
         if device.type == "cpu":
             from engine.envs import use_triton_interpreter
 

@@ -64,7 +64,9 @@ def _find_sequence(query_start_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# The batch size and the block tables' width change every step: specializing on their
+# values (== 1, divisible by 16) would compile variants mid-run for no gain.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _paged_attention_kernel(
     query_ptr,  # [N, H, Dh], rows and heads strided
     key_cache_ptr,  # [num_blocks, block_size, KvH, Dh], blocks strided
