@@ -19,8 +19,9 @@ Prompt = str | Sequence[int]
 class LLM:
     """Generate completions for a list of prompts with continuous batching.
 
-    `model` is "smollm2-135m" (the default), a Hugging Face model directory, or
-    a .gguf file.
+    `model` is "smollm2-135m" (the default), a Hugging Face model directory, a
+    .gguf file, or "dummy:<name>" (random weights at a real model's shapes, e.g.
+    "dummy:llama-3.1-8b"). `device="cuda"` runs it on a GPU (bfloat16 by default).
     """
 
     def __init__(
@@ -35,9 +36,10 @@ class LLM:
 
         An entry point: it configures this process (`engine.envs.configure_process`,
         with torch's thread count if `num_threads` is given) before the model loads.
-        `engine_kwargs` are the fields of EngineConfig (dtype, max_model_len,
+        `engine_kwargs` are the fields of EngineConfig (device, dtype, max_model_len,
         attention_backend, seed), CacheConfig (block_size, num_kv_blocks,
-        kv_cache_memory_bytes, num_swap_blocks, swap_space_bytes) and
+        kv_cache_memory_bytes, num_swap_blocks, swap_space_bytes,
+        gpu_memory_utilization) and
         SchedulerConfig (max_num_seqs, max_num_batched_tokens, preemption_mode,
         priority_aging_steps, admission_reserve_steps, long_prefill_token_threshold,
         and `scheduler_policy` for its policy), with their defaults and meaning
