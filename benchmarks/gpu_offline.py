@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from benchmarks.gpu_bandwidth import synchronize
-from benchmarks.offline_throughput import SystemResult, _check_lengths, _eos_disabled
+from benchmarks.offline_throughput import SystemResult, _check_lengths, run_hf_static
 from benchmarks.workload import BenchRequest, total_output_tokens
 
 ALL_SYSTEMS = ("baton-continuous", "baton-static", "hf-static", "hf-continuous")
@@ -198,45 +198,6 @@ def run_baton(policy: str, loaded, requests: list[BenchRequest], config: Offline
 
 
 # ----------------------------------------------------------------------------- transformers
-
-
-@torch.inference_mode()
-def run_hf_static(model, requests: list[BenchRequest], batch_size: int, device: torch.device) -> SystemResult:
-    """`model.generate` over consecutive batches in workload order, on `device`.
-
-    As benchmarks.offline_throughput.run_hf_static: a batch is left padded to its
-    longest prompt and decodes until its longest requested output; only each
-    request's own requested tokens are kept and counted.
-    """
-    from transformers import GenerationConfig
-
-    pad_token_id = model.generation_config.pad_token_id or 0
-    token_ids: list[list[int]] = []
-    with _eos_disabled(model):
-        synchronize(device)
-        start = perf_counter()
-        for lo in range(0, len(requests), batch_size):
-            batch = requests[lo: lo + batch_size]
-            max_prompt = max(r.num_prompt_tokens for r in batch)
-            input_ids = torch.full((len(batch), max_prompt), pad_token_id, dtype=torch.long)  # [B, S]
-            attention_mask = torch.zeros((len(batch), max_prompt), dtype=torch.long)  # [B, S]
-            for row, r in enumerate(batch):
-                input_ids[row, max_prompt - r.num_prompt_tokens:] = torch.tensor(r.prompt_token_ids)
-                attention_mask[row, max_prompt - r.num_prompt_tokens:] = 1
-            gen_config = GenerationConfig(
-                do_sample=False,
-                max_new_tokens=max(r.max_tokens for r in batch),
-                pad_token_id=pad_token_id,
-                eos_token_id=None,
-            )
-            out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                 generation_config=gen_config)  # [B, S + max_new_tokens]
-            generated = out[:, max_prompt:].cpu()
-            for row, r in enumerate(batch):
-                token_ids.append(generated[row, : r.max_tokens].tolist())
-        seconds = perf_counter() - start
-    _check_lengths("hf-static", token_ids, requests)
-    return SystemResult("hf-static", seconds, total_output_tokens(requests), token_ids, {"batch_size": batch_size})
 
 
 def hf_flash_attention_available() -> bool:

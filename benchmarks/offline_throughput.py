@@ -149,8 +149,10 @@ def _eos_disabled(model):
 
 
 @torch.inference_mode()
-def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> SystemResult:
-    """`model.generate` over consecutive batches in workload order.
+def run_hf_static(
+    model, requests: list[BenchRequest], batch_size: int, device: torch.device | str = "cpu"
+) -> SystemResult:
+    """`model.generate` over consecutive batches in workload order, on the model's `device`.
 
     A batch is left padded to its longest prompt and decodes until its longest
     requested output, as a static batcher must; only each request's own
@@ -160,7 +162,10 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> Syste
 
     pad_token_id = model.generation_config.pad_token_id or 0
     token_ids: list[list[int]] = []
+    is_cuda = torch.device(device).type == "cuda"
     with _eos_disabled(model):
+        if is_cuda:
+            torch.cuda.synchronize(device)
         start = perf_counter()
         for lo in range(0, len(requests), batch_size):
             batch = requests[lo : lo + batch_size]
@@ -177,9 +182,10 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> Syste
                 eos_token_id=None,
             )
             out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                generation_config=gen_config,
             )  # [B, S + max_new_tokens]
-            generated = out[:, max_prompt:]
+            generated = out[:, max_prompt:].cpu()  # the copy waits for the batch on a GPU
             for row, r in enumerate(batch):
                 token_ids.append(generated[row, : r.max_tokens].tolist())
         seconds = perf_counter() - start
