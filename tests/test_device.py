@@ -4,10 +4,20 @@ upload, and the fused ops chosen by device."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from baton.cli.local import REPO_ROOT, free_port
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, engine_config
 from engine.dummy_models import DUMMY_MODELS, dummy_model
@@ -122,3 +132,41 @@ def test_backend_choice_by_device_and_dtype():
         get_attention_backend("triton", "cuda", torch.float64)
     with pytest.raises(ValueError, match="runs on CPU tensors"):
         get_attention_backend("cpu", "cuda", torch.float32)
+
+
+def baton_up_streams_text(tmp_path, args: list[str]) -> None:
+    """`baton up --colocated` with `args` serves a streamed text request, then stops cleanly."""
+    port = free_port()
+    log_path = tmp_path / "baton-up.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--colocated", *args],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while "Baton is serving" not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()[-5000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-5000:]
+            time.sleep(0.5)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(
+                text="Tell me about GPUs.", sampling=pb.SamplingParams(temperature=0.0, max_tokens=12)
+            )
+            messages = list(stub.GenerateStream(request, timeout=300))
+        assert len(messages) > 1, "tokens are streamed one message at a time"
+        assert "".join(m.text for m in messages), "the dummy tokenizer decodes every id"
+        assert messages[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=120)
+    assert code == 0, log_path.read_text()[-5000:]
+
+
+@pytest.mark.timeout(900)
+def test_baton_up_serves_a_dummy_model_as_text(tmp_path):
+    """A dummy model end to end on CPU: the gateway tokenizes with the dummy tokenizer,
+    the worker builds the random model, text streams back."""
+    baton_up_streams_text(tmp_path, ["--model", "dummy:llama-3.2-1b", "--kv-cache-memory", "64M", "--threads", "2",
+                                     "--dtype", "bfloat16"])

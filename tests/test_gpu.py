@@ -9,20 +9,12 @@ streamed request through `baton up --colocated --device cuda`.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 
-import grpc
 import pytest
 import torch
 
-from baton.cli.local import REPO_ROOT, free_port
-from baton.wire.v1 import generation_pb2 as pb
-from baton.wire.v1 import generation_pb2_grpc
 from engine import LLM, SamplingParams
+from tests.test_device import baton_up_streams_text
 from tests.test_parity import TINY_CONFIGS, mixed_workload
 from tests.tiny_models import hf_greedy, make_tiny_model
 
@@ -85,30 +77,5 @@ def test_dummy_model_in_bfloat16_streams_tokens_and_is_seeded():
 
 
 def test_baton_up_colocated_on_cuda_answers_a_streamed_request(tmp_path):
-    port = free_port()
-    log_path = tmp_path / "baton-up.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--colocated", "--device", "cuda",
-             "--model", "dummy:llama-3.1-8b", "--gpu-memory-utilization", "0.8"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
-        deadline = time.monotonic() + 600
-        while "Baton is serving" not in log_path.read_text():
-            assert process.poll() is None, log_path.read_text()[-5000:]
-            assert time.monotonic() < deadline, log_path.read_text()[-5000:]
-            time.sleep(0.5)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            request = pb.GenerateRequest(
-                text="Tell me about GPUs.", sampling=pb.SamplingParams(temperature=0.0, max_tokens=32)
-            )
-            messages = list(stub.GenerateStream(request, timeout=300))
-        assert len(messages) > 1, "tokens are streamed one message at a time"
-        assert "".join(m.text for m in messages)
-        assert messages[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        code = process.wait(timeout=120)
-    assert code == 0, log_path.read_text()[-5000:]
+    baton_up_streams_text(tmp_path, ["--device", "cuda", "--model", "dummy:llama-3.1-8b",
+                                     "--gpu-memory-utilization", "0.8"])
