@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import torch
+
 from engine.attention.base import (
     AttentionBackend,
     AttentionBatch,
@@ -9,9 +13,6 @@ from engine.attention.base import (
     SequenceSpan,
     build_attention_batch,
 )
-
-import torch
-
 from engine.config import ATTENTION_BACKENDS
 
 
@@ -33,6 +34,8 @@ def get_attention_backend(
     if name == "triton":
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"the triton attention backend runs float32, float16 and bfloat16, not {dtype}")
+        if importlib.util.find_spec("triton") is None:
+            raise ImportError("the triton attention backend needs Triton: pip install 'baton[gpu]'")
         if device.type == "cpu":
             from engine.envs import use_triton_interpreter
 
