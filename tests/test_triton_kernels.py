@@ -9,15 +9,16 @@ see one middle layer's views and must leave the other layers' bytes alone.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from engine.envs import use_triton_interpreter
+
 triton = pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    use_triton_interpreter()
 
 from engine.kernels.triton_attention import choose_num_splits, paged_attention  # noqa: E402
 from engine.kernels.triton_ops import add_rms_norm, rms_norm, rope_and_store_kv  # noqa: E402
