@@ -175,7 +175,7 @@ def test_failed_receive_prefills_here_and_times_only_that_prefill(tiny):
     engine.add_prefilled_request(prompt, 7, SamplingParams(max_tokens=3, ignore_eos=True),
                                  request_id="failed", trace=True)
     engine.step()
-    time.sleep(0.2)  # a transfer that takes a while, then fails
+    time.sleep(1.0)  # a transfer that takes a while, then fails (long beside a tiny prefill, even on a busy box)
     assert engine.complete_kv_receive("failed", False)
     outputs = drain(engine)["failed"]
     events = events_of(outputs)
@@ -187,7 +187,7 @@ def test_failed_receive_prefills_here_and_times_only_that_prefill(tiny):
     assert all(c.is_recompute for c in chunks)
     assert kinds.count(FirstDecodeStep) == 1
     timings = outputs[-1].timings
-    assert timings.prefill_time is not None and timings.prefill_time < 0.2  # not the failed transfer
+    assert timings.prefill_time is not None and timings.prefill_time < 1.0  # not the failed transfer
     assert timings.queue_time >= 0
 
 
