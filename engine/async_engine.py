@@ -185,10 +185,23 @@ class AsyncEngine:
         self._streams[request_id] = stream
         try:
             await self.call(add)
+        except asyncio.CancelledError:
+            # The caller went away (a cancelled call), but its command is queued or has
+            # run: the request would live on with nobody to read or free it. Its abort,
+            # queued behind the add (commands run in order), ends it either way.
+            self._streams.pop(request_id, None)
+            self._abort_later(request_id)
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
         return stream
+
+    def _abort_later(self, request_id: str) -> None:
+        """Queue an abort of `request_id` without waiting for it (for callers being cancelled)."""
+        if self.is_alive:
+            assert self._loop is not None
+            self._commands.put((lambda engine: engine.abort_request(request_id), self._loop.create_future()))
 
     async def abort(self, request_id: str) -> bool:
         """End a request in any state and free its blocks; its stream ends with finish 'abort'."""
@@ -261,7 +274,9 @@ class AsyncEngine:
             stream = streams.get(output.request_id)
             if stream is None:
                 continue
-            if output.finished:
+            # A held request's output (its KV kept for a handoff) is its stream's last:
+            # `release_kv` later ends it without another, and its id may then be reused.
+            if output.finished or output.kv_block_ids is not None:
                 del streams[output.request_id]
             stream._put(output)
         if self._on_kv_receive is not None:
