@@ -13,6 +13,7 @@ Decode(prompt) alone, and the decode worker prefills it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -57,7 +58,13 @@ class Dispatcher:
             tracing.set_route(span, decode.address, prefill.address if prefill is not None else None)
         request = DecodeRequest(work)
         if prefill is not None:
-            result = await self._prefill(prefill, decode, work, time_remaining, trace_metadata)
+            try:
+                result = await self._prefill(prefill, decode, work, time_remaining, trace_metadata)
+            except asyncio.CancelledError:
+                # The worker may have held the KV just as the call was cancelled, and its
+                # answer is lost: drop the lease now, not at expiry.
+                self._background.spawn(self._release(prefill, work.request_id, trace_metadata))
+                raise
             if result is None and tracing.recording(span):
                 tracing.set_route(span, decode.address, None)  # the prefill worker was unreachable
             if result is not None:
@@ -67,7 +74,12 @@ class Dispatcher:
                     result.finish_reason,
                     stop_token_id=result.first_token_id if result.finish_reason == "stop" else None,
                 )
-                yield first  # TTFT does not wait for the handoff
+                try:
+                    yield first  # TTFT does not wait for the handoff
+                except BaseException:  # closed at the first token (client gone, stop string)
+                    if result.kv_handle is not None:
+                        self._background.spawn(self._release(prefill, work.request_id, trace_metadata))
+                    raise
                 if result.finish_reason is not None:
                     return
                 request = DecodeRequest(work, result.first_token_id, result.kv_handle)

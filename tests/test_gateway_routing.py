@@ -1,12 +1,19 @@
-"""The gateway's routing policy: when a prompt is prefilled on its decode worker."""
+"""The gateway's routing policy (when a prompt is prefilled on its decode worker), its
+worker pool, and the dispatcher's release of held KV when a stream ends early."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from baton.runtime.settings import GatewaySettings
-from baton.wire.records import WorkerStats
-from gateway.workers import RoutingPolicy
+from baton.wire.records import KvHandle, PrefillResult, WorkerStats
+from engine.sampling_params import SamplingParams
+from gateway.dispatch import Dispatcher
+from gateway.prepare import PreparedRequest
+from gateway.workers import RoutingPolicy, Worker
+from kvtransfer.layout import KvLayoutSpec
 
 DEFAULTS = RoutingPolicy.from_settings(GatewaySettings(decode_workers=("127.0.0.1:2",)))
 
@@ -170,3 +177,81 @@ def test_a_decode_worker_is_charged_blocks_of_its_own_size():
         await pool.close()
 
     asyncio.run(scenario())
+
+
+# --------------------------------------------------------------- KV released on early exits
+class _FakePrefillClient:
+    """Answers Prefill with a held KV handle (or never, when `block`), and records ReleaseKv."""
+
+    def __init__(self, block: bool = False) -> None:
+        self.block = block
+        self.started = asyncio.Event()
+        self.released: list[str] = []
+
+    async def prefill(self, work, timeout, metadata):
+        self.started.set()
+        if self.block:
+            await asyncio.Event().wait()
+        layout = KvLayoutSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=16, dtype="float64")
+        handle = KvHandle("p-0", "127.0.0.1:1", work.request_id, len(work.prompt_token_ids), 2, layout, 30.0)
+        return PrefillResult(first_token_id=7, kv_handle=handle)
+
+    async def release_kv(self, request_id, timeout, metadata):
+        self.released.append(request_id)
+        return True
+
+
+class _FakePool:
+    """One decode and one prefill worker, always chosen."""
+
+    def __init__(self, prefill_client) -> None:
+        self.decode = Worker("127.0.0.1:2", "decode", client=None, is_up=True)
+        self.prefill = Worker("127.0.0.1:1", "prefill", client=prefill_client, is_up=True)
+
+    def pick_decode(self, num_tokens):
+        return self.decode
+
+    def pick_prefill(self, num_tokens, decode):
+        return self.prefill
+
+
+async def _until(predicate, timeout_s: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def _prepared(request_id: str) -> PreparedRequest:
+    return PreparedRequest(request_id, [5, 6, 7, 8], SamplingParams(max_tokens=4), priority=0)
+
+
+def test_a_stream_closed_at_its_first_token_releases_the_held_kv():
+    """The client went away (or a stop string matched) at the first token, before the
+    decode call: the gateway drops the prefill worker's lease at once, not at expiry."""
+
+    async def scenario() -> list[str]:
+        client = _FakePrefillClient()
+        events = Dispatcher(_FakePool(client)).run(_prepared("closed-at-first"), lambda: 30.0)
+        first = await events.__anext__()
+        assert first.token_ids == [7]
+        await events.aclose()
+        await _until(lambda: client.released)
+        return client.released
+
+    assert asyncio.run(scenario()) == ["closed-at-first"]
+
+
+def test_a_stream_cancelled_during_its_prefill_call_releases_what_the_worker_may_hold():
+    async def scenario() -> list[str]:
+        client = _FakePrefillClient(block=True)
+        events = Dispatcher(_FakePool(client)).run(_prepared("cancelled-in-prefill"), lambda: 30.0)
+        task = asyncio.create_task(events.__anext__())
+        await client.started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: client.released)
+        return client.released
+
+    assert asyncio.run(scenario()) == ["cancelled-in-prefill"]
