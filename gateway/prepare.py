@@ -18,6 +18,11 @@ from engine.sampling_params import SamplingParams
 from gateway.errors import RequestError
 
 MAX_REQUEST_ID_LENGTH = 256
+# Characters of prompt text (or of all chat contents) per token of the model's context
+# that the gateway will tokenize at most: far past any real tokenizer's average, so no
+# prompt that could fit is refused, while a prompt far too long for the context is
+# refused before it costs seconds of tokenizing.
+MAX_CHARS_PER_TOKEN = 32
 CHAT_ROLES = ("system", "user", "assistant")
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -70,6 +75,14 @@ class RequestPreparer:
         if params.stop and self.tokenizer is None:
             raise RequestError(_INVALID, "stop strings need a model with a tokenizer")
 
+    def _check_length(self, num_chars: int, max_chars: int, what: str) -> None:
+        if num_chars > max_chars:
+            raise RequestError(
+                _INVALID,
+                f"{what} has {num_chars} characters; a prompt of the model's context "
+                f"({self.info.max_context_length} tokens) has at most {max_chars}",
+            )
+
     def _traced_tokenize(self, request: GenerateRequest, parent) -> list[int]:
         span = tracing.start_span("tokenize", parent, attributes={"baton.prompt.kind": request.prompt_kind or ""})
         try:
@@ -93,11 +106,14 @@ class RequestPreparer:
             return list(request.prompt)
         if self.tokenizer is None:
             raise RequestError(_INVALID, "this model has no tokenizer: send token_ids")
+        max_chars = self.info.max_context_length * MAX_CHARS_PER_TOKEN
         if kind == "text":
+            self._check_length(len(request.prompt), max_chars, "text")
             return self.tokenizer.encode(request.prompt) if request.prompt else []
         messages = [{"role": m.role, "content": m.content} for m in request.prompt]
         if not messages:
             raise RequestError(_INVALID, "messages is empty")
+        self._check_length(sum(len(m["content"]) for m in messages), max_chars, "the messages' contents")
         for message in messages:
             if message["role"] not in CHAT_ROLES:
                 raise RequestError(_INVALID, f"unknown chat role {message['role']!r}; use {', '.join(CHAT_ROLES)}")

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -45,6 +46,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Set by `load` (the gateway listens before its workers are up).
         self.preparer: RequestPreparer | None = None
         self._in_flight: set[str] = set()
+        # Tokenizing (and chat templates) run here, off the event loop: a long prompt
+        # must not stall every other call. One thread: a fast tokenizer object is not
+        # safe to use from several threads at once.
+        self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
 
@@ -76,7 +81,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prepared = stream = None
         failure: RequestError | None = None
         try:
-            prepared = self._prepare(message, span)
+            prepared = await self._prepare(message, span)
             stream = self._text_stream(prepared, context)
             async for delta in stream:
                 yield delta
@@ -98,9 +103,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     self._in_flight.discard(prepared.request_id)
                 self._end_span(span, failure)
 
-    def _prepare(self, message: pb.GenerateRequest, span) -> PreparedRequest:
+    async def _prepare(self, message: pb.GenerateRequest, span) -> PreparedRequest:
         """Read, validate and tokenize; raises RequestError. The request is then in flight."""
-        if self.preparer is None:
+        preparer = self.preparer
+        if preparer is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, _STARTING)
         try:
             request = convert.generate_request_from_pb(message)
@@ -109,11 +115,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         request_id = request.request_id or f"{self._prefix}-{next(self._ids)}"
         if request_id in self._in_flight:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
-        prepared = self.preparer.prepare(request, request_id, span)
+        self._in_flight.add(request_id)  # now, so that a twin arriving while this one tokenizes is refused
+        try:
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_executor, preparer.prepare, request, request_id, span
+            )
+        except BaseException:
+            self._in_flight.discard(request_id)
+            raise
         if tracing.recording(span):
             tracing.set_request(span, self.info.model, prepared.params, _OPERATIONS[request.prompt_kind],
                                 request_id, len(prepared.prompt_token_ids), prepared.priority)
-        self._in_flight.add(request_id)
         return prepared
 
     # ----------------------------------------------------------------- tracing

@@ -194,6 +194,10 @@ def test_deadline_exceeded_frees_everything(system, stub):
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "empty"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, VOCAB_SIZE + 3])), "outside the vocabulary"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 600)), "limit"),
+        # Far more text than the 512-token context holds: refused before tokenizing.
+        (pb.GenerateRequest(text="x" * 20_000), "characters"),
+        (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x" * 20_000)])),
+         "characters"),
         (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
         (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)), "top_p"),
         (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
