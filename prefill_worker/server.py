@@ -107,6 +107,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
                 convert.open_kv_channel_from_pb(request, self.settings.transfer_timeout_s))
         except KvLayoutMismatchError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except ValueError as error:  # a malformed rendezvous (after the layout: a subclass)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except KvTransferError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV channel rendezvous failed: {error}")
         return convert.kv_channel_opened_to_pb(opened)

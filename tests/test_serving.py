@@ -443,3 +443,35 @@ def test_messages_a_chat_template_rejects_are_invalid_argument(system, tiny_chat
         )
         assert len(stub.Generate(good, timeout=60).token_ids) == 3
     wait_for_idle(system)
+
+
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"timeout_seconds": 1e300}, "timeout_seconds"),  # was an OverflowError: UNKNOWN
+        ({"timeout_seconds": float("nan")}, "timeout_seconds"),
+        ({"timeout_seconds": -5.0}, "timeout_seconds"),
+        ({"store_port": 70000}, "store_port"),
+        ({"channel_id": ""}, "channel_id"),
+        ({"channel_id": "c" * 300}, "channel_id"),
+        ({"store_host": ""}, "store_host"),
+    ],
+)
+def test_a_malformed_kv_channel_rendezvous_is_invalid_argument(system, stub, fields, fragment):
+    """OpenKvChannel on the prefill worker, as a forged or broken peer would call it: refused
+    with INVALID_ARGUMENT naming the field, before any rendezvous; the system still serves."""
+    from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+
+    stats = system.stats("prefill")
+    layout = worker_pb2.KvLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=16, dtype="float64")
+    request = worker_pb2.OpenKvChannelRequest(
+        **{"channel_id": "probe", "store_host": "127.0.0.1", "store_port": 1, "layout": layout,
+           "decode_worker_id": "probe", "timeout_seconds": 1.0, **fields})
+    with grpc.insecure_channel(system.worker("prefill").address) as channel:
+        with pytest.raises(grpc.RpcError) as error:
+            worker_pb2_grpc.PrefillWorkerStub(channel).OpenKvChannel(request, timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert fragment in error.value.details()
+    assert system.stats("prefill").worker_id == stats.worker_id
+    tokens, _, _ = stream_all(stub, greedy_request(list(range(5, 20)), 3))
+    assert len(tokens) == 3

@@ -373,10 +373,24 @@ def open_kv_channel_to_pb(request: OpenKvChannel) -> worker_pb2.OpenKvChannelReq
     )
 
 
+# Longest rendezvous wait a peer may ask for (torch.distributed takes it as a timedelta).
+MAX_RENDEZVOUS_TIMEOUT_S = 3600.0
+MAX_CHANNEL_ID_LENGTH = 256
+
+
 def open_kv_channel_from_pb(message: worker_pb2.OpenKvChannelRequest, default_timeout_s: float) -> OpenKvChannel:
-    """KvLayoutMismatchError for a malformed layout; no timeout given: `default_timeout_s`."""
-    rendezvous = Rendezvous(message.channel_id, message.store_host, message.store_port,
-                            message.timeout_seconds or default_timeout_s)
+    """KvLayoutMismatchError for a malformed layout, ValueError for a malformed rendezvous;
+    no timeout given: `default_timeout_s`."""
+    timeout_s = message.timeout_seconds or default_timeout_s
+    if not 0.0 < timeout_s <= MAX_RENDEZVOUS_TIMEOUT_S:  # also NaN
+        raise ValueError(f"timeout_seconds must lie in (0, {MAX_RENDEZVOUS_TIMEOUT_S:g}], got {timeout_s}")
+    if not 0 < message.store_port < 65536:
+        raise ValueError(f"store_port must lie in [1, 65535], got {message.store_port}")
+    if not message.channel_id or len(message.channel_id) > MAX_CHANNEL_ID_LENGTH:
+        raise ValueError(f"channel_id must have 1 to {MAX_CHANNEL_ID_LENGTH} characters")
+    if not message.store_host:
+        raise ValueError("store_host is empty")
+    rendezvous = Rendezvous(message.channel_id, message.store_host, message.store_port, timeout_s)
     return OpenKvChannel(rendezvous, layout_from_pb(message.layout), message.decode_worker_id)
 
 
