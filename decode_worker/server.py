@@ -184,7 +184,7 @@ def _token_event(output: RequestOutput) -> TokenEvent:
     )
 
 
-def serve(settings: DecodeWorkerSettings) -> None:
-    """Run a decode worker in this process until SIGTERM."""
+def serve(settings: DecodeWorkerSettings) -> int:
+    """Run a decode worker in this process until SIGTERM; the exit code."""
     service = DecodeWorkerService(settings)
-    serve_worker(settings, service, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, SERVICE_NAME)
+    return serve_worker(settings, service, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, SERVICE_NAME)

@@ -78,6 +78,9 @@ class AsyncEngine:
     the event loop with each request's last output on this engine (the one
     carrying `timings`: finished, or held for a handoff), whether or not anyone
     still reads its stream, so a cancelled request is accounted for too.
+    `on_failure` is called on the event loop if the engine thread dies of an
+    error (a step raised): every stream has failed by then, and the engine
+    takes no more commands.
     """
 
     def __init__(
@@ -86,10 +89,12 @@ class AsyncEngine:
         *,
         on_kv_receive: Callable[[KvReceive], None] | None = None,
         on_last_output: Callable[[RequestOutput], None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_kv_receive = on_kv_receive
         self._on_last_output = on_last_output
+        self._on_failure = on_failure
         # (fn, future) pairs; None ends the thread.
         self._commands: queue.SimpleQueue[tuple[Callable, asyncio.Future] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -240,7 +245,7 @@ class AsyncEngine:
         except BaseException as error:  # the step is broken: fail every request, stay down
             logger.exception("engine thread failed")
             self._error = error
-            self._loop.call_soon_threadsafe(self._fail_streams, EngineDeadError(repr(error)))
+            self._loop.call_soon_threadsafe(self._fail, error)
         finally:
             # Commands queued after the loop ended would never run; fail their callers.
             error = EngineDeadError("engine stopped")
@@ -282,6 +287,11 @@ class AsyncEngine:
         if self._on_kv_receive is not None:
             for receive in step.kv_receives:
                 self._on_kv_receive(receive)
+
+    def _fail(self, error: BaseException) -> None:
+        self._fail_streams(EngineDeadError(repr(error)))
+        if self._on_failure is not None:
+            self._on_failure(error)
 
     def _fail_streams(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

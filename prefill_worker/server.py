@@ -140,7 +140,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             await events.aclose()
 
 
-def serve(settings: PrefillWorkerSettings) -> None:
-    """Run a prefill worker in this process until SIGTERM."""
+def serve(settings: PrefillWorkerSettings) -> int:
+    """Run a prefill worker in this process until SIGTERM; the exit code."""
     service = PrefillWorkerService(settings)
-    serve_worker(settings, service, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, SERVICE_NAME)
+    return serve_worker(settings, service, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, SERVICE_NAME)

@@ -95,8 +95,7 @@ def _serve_role(args: argparse.Namespace) -> int:
         from prefill_worker.server import serve
     else:
         from decode_worker.server import serve
-    serve(settings)
-    return 0
+    return serve(settings) or 0  # a worker whose engine failed exits 1
 
 
 if __name__ == "__main__":

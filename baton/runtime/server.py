@@ -106,9 +106,10 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def serve_until_signal(
-        self, on_shutdown: Callable[[], Awaitable[None]], grace_s: float
+        self, on_shutdown: Callable[[], Awaitable[None]], grace_s: float,
+        failed: asyncio.Event | None = None,
     ) -> None:
-        """Serve until SIGTERM or SIGINT, then shut down gracefully.
+        """Serve until SIGTERM or SIGINT (or until `failed` is set), then shut down gracefully.
 
         Health turns NOT_SERVING (load balancers stop routing here), new calls
         are refused, in-flight calls get `grace_s` seconds to finish before
@@ -119,7 +120,12 @@ class GrpcServer:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        await stop.wait()
+        waits = [asyncio.ensure_future(event.wait()) for event in (stop, failed) if event is not None]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        if failed is not None and failed.is_set():
+            logger.error("shutting down: the service failed")
         logger.info("shutting down: %.1f s grace for in-flight calls", grace_s)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)

@@ -86,6 +86,9 @@ class WorkerBase:
         self.model_info: ModelInfo | None = None
         self.layout: KvLayoutSpec | None = None
         self.metrics: WorkerMetrics | None = None  # set by load
+        # Set if the engine thread dies (a step raised): the worker then stops and exits
+        # non-zero, so that a supervisor restarts it, instead of staying up unable to serve.
+        self.failed = asyncio.Event()
 
     async def load(self, address: str) -> None:
         """Build and warm the engine off the event loop, then start its thread."""
@@ -96,9 +99,14 @@ class WorkerBase:
         self.layout = KvLayoutSpec.from_kv_layout(llm.kv_layout)
         self.metrics = WorkerMetrics(self.model_info.model, self.settings.role)
         self.engine = AsyncEngine(llm, on_kv_receive=self._on_kv_receive,
-                                  on_last_output=lambda output: self.metrics.record_timings(output.timings))
+                                  on_last_output=lambda output: self.metrics.record_timings(output.timings),
+                                  on_failure=self._on_engine_failure)
         self.engine.start()
         self.metrics.watch_engine(engine_snapshot(self.engine, asyncio.get_running_loop()))
+
+    def _on_engine_failure(self, error: BaseException) -> None:
+        logger.error("%s worker %s: the engine failed (%r); stopping", self.settings.role, self.worker_id, error)
+        self.failed.set()
 
     def _on_kv_receive(self, receive: KvReceive) -> None:
         raise AssertionError(f"{self.settings.role} worker got a KV receive")
@@ -164,9 +172,10 @@ class WorkerBase:
 
 
 async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service: Callable,
-                     service_name: str) -> None:
+                     service_name: str) -> int:
     """Serve one worker until SIGTERM: listen first (health NOT_SERVING), then load and
-    warm the model off the event loop, then turn SERVING."""
+    warm the model off the event loop, then turn SERVING. Returns the process's exit
+    code: 0 after SIGTERM, 1 if the engine failed."""
     server = GrpcServer(settings.listen, [service_name])
     add_service(service, server.server)
     await server.start()
@@ -179,16 +188,17 @@ async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service:
         logger.info("%s worker %s metrics on port %d", settings.role, settings.worker_id, port)
     await server.set_serving(True)
     logger.info("%s worker %s serving on %s", settings.role, settings.worker_id, address)
-    await server.serve_until_signal(service.stop, settings.grace_s)
+    await server.serve_until_signal(service.stop, settings.grace_s, service.failed)
+    return 1 if service.failed.is_set() else 0
 
 
-def serve_worker(settings: WorkerSettings, service: WorkerBase, add_service: Callable, service_name: str) -> None:
+def serve_worker(settings: WorkerSettings, service: WorkerBase, add_service: Callable, service_name: str) -> int:
     """A worker process's entry point: set up the process (torch threads, huge pages for
-    the cache and weights, uvloop, tracing), then serve until SIGTERM."""
+    the cache and weights, uvloop, tracing), then serve until SIGTERM; the exit code."""
     configure_process(settings.threads)
     install_uvloop()
     tracing.configure_tracing(f"{settings.role}-worker", settings.worker_id)
     try:
-        asyncio.run(run_worker(settings, service, add_service, service_name))
+        return asyncio.run(run_worker(settings, service, add_service, service_name))
     finally:
         tracing.shutdown_tracing()
