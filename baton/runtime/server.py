@@ -39,7 +39,14 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 3 * KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 ]
+# A peer that went away is dialled again at most RECONNECT_BACKOFF_MS after a failed
+# attempt: gRPC's default backoff grows to 120 s, so a worker back after a restart
+# rejoined only seconds to minutes later (5.7 s after 20 s down, in a test).
+RECONNECT_BACKOFF_MS = 1_000
 CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS // 4),
+    ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS // 4),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
