@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 MAX_TAG = 1 << TAG_BITS  # the header carries the full tag; wire tags wrap here anyway
 
 
+# Refusals of one send that leave the channel as it was: the lease is gone (NOT_FOUND),
+# the request's block count disagrees (INVALID_ARGUMENT). Any other status of a SendKv
+# call drops the channel.
+_CHANNEL_INTACT = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+
+
 @dataclass(frozen=True, slots=True)
 class ReceiveResult:
     """How one request's KV pull went."""
@@ -119,6 +125,10 @@ class KvReceiver:
                 pulled = await self._pull(peer, handle, block_ids, trace_metadata)
         except (KvTransferError, grpc.aio.AioRpcError, asyncio.TimeoutError, ValueError) as error:
             self.num_transfer_failures += 1
+            if isinstance(error, grpc.aio.AioRpcError) and error.code() not in _CHANNEL_INTACT:
+                # The peer may not know our channel any more (it restarted on its address:
+                # FAILED_PRECONDITION to every send, for good). The next pull opens a new one.
+                peer.drop_transport()
             message = _describe(error)
             logger.warning("KV pull of %s from %s failed: %s", handle.request_id, handle.prefill_address, message)
             return ReceiveResult(ok=False, error=message, seconds=time.perf_counter() - started)
