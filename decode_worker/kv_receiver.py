@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -81,6 +82,9 @@ class KvReceiver:
         self.timeout_s = timeout_s
         self.verify = verify
         self._peers: dict[str, _Peer] = {}
+        # Channel ids: unique to this process (a restarted worker keeps its worker id) and
+        # unguessable, since a prefill worker refuses to reopen a working channel's id.
+        self._channel_prefix = f"{worker_id}-{uuid.uuid4().hex[:12]}"
         self._channel_ids = itertools.count()
         # Counters (WorkerStats).
         self.num_transfers = 0
@@ -173,7 +177,7 @@ class KvReceiver:
     async def _open(self, peer: _Peer, trace_metadata) -> None:
         """Offer a channel to the prefill worker and wait until it has joined."""
         peer.drop_transport()
-        channel_id = f"{self.worker_id}-{next(self._channel_ids)}"
+        channel_id = f"{self._channel_prefix}-{next(self._channel_ids)}"
         offer = listen(channel_id, self.host, self.kv_cache.blocks.device, self.timeout_s)
         joining = asyncio.get_running_loop().run_in_executor(peer.executor, offer.accept)
         try:

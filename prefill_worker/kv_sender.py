@@ -52,6 +52,11 @@ class BlockCountMismatch(SendRefused):
     """The receiver allocated another number of blocks than are held."""
 
 
+class ChannelInUse(Exception):
+    """An OpenKvChannel naming a channel that is open and working: refused, the open one
+    kept (a decode worker opens each new channel under a new, unguessable id)."""
+
+
 @dataclass
 class _Channel:
     """An open channel to one decode worker; its transfers run one at a time on its thread."""
@@ -133,11 +138,15 @@ class KvSender:
     # ------------------------------------------------------------------ channels
     async def open_channel(self, request: OpenKvChannel) -> KvChannelOpened:
         """Join the channel a decode worker hosts. KvLayoutMismatchError if its cache blocks
-        differ from ours; KvTransferError if the rendezvous fails."""
+        differ from ours; ChannelInUse if a working channel has its id; KvTransferError if
+        the rendezvous fails."""
         self.layout.check_matches(request.layout)
         rendezvous = request.rendezvous
-        old = self._channels.pop(rendezvous.channel_id, None)
-        if old is not None:  # the decode worker reopened it (e.g. after a failed transfer)
+        old = self._channels.get(rendezvous.channel_id)
+        if old is not None and not old.transport.is_broken:
+            raise ChannelInUse(f"KV channel {rendezvous.channel_id!r} is open; a new channel needs a new id")
+        if old is not None:  # broken: the id may be opened again
+            del self._channels[rendezvous.channel_id]
             old.close()
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-send-{rendezvous.channel_id}")
         device = self.kv_cache.blocks.device

@@ -15,7 +15,15 @@ from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import KvHandle, PrefillResult, SendKvDone, WorkRequest
 from kvtransfer import KvLayoutMismatchError, KvTransferError
-from prefill_worker.kv_sender import AlreadySending, BlockCountMismatch, KvSender, NoChannel, NotHeld, SendRefused
+from prefill_worker.kv_sender import (
+    AlreadySending,
+    BlockCountMismatch,
+    ChannelInUse,
+    KvSender,
+    NoChannel,
+    NotHeld,
+    SendRefused,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +115,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
                 convert.open_kv_channel_from_pb(request, self.settings.transfer_timeout_s))
         except KvLayoutMismatchError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except ChannelInUse as error:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         except ValueError as error:  # a malformed rendezvous (after the layout: a subclass)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except KvTransferError as error:
