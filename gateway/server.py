@@ -15,7 +15,7 @@ from baton.wire.v1 import generation_pb2, generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
 from gateway.admin import GatewayAdminService
 from gateway.service import GenerationService
-from gateway.workers import RoutingPolicy, WorkerPool
+from gateway.workers import POLL_INTERVAL_S, RoutingPolicy, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,26 @@ async def run_gateway(settings: GatewaySettings) -> None:
     await server.set_serving(True)
     logger.info("gateway serving %s on %s (prefill: %s; decode: %s)", info.model, server.address,
                 ", ".join(settings.prefill_workers) or "none, colocated", ", ".join(settings.decode_workers))
-    await server.serve_until_signal(pool.close, settings.grace_s)
+    health = asyncio.create_task(_follow_decode_workers(pool, server))
+    try:
+        await server.serve_until_signal(pool.close, settings.grace_s)
+    finally:
+        health.cancel()
+
+
+async def _follow_decode_workers(pool: WorkerPool, server: GrpcServer) -> None:
+    """The gateway's health follows its decode workers: NOT_SERVING while none is up
+    (a load balancer then sends clients to another gateway), SERVING again when one is.
+    (Once shutdown has begun, health stays NOT_SERVING whatever this sets.)"""
+    serving = True
+    while True:
+        await asyncio.sleep(POLL_INTERVAL_S)
+        any_up = any(worker.is_up for worker in pool.decode)
+        if any_up != serving:
+            serving = any_up
+            logger.warning("gateway %s: %s", "serving again" if serving else "NOT_SERVING: no decode worker is up",
+                           ", ".join(worker.address for worker in pool.decode))
+            await server.set_serving(serving)
 
 
 def serve(settings: GatewaySettings) -> None:

@@ -56,3 +56,52 @@ def test_a_restarted_prefill_worker_takes_handoffs_again(tmp_path):
     finally:
         codes = deployment.stop()
     assert set(codes.values()) == {0}, deployment.logs()
+
+
+def gateway_health(gateway: str) -> int | None:
+    """The gateway's overall health status, None if it does not answer."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(gateway) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_for(predicate, timeout_s: float) -> float:
+    """Seconds until `predicate()` held; AssertionError after `timeout_s`."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, "timed out"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_the_gateway_is_not_serving_while_no_decode_worker_is_up(tmp_path):
+    """Its only decode worker killed (-9), the gateway turns NOT_SERVING, so that a load
+    balancer sends clients elsewhere; the worker back on its address, SERVING again."""
+    from grpc_health.v1 import health_pb2
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    _, model_dir = make_tiny_model(tmp_path / "model", "llama", 4, 2, 16, True, dtype=torch.float32)
+    deployment = start_deployment(model_dir, tmp_path / "logs", prefill=False,
+                                  worker_args=["--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "200"])
+    try:
+        assert gateway_health(deployment.gateway) == serving
+        old = deployment.worker("decode")
+        old.popen.kill()
+        old.popen.wait(timeout=30)
+        wait_for(lambda: gateway_health(deployment.gateway) == not_serving, timeout_s=10)
+
+        log = open(tmp_path / "logs" / "decode-restarted.log", "w")
+        restarted = Process("decode", old.address, subprocess.Popen(old.popen.args, stdout=log,
+                                                                     stderr=subprocess.STDOUT), log.name)
+        deployment.processes[deployment.processes.index(old)] = restarted
+        wait_serving(restarted.address, deployment, 300)
+        rejoined_s = wait_for(lambda: gateway_health(deployment.gateway) == serving, timeout_s=10)
+        assert rejoined_s < 2.0, f"serving again {rejoined_s:.1f} s after the worker was"
+        assert len(generate(deployment.gateway, list(range(10, 30)))) == 4
+    finally:
+        codes = deployment.stop()
+    assert set(codes.values()) == {0}, deployment.logs()
