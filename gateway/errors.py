@@ -1,14 +1,32 @@
-"""The one way a request fails in the gateway: with a gRPC status and a message."""
+"""The one way a request fails in the gateway: with a gRPC status, a message and,
+where they help the caller, details (the field at fault, when to retry)."""
 
 from __future__ import annotations
 
 import grpc
 
+from baton.wire.records import ErrorDetails, FieldError
+
 
 class RequestError(Exception):
-    """A request fails with this gRPC status (raised before or while it runs)."""
+    """A request fails with this gRPC status (raised before or while it runs).
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    `field`: the request field at fault, sent as a google.rpc.BadRequest;
+    `retry_after_s`: when the caller may try again, sent as a google.rpc.RetryInfo.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, *, field: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
+        self.error_details = ErrorDetails(((field, details),) if field is not None else (), retry_after_s)
+
+    @classmethod
+    def invalid(cls, error: FieldError | ValueError, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+                ) -> RequestError:
+        """A ValueError raised reading or checking a request, as INVALID_ARGUMENT (naming
+        the field when it is a FieldError)."""
+        if isinstance(error, FieldError):
+            return cls(code, str(error), field=error.field)
+        return cls(code, str(error))

@@ -20,7 +20,7 @@ import grpc
 
 from baton.runtime import tracing
 from baton.runtime.metrics import GatewayMetrics
-from baton.wire import convert
+from baton.wire import convert, status
 from baton.wire.records import ModelInfo, TextDelta
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
@@ -87,7 +87,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 yield delta
         except RequestError as error:
             failure = error
-            await context.abort(error.code, error.details)
+            await context.abort(error.code, error.details,
+                                trailing_metadata=status.error_trailers(error.code, error.details,
+                                                                        error.error_details))
         except (asyncio.CancelledError, GeneratorExit):
             failure = RequestError(grpc.StatusCode.CANCELLED, "the client cancelled")
             raise
@@ -111,7 +113,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             request = convert.generate_request_from_pb(message)
         except ValueError as error:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+            raise RequestError.invalid(error) from None
         request_id = request.request_id or f"{self._prefix}-{next(self._ids)}"
         if request_id in self._in_flight:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")

@@ -18,6 +18,30 @@ from engine.scheduler.stats import RecentStats
 from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.transport import Rendezvous
 
+# ------------------------------------------------------------------ errors
+class FieldError(ValueError):
+    """A request field holds a value Baton refuses. `field` is the field's path in the
+    request message ("params.temperature", "messages[2].role"), for the
+    google.rpc.BadRequest the caller gets with INVALID_ARGUMENT."""
+
+    def __init__(self, field: str, description: str) -> None:
+        super().__init__(f"{field}: {description}")
+        self.field = field
+        self.description = description
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorDetails:
+    """What an error status carries besides its code and message (google.rpc.Status
+    details): the fields at fault (BadRequest), and when to try again (RetryInfo)."""
+
+    field_violations: tuple[tuple[str, str], ...] = ()  # (field path, what is wrong)
+    retry_after_s: float | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.field_violations) or self.retry_after_s is not None
+
+
 # ------------------------------------------------------------------ public API
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
