@@ -105,14 +105,16 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         work, handle = request.request, request.kv_handle
         if handle is None:
             return await self.engine.add_request(work.request_id, work.prompt_token_ids, work.params,
-                                                 priority=work.priority, trace=traced)
+                                                 priority=work.priority, trace=traced,
+                                                 num_generated_tokens=work.num_generated_tokens)
         handle.layout.check_matches(self.layout)
         self._handles[work.request_id] = handle
         if span is not None:
             self._spans[work.request_id] = span
         return await self.engine.add_prefilled_request(work.request_id, work.prompt_token_ids,
                                                        request.first_token_id, work.params,
-                                                       priority=work.priority, trace=traced)
+                                                       priority=work.priority, trace=traced,
+                                                       num_generated_tokens=work.num_generated_tokens)
 
     def _forget(self, request_id: str) -> None:
         self._handles.pop(request_id, None)

@@ -145,6 +145,7 @@ class AsyncEngine:
         priority: int = 0,
         prefill_only: bool = False,
         trace: bool = False,
+        num_generated_tokens: int = 0,
     ) -> RequestStream:
         """Queue a request; raises ValueError on bad input (nothing is then queued)."""
         return await self._add(
@@ -156,6 +157,7 @@ class AsyncEngine:
                 priority=priority,
                 prefill_only=prefill_only,
                 trace=trace,
+                num_generated_tokens=num_generated_tokens,
             ),
         )
 
@@ -168,6 +170,7 @@ class AsyncEngine:
         *,
         priority: int = 0,
         trace: bool = False,
+        num_generated_tokens: int = 0,
     ) -> RequestStream:
         """Queue a request whose prompt KV will be received (see LLMEngine.add_prefilled_request)."""
         return await self._add(
@@ -179,6 +182,7 @@ class AsyncEngine:
                 request_id=request_id,
                 priority=priority,
                 trace=trace,
+                num_generated_tokens=num_generated_tokens,
             ),
         )
 

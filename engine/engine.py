@@ -106,6 +106,7 @@ class LLMEngine:
         priority: int = 0,
         prefill_only: bool = False,
         trace: bool = False,
+        num_generated_tokens: int = 0,
     ) -> Request:
         """Queue a request; it joins the batch at the next step. Raises ValueError on bad input.
 
@@ -115,8 +116,13 @@ class LLMEngine:
         `trace`, the request records its timeline (admission, each prefill chunk
         and the batch it ran in, preemptions, the first decode step; see
         engine.timeline) and its outputs carry it off in `events`.
+
+        `num_generated_tokens`: the prompt's last tokens that an earlier attempt at
+        the request generated elsewhere (it moved here when that worker was lost); a
+        seeded request's generator skips their draws, so its stream continues as if
+        undisturbed. The sampling limits are the caller's to count down.
         """
-        request = self._new_request(prompt, sampling_params, request_id, priority, trace)
+        request = self._new_request(prompt, sampling_params, request_id, priority, trace, num_generated_tokens)
         request.prefill_only = prefill_only
         self.scheduler.add_request(request)
         return request
@@ -130,6 +136,7 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         trace: bool = False,
+        num_generated_tokens: int = 0,
     ) -> Request:
         """Queue a request whose prompt another engine prefilled and sampled `first_token_id` for.
 
@@ -137,15 +144,13 @@ class LLMEngine:
         step's `kv_receives`; the caller fills them, then calls
         `complete_kv_receive`. It then decodes from the first token as if it
         had been prefilled here (a seeded request's generator skips the draw
-        the other engine made).
+        the other engine made; `num_generated_tokens` as in add_request).
         """
-        request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority, trace)
         self._check_token_ids([first_token_id])
+        request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority, trace,
+                                    num_generated_tokens + 1)
         request.all_token_ids.append(first_token_id)
         request.kv_remote = True
-        params = request.sampling_params
-        if request.generator is not None and not params.is_greedy:
-            skip_sample_draw(request.generator, self.vocab_size, self.config.dtype)
         self.scheduler.add_request(request)
         return request
 
@@ -170,7 +175,10 @@ class LLMEngine:
         request_id: str | None,
         priority: int,
         trace: bool = False,
+        num_draws_made: int = 0,
     ) -> Request:
+        """A new request; a seeded one's generator has skipped `num_draws_made` draws
+        (tokens sampled for it elsewhere)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_token_ids:
@@ -187,6 +195,8 @@ class LLMEngine:
         )
         if trace:
             request.events = []
+        if num_draws_made and request.generator is not None and not params.is_greedy:
+            skip_sample_draw(request.generator, self.vocab_size, self.config.dtype, num_draws_made)
         if params.stop and self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,

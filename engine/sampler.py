@@ -377,11 +377,16 @@ def _exp_noise(
     return uniform.log_().neg_()
 
 
-def skip_sample_draw(generator: torch.Generator, vocab_size: int, logits_dtype: torch.dtype) -> None:
-    """Advance a seeded request's generator past the one draw sampling a token makes,
-    as if this sampler had sampled it (another engine sampled the first token)."""
+def skip_sample_draw(generator: torch.Generator, vocab_size: int, logits_dtype: torch.dtype,
+                     num_draws: int = 1) -> None:
+    """Advance a seeded request's generator past the draws sampling `num_draws` tokens
+    makes, as if this sampler had sampled them (another engine sampled them: the first
+    token, or what an earlier attempt streamed). One draw at a time, as sampling makes
+    them, so the generator ends in the same state."""
     dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
-    _fill_uniform(torch.empty(vocab_size, dtype=dtype), generator)
+    noise = torch.empty(vocab_size, dtype=dtype)
+    for _ in range(num_draws):
+        _fill_uniform(noise, generator)
 
 
 def _fill_uniform(out: Tensor, generator: torch.Generator) -> Tensor:

@@ -70,6 +70,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             work = convert.work_request_from_pb(request.request)
             stream = await engine.add_request(work.request_id, work.prompt_token_ids, work.params,
                                               priority=work.priority, prefill_only=True,
+                                              num_generated_tokens=work.num_generated_tokens,
                                               trace=tracing.recording(span))
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

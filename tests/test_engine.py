@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -60,6 +62,38 @@ def test_seeded_sampling_identical_alone_and_in_busy_batch(tiny):
     got = run(busy)["seeded"]
     assert got == want
     assert len(set(got)) > 3  # really sampled, not greedy-like
+
+
+@pytest.mark.parametrize("prefilled", [False, True])
+def test_a_continued_request_goes_on_with_the_stream_it_had(tiny, prefilled):
+    """A request moved off a lost worker after k tokens: prompt + those k tokens, the
+    limits counted down and num_generated_tokens=k give the rest of the same stream, for
+    seeded sampling (the generator skips k draws) and greedy alike; also when the moved
+    request is prefilled elsewhere and handed over with its next token."""
+    _, model_dir = tiny
+    prompt = list(range(5, 25))
+    for params in (SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=16, min_tokens=10,
+                                  ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=16)):
+        undisturbed = make_engine(model_dir)
+        undisturbed.add_request(prompt, params, request_id="r")
+        want = run(undisturbed)["r"]
+        k = 6
+        rest = replace(params, max_tokens=params.max_tokens - k, min_tokens=max(0, params.min_tokens - k))
+        moved = make_engine(model_dir)
+        if prefilled:  # the next token was sampled by a prefill engine (draw k+1), then handed over
+            moved.add_prefilled_request(prompt + want[:k], want[k], rest, request_id="r2",
+                                        num_generated_tokens=k)
+            request = moved.get_request("r2")
+            moved.scheduler.schedule()  # admitted, RECEIVING; no KV arrives: it prefills here
+            moved.complete_kv_receive("r2", False)
+            got = [want[k], *run(moved)["r2"]]
+        else:
+            moved.add_request(prompt + want[:k], rest, request_id="r2", num_generated_tokens=k)
+            got = run(moved)["r2"]
+        assert want[:k] + got == want, params
+        if prefilled:
+            assert request.num_prompt_tokens == len(prompt) + k
 
 
 def test_step_api_streams_tokens_and_reports_finish(tiny):

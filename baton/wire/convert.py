@@ -19,6 +19,7 @@ from baton.wire.records import (
     ChatMessage,
     DecodeRequest,
     DeploymentStatus,
+    FieldError,
     GenerateRequest,
     KvChannelOpened,
     KvHandle,
@@ -229,16 +230,23 @@ def work_request_to_pb(work: WorkRequest) -> worker_pb2.WorkRequest:
         prompt_token_ids=work.prompt_token_ids,
         sampling=sampling_params_to_pb(work.params, with_stop_strings=False),
         priority=work.priority,
+        num_generated_tokens=work.num_generated_tokens,
     )
 
 
 def work_request_from_pb(message: worker_pb2.WorkRequest) -> WorkRequest:
-    """ValueError if its sampling is out of range."""
+    """ValueError if its sampling is out of range, or it claims more generated tokens
+    than its prompt has."""
+    if message.num_generated_tokens >= max(len(message.prompt_token_ids), 1):
+        raise FieldError("request.num_generated_tokens",
+                         f"{message.num_generated_tokens} generated tokens need a longer prompt than "
+                         f"{len(message.prompt_token_ids)} tokens")
     return WorkRequest(
         request_id=message.request_id,
         prompt_token_ids=list(message.prompt_token_ids),
         params=sampling_params_from_pb(message.sampling, with_stop_strings=False),
         priority=message.priority,
+        num_generated_tokens=message.num_generated_tokens,
     )
 
 
