@@ -9,11 +9,22 @@ Disaggregated:
 
 Colocated (no prefill worker up, or the routing policy keeps the prompt local):
 Decode(prompt) alone, and the decode worker prefills it.
+
+A request outlives its workers. When its decode worker is lost mid-stream (the
+stream breaks: killed, or draining and letting it go; or no token comes within the
+worker's stall timeout and the worker then fails a probe: frozen, or its engine
+thread stuck), the request moves: a new attempt runs on another decode worker with
+the prompt plus every token already streamed as its prompt (prefilled again on a
+prefill worker or there), the limits counted down and, for a seeded request, the
+generator's draws skipped (WorkRequest.continued). The client's stream goes on
+with the next token, none lost or repeated. A prefill worker lost while it
+prefills is given up the same way, and the prompt runs colocated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -29,13 +40,33 @@ from gateway.workers import Worker, WorkerPool
 logger = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 5.0
+# A request moves at most this many times: a request that takes down every worker it
+# lands on (a query of death) must not take down the whole fleet.
+DEFAULT_MAX_MIGRATIONS = 3
+# Codes a decode stream ends with when its worker, not the request, failed: the
+# connection broke (or the worker refused it, being down), or the worker, shutting
+# down, let the request go.
+_WORKER_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+class WorkerLost(Exception):
+    """The worker running a request died, stalled or let it go: the request moves."""
+
+    def __init__(self, worker: Worker, reason: str) -> None:
+        super().__init__(f"{worker.role} worker {worker.address} lost: {reason}")
+        self.worker = worker
+        self.reason = reason
 
 
 class Dispatcher:
-    """Routes each request to its workers and streams back what they generate."""
+    """Routes each request to its workers and streams back what they generate, moving
+    it to other workers when one is lost."""
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+                 on_migration: Callable[[], None] = lambda: None) -> None:
         self.pool = pool
+        self.max_migrations = max_migrations
+        self.on_migration = on_migration  # each move (for the metrics)
         self._background = BackgroundTasks()
 
     async def run(self, prepared: PreparedRequest,
@@ -43,16 +74,48 @@ class Dispatcher:
         """The request's tokens as they are produced; `time_remaining()` is the caller's
         deadline, passed on to each worker call. Closing the stream aborts the request
         on its workers."""
-        work = prepared.work()
+        work = attempt = prepared.work()
+        generated: list[int] = []  # streamed so far, over all attempts
+        lost: list[str] = []  # the decode workers this request was lost on
+        while True:
+            try:
+                async for event in self._attempt(attempt, prepared.span, time_remaining, frozenset(lost)):
+                    generated.extend(event.token_ids)
+                    yield event
+                return
+            except WorkerLost as error:
+                lost.append(error.worker.address)
+                if len(lost) > self.max_migrations:
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                       f"the request lost {len(lost)} decode workers; giving up "
+                                       f"(last: {error})") from None
+                if len(generated) >= work.params.max_tokens:  # lost as the last token came
+                    yield TokenEvent([], [], "length")
+                    return
+                attempt = work.continued(generated, f"{work.request_id}~{len(lost)}")
+                self.on_migration()
+                logger.warning("request %s: %s after %d tokens; moving it (attempt %s)", work.request_id,
+                               error, len(generated), attempt.request_id)
+                if tracing.recording(prepared.span):
+                    prepared.span.add_event("baton.migrate", {
+                        "baton.worker.address": error.worker.address, "baton.migrate.reason": error.reason,
+                        "baton.migrate.num_generated_tokens": len(generated),
+                    })
+
+    async def _attempt(self, work: WorkRequest, span, time_remaining: Callable[[], float | None],
+                       avoid: frozenset[str]) -> AsyncIterator[TokenEvent]:
+        """One attempt at the request on a decode worker not in `avoid` (and a prefill
+        worker); raises WorkerLost when the decode worker is lost."""
         num_prompt = len(work.prompt_token_ids)
-        decode = self.pool.pick_decode(num_prompt + 1)
+        decode = self.pool.pick_decode(num_prompt + 1, avoid)
         if decode is None:
             await self.pool.refresh_decode()
-            decode = self.pool.pick_decode(num_prompt + 1)
+            decode = self.pool.pick_decode(num_prompt + 1, avoid)
         if decode is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               "no other decode worker is serving; the request's worker was lost" if avoid
+                               else "no decode worker is serving")
         prefill = self.pool.pick_prefill(num_prompt, decode)
-        span = prepared.span
         trace_metadata = tracing.metadata(span)
         if tracing.recording(span):
             tracing.set_route(span, decode.address, prefill.address if prefill is not None else None)
@@ -66,7 +129,7 @@ class Dispatcher:
                 self._background.spawn(self._release(prefill, work.request_id, trace_metadata))
                 raise
             if result is None and tracing.recording(span):
-                tracing.set_route(span, decode.address, None)  # the prefill worker was unreachable
+                tracing.set_route(span, decode.address, None)  # the prefill worker was lost
             if result is not None:
                 first = TokenEvent(
                     [result.first_token_id],
@@ -89,10 +152,17 @@ class Dispatcher:
 
     async def _prefill(self, worker: Worker, decode: Worker, work: WorkRequest,
                        time_remaining: Callable[[], float | None], trace_metadata) -> PrefillResult | None:
-        """Prefill on `worker`; None if it is unreachable (the caller then runs colocated)."""
+        """Prefill on `worker`; None if it is unreachable or lost meanwhile (the caller
+        then runs colocated)."""
         worker.num_in_flight += 1
+        call = asyncio.ensure_future(worker.client.prefill(work, timeout=time_remaining(), metadata=trace_metadata))
         try:
-            return await worker.client.prefill(work, timeout=time_remaining(), metadata=trace_metadata)
+            if not await self._until_done_or_lost(worker, call):
+                call.cancel()  # reaches the worker if it comes back: it then frees the request
+                logger.warning("prefill worker %s lost; running %s colocated", worker.address, work.request_id)
+                self.pool.prefill_moved(worker, decode, len(work.prompt_token_ids))
+                return None
+            return call.result()
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 logger.warning("prefill worker %s unavailable; running %s colocated", worker.address,
@@ -107,22 +177,55 @@ class Dispatcher:
                                f"prefill worker {worker.address} sent an unusable KV handle: {error}") from None
         finally:
             worker.num_in_flight -= 1
+            if not call.done():
+                call.cancel()
+
+    async def _until_done_or_lost(self, worker: Worker, pending: asyncio.Future) -> bool:
+        """Wait for `pending`, a call on `worker`; False if the worker is lost first: it is
+        marked down (a failed poll, another call's failure), or `pending` has waited a
+        stall timeout and the worker then fails a probe. A worker that answers the probe
+        is alive (the call may be queued there) and the wait goes on."""
+        lost = asyncio.ensure_future(worker.lost.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait((pending, lost), timeout=worker.stall_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if pending in done:
+                    return True
+                if lost in done or not await self.pool.probe(worker):
+                    return pending.done()
+        finally:
+            lost.cancel()
 
     async def _decode(self, worker: Worker, request: DecodeRequest, holder: Worker | None,
                       time_remaining: Callable[[], float | None], trace_metadata) -> AsyncIterator[TokenEvent]:
         """Stream the decode worker's events; `holder` is the prefill worker holding the
-        request's KV, if it was handed off."""
-        events = worker.client.decode(request, timeout=time_remaining(), metadata=trace_metadata)
+        request's KV, if it was handed off. WorkerLost if the decode worker is lost."""
+        events = aiter(worker.client.decode(request, timeout=time_remaining(), metadata=trace_metadata))
         worker.num_in_flight += 1
         got_event = False
         try:
-            async for event in events:
+            while True:
+                next_event = asyncio.ensure_future(anext(events))
+                try:
+                    if not await self._until_done_or_lost(worker, next_event):
+                        raise WorkerLost(worker, "stalled: no token and no answer within "
+                                                 f"{worker.stall_timeout_s:.1f} s")
+                    event = next_event.result()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    if not next_event.done():
+                        next_event.cancel()  # the call ends: aborted on the worker, if it ever hears
+                        with contextlib.suppress(BaseException):
+                            await next_event  # done with `events` before it is closed below
                 got_event = True
                 yield event
         except grpc.aio.AioRpcError as error:
             code = error.code()
-            if code == grpc.StatusCode.UNAVAILABLE:
+            if code in _WORKER_LOST_CODES:
                 self.pool.mark_down(worker)
+                raise WorkerLost(worker, f"{code.name}: {error.details()}") from None
             raise RequestError(code, error.details() or "decode failed") from None
         finally:
             worker.num_in_flight -= 1

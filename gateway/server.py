@@ -25,8 +25,8 @@ ADMIN_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full
 
 async def run_gateway(settings: GatewaySettings) -> None:
     pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers),
-                      RoutingPolicy.from_settings(settings))
-    service = GenerationService(pool)
+                      RoutingPolicy.from_settings(settings), settings.stall_timeout_s)
+    service = GenerationService(pool, max_migrations=settings.max_migrations)
     admin = GatewayAdminService(pool)
     server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME])
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server.server)

@@ -25,7 +25,7 @@ from baton.wire.records import ModelInfo, TextDelta
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.detokenizer import IncrementalDetokenizer
-from gateway.dispatch import Dispatcher
+from gateway.dispatch import DEFAULT_MAX_MIGRATIONS, Dispatcher
 from gateway.errors import RequestError
 from gateway.prepare import PreparedRequest, RequestPreparer
 from gateway.workers import WorkerPool
@@ -40,8 +40,9 @@ _STARTING = "gateway is starting: no worker is serving yet"
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     """baton.v1.Generation over a pool of prefill and decode workers."""
 
-    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics | None = None) -> None:
-        self.dispatcher = Dispatcher(pool)
+    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics | None = None, *,
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+        self.dispatcher = Dispatcher(pool, max_migrations, self._count_migration)
         self.metrics = metrics  # None: not recorded
         # Set by `load` (the gateway listens before its workers are up).
         self.preparer: RequestPreparer | None = None
@@ -52,6 +53,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+
+    def _count_migration(self) -> None:
+        if self.metrics is not None:
+            self.metrics.migrations.inc()
 
     def load(self, tokenizer, info: ModelInfo) -> None:
         self.preparer = RequestPreparer(tokenizer, info)

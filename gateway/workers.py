@@ -13,6 +13,13 @@ what this gateway sent it since (so a burst between two polls spreads out):
 A worker that fails a poll or a call is marked down and skipped until a
 later poll finds it serving again (the poller's, or one a request makes when
 it finds no decode worker up).
+
+A worker that stops answering is lost, whether dead, frozen or its engine thread
+stuck: a GetStats waits for the engine thread, so one that does not answer within
+the worker's stall timeout (several of its recent steps, at least
+`--stall-timeout-s`) means no step is coming. Marking a worker down sets its
+`lost` event, which the requests running there wait on (gateway/dispatch.py
+moves them).
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ POLL_INTERVAL_S = 0.1
 POLL_TIMEOUT_S = 2.0
 # A request that found no decode worker up waits at most this long for a fresh poll.
 REFRESH_TIMEOUT_S = 0.5
+# A worker is stalled when it has not answered for this many of its recent mean step
+# times (and at least the configured minimum): a step far longer than the recent mean
+# (a long prefill chunk among decodes) must not count as a stall.
+STALL_STEPS = 50
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,24 @@ class Worker:
     pending_prefill_tokens: int = 0
     pending_blocks: int = 0
     num_in_flight: int = 0
+    min_stall_timeout_s: float = 1.0
+    # Set when the worker is marked down; a fresh one once it is back.
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def stall_timeout_s(self) -> float:
+        """How long this worker may leave a request or a poll unanswered before it counts
+        as stalled: STALL_STEPS of its recent mean step time, at least the minimum."""
+        recent = self.stats.recent
+        step_s = recent.seconds / recent.num_steps if recent is not None and recent.num_steps > 1 else 0.0
+        return max(self.min_stall_timeout_s, STALL_STEPS * step_s)
+
+    def set_up(self, up: bool) -> None:
+        if up and not self.is_up and self.lost.is_set():
+            self.lost = asyncio.Event()
+        elif not up:
+            self.lost.set()
+        self.is_up = up
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -100,10 +129,13 @@ class Worker:
 class WorkerPool:
     """A client for every configured worker, a background poller, and `pick_*`."""
 
-    def __init__(self, prefill_addresses: list[str], decode_addresses: list[str], policy: RoutingPolicy) -> None:
+    def __init__(self, prefill_addresses: list[str], decode_addresses: list[str], policy: RoutingPolicy,
+                 stall_timeout_s: float = 1.0) -> None:
         self.policy = policy
-        self.prefill = [Worker(address, "prefill", PrefillWorkerClient(address)) for address in prefill_addresses]
-        self.decode = [Worker(address, "decode", DecodeWorkerClient(address)) for address in decode_addresses]
+        self.prefill = [Worker(address, "prefill", PrefillWorkerClient(address), min_stall_timeout_s=stall_timeout_s)
+                        for address in prefill_addresses]
+        self.decode = [Worker(address, "decode", DecodeWorkerClient(address), min_stall_timeout_s=stall_timeout_s)
+                       for address in decode_addresses]
         self._poller: asyncio.Task | None = None
         self._refresh: asyncio.Future | None = None
 
@@ -160,23 +192,34 @@ class WorkerPool:
         except TimeoutError:
             pass
 
-    async def _poll(self, worker: Worker, timeout_s: float = POLL_TIMEOUT_S) -> None:
+    async def _poll(self, worker: Worker, timeout_s: float | None = None) -> bool:
+        """Poll `worker` (within its stall timeout, or `timeout_s`); whether it serves."""
+        if timeout_s is None:
+            timeout_s = max(POLL_TIMEOUT_S, worker.stall_timeout_s)
         try:
             stats = await worker.client.get_stats(timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             if worker.is_up:
                 logger.warning("%s worker %s is down: %s", worker.role, worker.address, error.code().name)
-            worker.is_up = False
-            return
+            worker.set_up(False)
+            return False
         if not worker.is_up and stats.serving:
             logger.info("%s worker %s (%s) is up", worker.role, worker.address, stats.worker_id)
-        worker.is_up = stats.serving
+        elif worker.is_up and not stats.serving:
+            logger.warning("%s worker %s is not serving (draining or failed)", worker.role, worker.address)
+        worker.set_up(stats.serving)
         worker.stats = stats
         worker.pending_prefill_tokens = 0
         worker.pending_blocks = 0
+        return stats.serving
+
+    async def probe(self, worker: Worker) -> bool:
+        """Whether `worker` still serves: it answers a poll within its stall timeout (a
+        request there has waited that long with no token; it may just be queued)."""
+        return await self._poll(worker, worker.stall_timeout_s)
 
     def mark_down(self, worker: Worker) -> None:
-        worker.is_up = False
+        worker.set_up(False)
 
     # ------------------------------------------------------------------ routing
     def pick_prefill(self, num_prompt_tokens: int, decode: Worker) -> Worker | None:
@@ -197,9 +240,11 @@ class WorkerPool:
         prefill.pending_prefill_tokens = max(0, prefill.pending_prefill_tokens - num_prompt_tokens)
         decode.pending_prefill_tokens += num_prompt_tokens
 
-    def pick_decode(self, num_tokens: int) -> Worker | None:
-        """The decode worker with the most free KV blocks; None when none is up."""
-        worker = min((w for w in self.decode if w.is_up), key=Worker.load_key, default=None)
+    def pick_decode(self, num_tokens: int, avoid: frozenset[str] = frozenset()) -> Worker | None:
+        """The decode worker with the most free KV blocks, but those at the `avoid`
+        addresses; None when none is up."""
+        worker = min((w for w in self.decode if w.is_up and w.address not in avoid), key=Worker.load_key,
+                     default=None)
         if worker is not None:
             worker.pending_blocks += worker.blocks_for(num_tokens)
         return worker

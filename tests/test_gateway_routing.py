@@ -1,16 +1,20 @@
 """The gateway's routing policy (when a prompt is prefilled on its decode worker), its
-worker pool, and the dispatcher's release of held KV when a stream ends early."""
+worker pool, the dispatcher's release of held KV when a stream ends early, and its
+moving of a request off a lost decode worker (with fake workers; tests/test_chaos.py
+kills real ones)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from baton.runtime.settings import GatewaySettings
-from baton.wire.records import KvHandle, PrefillResult, WorkerStats
+from baton.wire.records import KvHandle, PrefillResult, TokenEvent, WorkerStats
 from engine.sampling_params import SamplingParams
 from gateway.dispatch import Dispatcher
+from gateway.errors import RequestError
 from gateway.prepare import PreparedRequest
 from gateway.workers import RoutingPolicy, Worker
 from kvtransfer.layout import KvLayoutSpec
@@ -208,7 +212,7 @@ class _FakePool:
         self.decode = Worker("127.0.0.1:2", "decode", client=None, is_up=True)
         self.prefill = Worker("127.0.0.1:1", "prefill", client=prefill_client, is_up=True)
 
-    def pick_decode(self, num_tokens):
+    def pick_decode(self, num_tokens, avoid=frozenset()):
         return self.decode
 
     def pick_prefill(self, num_tokens, decode):
@@ -255,3 +259,125 @@ def test_a_stream_cancelled_during_its_prefill_call_releases_what_the_worker_may
         return client.released
 
     assert asyncio.run(scenario()) == ["cancelled-in-prefill"]
+
+
+# --------------------------------------------------------------- requests moved off lost workers
+class _FakeDecodeClient:
+    """Streams `tokens` one event each, then fails (`fail`: a gRPC code), hangs (`fail`:
+    "hang"), or ends with finish "length". Records each request it gets."""
+
+    def __init__(self, tokens: list[int], fail: grpc.StatusCode | str | None = None) -> None:
+        self.tokens = tokens
+        self.fail = fail
+        self.requests = []
+
+    async def decode(self, request, timeout, metadata):
+        self.requests.append(request)
+        for i, token in enumerate(self.tokens):
+            last = self.fail is None and i == len(self.tokens) - 1
+            yield TokenEvent([token], [], "length" if last else None)
+        if self.fail == "hang":
+            await asyncio.Event().wait()
+        elif self.fail is not None:
+            raise grpc.aio.AioRpcError(self.fail, grpc.aio.Metadata(), grpc.aio.Metadata(), "connection lost")
+
+
+class _DecodePool:
+    """Decode workers only (colocated), picked in order; a probe finds a worker alive
+    as its `alive` says."""
+
+    def __init__(self, *clients, stall_timeout_s: float = 0.05) -> None:
+        self.decode = [Worker(f"127.0.0.1:{i + 2}", "decode", client=client, is_up=True,
+                              min_stall_timeout_s=stall_timeout_s) for i, client in enumerate(clients)]
+        self.alive = {worker.address: True for worker in self.decode}
+
+    def pick_decode(self, num_tokens, avoid=frozenset()):
+        return next((w for w in self.decode if w.is_up and w.address not in avoid), None)
+
+    def pick_prefill(self, num_tokens, decode):
+        return None
+
+    async def refresh_decode(self):
+        pass
+
+    def mark_down(self, worker):
+        worker.set_up(False)
+
+    async def probe(self, worker):
+        if not self.alive[worker.address]:
+            worker.set_up(False)
+        return self.alive[worker.address]
+
+
+async def _collect(dispatcher, prepared) -> list[int]:
+    return [t async for event in dispatcher.run(prepared, lambda: 30.0) for t in event.token_ids]
+
+
+@pytest.mark.parametrize("failure", ["broken stream", "stalled worker", "drained worker"])
+def test_a_request_moves_off_a_lost_decode_worker_with_what_it_streamed(failure):
+    """The stream breaks (killed worker), the worker goes silent and fails a probe (frozen),
+    or it lets the request go (CANCELLED, draining): the request continues on the other
+    decode worker with the streamed tokens appended to its prompt, its limits counted
+    down, under a new attempt id; the client gets every token once."""
+    fail = {"broken stream": grpc.StatusCode.UNAVAILABLE, "stalled worker": "hang",
+            "drained worker": grpc.StatusCode.CANCELLED}[failure]
+
+    async def scenario():
+        lost, other = _FakeDecodeClient([100, 101], fail), _FakeDecodeClient([102, 103])
+        pool = _DecodePool(lost, other)
+        pool.alive[pool.decode[0].address] = failure != "stalled worker"
+        prepared = PreparedRequest("r", [5, 6, 7], SamplingParams(max_tokens=4, min_tokens=3, seed=9,
+                                                                  temperature=1.0), priority=0)
+        tokens = await _collect(Dispatcher(pool), prepared)
+        return tokens, other.requests, pool
+
+    tokens, requests, pool = asyncio.run(scenario())
+    assert tokens == [100, 101, 102, 103]
+    (moved,) = requests
+    work = moved.request
+    assert work.request_id == "r~1" and moved.kv_handle is None
+    assert work.prompt_token_ids == [5, 6, 7, 100, 101] and work.num_generated_tokens == 2
+    assert (work.params.max_tokens, work.params.min_tokens, work.params.seed) == (2, 1, 9)
+    assert not pool.decode[0].is_up and pool.decode[0].lost.is_set()
+
+
+def test_a_slow_worker_that_answers_its_probe_keeps_its_request():
+    """No token within the stall timeout, but the worker answers the probe (the request
+    is queued there): the request stays."""
+
+    class Slow(_FakeDecodeClient):
+        async def decode(self, request, timeout, metadata):
+            self.requests.append(request)
+            await asyncio.sleep(0.3)  # six stall timeouts
+            yield TokenEvent([100], [], "length")
+
+    async def scenario():
+        slow = Slow([])
+        pool = _DecodePool(slow, _FakeDecodeClient([1]))
+        tokens = await _collect(Dispatcher(pool), _prepared("slow"))
+        return tokens, slow.requests
+
+    tokens, requests = asyncio.run(scenario())
+    assert tokens == [100] and len(requests) == 1
+
+
+def test_no_other_decode_worker_is_a_clear_unavailable_and_moves_are_bounded():
+    async def alone():
+        pool = _DecodePool(_FakeDecodeClient([100], grpc.StatusCode.UNAVAILABLE))
+        return await _collect(Dispatcher(pool), _prepared("alone"))
+
+    with pytest.raises(RequestError) as error:
+        asyncio.run(alone())
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE and "no other decode worker" in error.value.details
+
+    async def query_of_death():  # every worker it lands on fails: at most max_migrations moves
+        clients = [_FakeDecodeClient([], grpc.StatusCode.UNAVAILABLE) for _ in range(4)]
+        pool = _DecodePool(*clients)
+        try:
+            await _collect(Dispatcher(pool, max_migrations=2), _prepared("deadly"))
+        finally:
+            assert [len(c.requests) for c in clients] == [1, 1, 1, 0]
+
+    with pytest.raises(RequestError) as error:
+        asyncio.run(query_of_death())
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE and "giving up" in error.value.details

@@ -63,6 +63,8 @@ class GatewayMetrics:
         finished = Counter("baton_requests_finished", "Finished requests by finish reason",
                            ["model", "finish_reason"], registry=r)
         self.finished = {reason: finished.labels(model, reason) for reason in FINISH_REASONS}
+        self.migrations = Counter("baton_request_migrations", "Requests moved off a lost worker (per move)",
+                                  labels, registry=r).labels(model)
 
     def record_request(self, *, arrival: float, token_times: list[float], finished_at: float,
                        num_prompt_tokens: int, finish_reason: str) -> None:

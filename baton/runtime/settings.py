@@ -319,6 +319,10 @@ class GatewaySettings:
                                                "(no handoff)")
     max_prefill_queue_tokens: int = setting(2048, "above this many queued prefill tokens, prompts go to a "
                                                   "decode worker with fewer queued (0: never)")
+    # Lost workers (gateway/workers.py, gateway/dispatch.py).
+    stall_timeout_s: float = setting(1.0, "a worker silent this long (or 50 of its recent steps, if longer) "
+                                          "and then failing a probe is lost: its requests move")
+    max_migrations: int = setting(3, "a request moves to another worker at most this many times")
     log_level: str = setting("INFO", "logging level")
 
     def __post_init__(self) -> None:
@@ -328,6 +332,10 @@ class GatewaySettings:
             raise ValueError("routing thresholds must be >= 0")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
+        if self.stall_timeout_s <= 0:
+            raise ValueError("stall_timeout_s must be positive")
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
 
 
 # ------------------------------------------------------------------ tracing
