@@ -17,6 +17,7 @@ from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import DecodeRequest, KvHandle, TokenEvent
 from decode_worker.kv_receiver import KvReceiver, ReceiveResult
+from engine.async_engine import EngineDeadError
 from engine.outputs import KvReceive, RequestOutput
 from kvtransfer import KvLayoutMismatchError
 
@@ -81,6 +82,9 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         except ValueError as error:
             self._forget(request_id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except EngineDeadError:
+            self._forget(request_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
 
         finished = False
         try:
@@ -94,6 +98,8 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 if output.finish_reason == "abort":
                     await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
                 yield _token_event(output)
+        except EngineDeadError:  # the gateway moves the request to another worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
         finally:
             self._forget(request_id)
             if not finished:

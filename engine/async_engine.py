@@ -21,6 +21,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -103,6 +104,10 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._stopping = False
         self.num_steps = 0
+        # time.monotonic() when the engine thread last came round its loop (after a step,
+        # or an idle wait of at most IDLE_WAIT_S): a stale one means a step or a command
+        # is stuck. Written by the engine thread, read anywhere.
+        self.heartbeat = time.monotonic()
 
     # --------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -120,6 +125,11 @@ class AsyncEngine:
         self._commands.put(None)
         await asyncio.to_thread(self._thread.join)
         self._fail_streams(EngineDeadError("engine stopped"))
+
+    @property
+    def num_streams(self) -> int:
+        """Requests whose outputs someone still reads (a held request's stream has ended)."""
+        return len(self._streams)
 
     @property
     def is_alive(self) -> bool:
@@ -224,6 +234,7 @@ class AsyncEngine:
         commands = self._commands
         try:
             while not self._stopping:
+                self.heartbeat = time.monotonic()
                 if not engine.has_work():
                     # Nothing to step: sleep until a command arrives.
                     try:

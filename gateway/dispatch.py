@@ -164,9 +164,9 @@ class Dispatcher:
                 return None
             return call.result()
         except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                logger.warning("prefill worker %s unavailable; running %s colocated", worker.address,
-                               work.request_id)
+            if error.code() in _WORKER_LOST_CODES:
+                logger.warning("prefill worker %s %s; running %s colocated", worker.address,
+                               error.code().name, work.request_id)
                 self.pool.mark_down(worker)
                 self.pool.prefill_moved(worker, decode, len(work.prompt_token_ids))
                 return None

@@ -54,7 +54,7 @@ async def run_gateway(settings: GatewaySettings) -> None:
                 ", ".join(settings.prefill_workers) or "none, colocated", ", ".join(settings.decode_workers))
     health = asyncio.create_task(_follow_decode_workers(pool, server))
     try:
-        await server.serve_until_signal(pool.close, settings.grace_s)
+        await server.serve_until_signal(pool.close, settings.grace_s, drain=service.drain)
     finally:
         health.cancel()
 

@@ -53,6 +53,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self.draining = False  # SIGTERM: new requests are refused
+
+    async def drain(self) -> None:
+        """SIGTERM: return once no request is in flight (new calls are refused by then;
+        the caller bounds the wait)."""
+        self.draining = True
+        while self._in_flight:
+            await asyncio.sleep(0.05)
 
     def _count_migration(self) -> None:
         if self.metrics is not None:
@@ -115,6 +123,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         preparer = self.preparer
         if preparer is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, _STARTING)
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down: try another")
         try:
             request = convert.generate_request_from_pb(message)
         except ValueError as error:

@@ -104,10 +104,12 @@ class Worker:
         step_s = recent.seconds / recent.num_steps if recent is not None and recent.num_steps > 1 else 0.0
         return max(self.min_stall_timeout_s, STALL_STEPS * step_s)
 
-    def set_up(self, up: bool) -> None:
-        if up and not self.is_up and self.lost.is_set():
+    def set_up(self, up: bool, *, lost: bool = False) -> None:
+        """In rotation or not. `lost`: it did not answer (or broke a call), and requests
+        there move; one that answers it is not serving (draining) keeps its own."""
+        if up and self.lost.is_set():
             self.lost = asyncio.Event()
-        elif not up:
+        elif lost:
             self.lost.set()
         self.is_up = up
 
@@ -193,7 +195,7 @@ class WorkerPool:
             pass
 
     async def _poll(self, worker: Worker, timeout_s: float | None = None) -> bool:
-        """Poll `worker` (within its stall timeout, or `timeout_s`); whether it serves."""
+        """Poll `worker` (within its stall timeout, or `timeout_s`); whether it answered."""
         if timeout_s is None:
             timeout_s = max(POLL_TIMEOUT_S, worker.stall_timeout_s)
         try:
@@ -201,7 +203,7 @@ class WorkerPool:
         except grpc.aio.AioRpcError as error:
             if worker.is_up:
                 logger.warning("%s worker %s is down: %s", worker.role, worker.address, error.code().name)
-            worker.set_up(False)
+            worker.set_up(False, lost=True)
             return False
         if not worker.is_up and stats.serving:
             logger.info("%s worker %s (%s) is up", worker.role, worker.address, stats.worker_id)
@@ -211,15 +213,17 @@ class WorkerPool:
         worker.stats = stats
         worker.pending_prefill_tokens = 0
         worker.pending_blocks = 0
-        return stats.serving
+        return True
 
     async def probe(self, worker: Worker) -> bool:
-        """Whether `worker` still serves: it answers a poll within its stall timeout (a
-        request there has waited that long with no token; it may just be queued)."""
+        """Whether `worker` is alive: it answers a poll within its stall timeout (a request
+        there has waited that long with no token; it may just be queued, or the worker
+        draining)."""
         return await self._poll(worker, worker.stall_timeout_s)
 
     def mark_down(self, worker: Worker) -> None:
-        worker.set_up(False)
+        """`worker` broke a call: out of rotation, and the requests there move."""
+        worker.set_up(False, lost=True)
 
     # ------------------------------------------------------------------ routing
     def pick_prefill(self, num_prompt_tokens: int, decode: Worker) -> Worker | None:

@@ -14,6 +14,7 @@ from baton.runtime.worker import WorkerBase, serve_worker
 from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import KvHandle, PrefillResult, SendKvDone, WorkRequest
+from engine.async_engine import EngineDeadError
 from kvtransfer import KvLayoutMismatchError, KvTransferError
 from prefill_worker.kv_sender import (
     AlreadySending,
@@ -58,6 +59,9 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
     def extra_stats(self) -> dict:
         return self.sender.counters()
 
+    def num_in_flight(self) -> int:
+        return super().num_in_flight() + (len(self.sender.leases) if self.sender is not None else 0)
+
     # ----------------------------------------------------------------- prefill
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
         span = self._start_span("prefill", context, request.request.request_id,
@@ -74,8 +78,12 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
                                               trace=tracing.recording(span))
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except EngineDeadError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
         try:
             output = await stream.get()
+        except EngineDeadError:  # the gateway prefills elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
         except asyncio.CancelledError:
             # The gateway gave up (client cancel, deadline): nothing may stay behind.
             await engine.abort(work.request_id)

@@ -301,11 +301,11 @@ class _DecodePool:
         pass
 
     def mark_down(self, worker):
-        worker.set_up(False)
+        worker.set_up(False, lost=True)
 
     async def probe(self, worker):
         if not self.alive[worker.address]:
-            worker.set_up(False)
+            worker.set_up(False, lost=True)
         return self.alive[worker.address]
 
 

@@ -47,14 +47,35 @@ class Deployment:
 
     gateway: str
     processes: list[Process] = field(default_factory=list)
+    _env: dict[str, str] | None = None  # the processes' environment
 
     def worker(self, role: str) -> Process:
         return next(p for p in self.processes if p.role == role)
 
-    def stats(self, role: str) -> WorkerStats:
-        process = self.worker(role)
+    def workers(self, role: str) -> list[Process]:
+        return [p for p in self.processes if p.role == role]
+
+    def stats(self, role: str | Process) -> WorkerStats:
+        """A worker's stats: the first of `role`'s, or this process's."""
+        process = self.worker(role) if isinstance(role, str) else role
         with grpc.insecure_channel(process.address) as channel:
-            return worker_stats(channel, role, timeout=10)
+            return worker_stats(channel, process.role, timeout=10)
+
+    def restart(self, process: Process, timeout_s: float = 300.0) -> Process:
+        """Start `process` again, on its address with its arguments (after it exited or
+        was killed), and wait until it serves and the gateway routes to it."""
+        if process.popen.poll() is None:
+            process.popen.kill()
+            process.popen.wait()
+        log_path = None if process.log_path is None else process.log_path.with_suffix(".restarted.log")
+        log = None if log_path is None else open(log_path, "w")
+        popen = subprocess.Popen(process.popen.args, stdout=log, stderr=None if log is None else subprocess.STDOUT,
+                                 env=self._env)
+        restarted = Process(process.role, process.address, popen, log_path, process.metrics_port)
+        self.processes[self.processes.index(process)] = restarted
+        wait_serving(restarted.address, self, timeout_s)
+        wait_in_rotation(self.gateway, self, timeout_s)
+        return restarted
 
     def logs(self) -> str:
         return "\n".join(f"----- {p.role} ({p.address}) -----\n{p.log()[-6000:]}" for p in self.processes)
@@ -66,16 +87,18 @@ class Deployment:
                 process.popen.send_signal(signal.SIGTERM)
         codes = {}
         for process in reversed(self.processes):
+            key = process.role if process.role not in codes else f"{process.role} {process.address}"
             try:
-                codes[process.role] = process.popen.wait(timeout=timeout_s)
+                codes[key] = process.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 process.popen.kill()
-                codes[process.role] = process.popen.wait()
+                codes[key] = process.popen.wait()
         return codes
 
 
-def _spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str]) -> Process:
-    log_path = None if log_dir is None else log_dir / f"{role}.log"
+def _spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str], name: str | None = None,
+           ) -> Process:
+    log_path = None if log_dir is None else log_dir / f"{name or role}.log"
     log = None if log_path is None else open(log_path, "w")
     popen = subprocess.Popen(
         [sys.executable, "-m", "baton.cli", *args],
@@ -126,6 +149,7 @@ def start_deployment(
     *,
     gateway_address: str | None = None,
     prefill: bool = True,
+    num_decode: int = 1,
     worker_args: list[str] = (),
     prefill_args: list[str] = (),
     decode_args: list[str] = (),
@@ -152,20 +176,21 @@ def start_deployment(
     # decode worker in between (benchmarks/serving.py measures the split).
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     common = ["--model", model, "--threads", str(threads), *worker_args]
-    decode_address = f"127.0.0.1:{free_port()}"
+    decode_addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_decode)]
     gateway_address = gateway_address or f"127.0.0.1:{free_port()}"
-    deployment = Deployment(gateway_address)
-    gateway_args = ["gateway", "--listen", gateway_address, "--model", model, "--decode-workers", decode_address,
-                    *metrics_args(), *gateway_args]
+    deployment = Deployment(gateway_address, _env=env)
+    gateway_args = ["gateway", "--listen", gateway_address, "--model", model,
+                    "--decode-workers", ",".join(decode_addresses), *metrics_args(), *gateway_args]
     if prefill:
         prefill_address = f"127.0.0.1:{free_port()}"
         args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *common,
                 *metrics_args(), *prefill_args]
         deployment.processes.append(_spawn("prefill", args, log_dir, env))
         gateway_args += ["--prefill-workers", prefill_address]
-    args = ["decode-worker", "--listen", decode_address, "--worker-id", "decode-0", *common,
-            *metrics_args(), *decode_args]
-    deployment.processes.append(_spawn("decode", args, log_dir, env))
+    for i, decode_address in enumerate(decode_addresses):
+        args = ["decode-worker", "--listen", decode_address, "--worker-id", f"decode-{i}", *common,
+                *metrics_args(), *decode_args]
+        deployment.processes.append(_spawn("decode", args, log_dir, env, f"decode-{i}" if i else "decode"))
     deployment.processes.append(_spawn("gateway", gateway_args, log_dir, env))
     try:
         wait_serving(gateway_address, deployment, timeout_s)

@@ -76,11 +76,19 @@ def install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+# grpc.health.v1 answers for this service name whether the process is alive (its
+# engine steps, its loop turns), apart from whether it takes requests: a Kubernetes
+# liveness probe asks for it (restart the process), a readiness probe for "" (route
+# to it). A worker loading its model or draining is alive but not ready.
+LIVENESS_SERVICE = "liveness"
+
+
 class GrpcServer:
     """A grpc.aio server exposing `service_names`, grpc.health.v1 and server reflection.
 
-    Health starts NOT_SERVING for every service; call `set_serving(True)` once
-    the model is loaded and warm.
+    Readiness (health of "" and of every service) starts NOT_SERVING; call
+    `set_serving(True)` once the model is loaded and warm. Liveness
+    (LIVENESS_SERVICE) starts SERVING; `set_live(False)` when the process is stuck.
     """
 
     def __init__(self, address: str, service_names: Sequence[str]) -> None:
@@ -101,27 +109,31 @@ class GrpcServer:
 
     async def start(self) -> None:
         await self.set_serving(False)
+        await self.set_live(True)
         await self.server.start()
 
     async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        """Readiness: whether this process takes requests."""
         for name in ("", *self.service_names):
-            await self.health.set(name, status)
+            await self.health.set(name, _health_status(serving))
+
+    async def set_live(self, live: bool) -> None:
+        """Liveness: whether this process works at all (False: restart it)."""
+        await self.health.set(LIVENESS_SERVICE, _health_status(live))
 
     async def serve_until_signal(
         self, on_shutdown: Callable[[], Awaitable[None]], grace_s: float,
-        failed: asyncio.Event | None = None,
+        failed: asyncio.Event | None = None, drain: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Serve until SIGTERM or SIGINT (or until `failed` is set), then shut down gracefully.
 
-        Health turns NOT_SERVING (load balancers stop routing here), new calls
-        are refused, in-flight calls get `grace_s` seconds to finish before
-        they are cancelled (which aborts their requests), then `on_shutdown`
-        frees the rest.
+        Health turns NOT_SERVING (load balancers stop routing here). `drain`
+        then stops the service taking requests and returns once those in flight
+        are done, within `grace_s` seconds; the calls still running after that
+        are cancelled (which aborts their requests: a gateway moves a decode
+        worker's elsewhere), and `on_shutdown` frees the rest. Without `drain`,
+        new calls are refused at once and in-flight ones get `grace_s`. A
+        failed service gets no grace.
         """
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -131,13 +143,27 @@ class GrpcServer:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
+        await self.health.enter_graceful_shutdown()
         if failed is not None and failed.is_set():
             logger.error("shutting down: the service failed")
-        logger.info("shutting down: %.1f s grace for in-flight calls", grace_s)
-        await self.health.enter_graceful_shutdown()
+            grace_s = 0.0
+        elif drain is not None:
+            logger.info("draining: %.1f s grace for in-flight requests", grace_s)
+            try:
+                async with asyncio.timeout(grace_s):
+                    await drain()
+            except TimeoutError:
+                logger.warning("grace period over; cancelling the calls still in flight")
+            grace_s = 0.0
+        else:
+            logger.info("shutting down: %.1f s grace for in-flight calls", grace_s)
         await self.server.stop(grace_s)
         await on_shutdown()
         logger.info("stopped")
+
+
+def _health_status(serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def configure_logging(level: str = "INFO") -> None:

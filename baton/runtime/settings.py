@@ -257,6 +257,8 @@ class WorkerSettings:
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
     transfer_host: str = setting("127.0.0.1", "decode: host of the KV rendezvous store")
     grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
+    stall_report_s: float = setting(60.0, "liveness turns NOT_SERVING when the engine thread has been stuck "
+                                          "in a step this long")
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (0: any free one)",
                                        shown="off")
     log_level: str = setting("INFO", "logging level")
@@ -266,7 +268,7 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if not self.role:
             raise TypeError("use PrefillWorkerSettings or DecodeWorkerSettings")
-        for name in ("lease_s", "transfer_timeout_s", "threads"):
+        for name in ("lease_s", "transfer_timeout_s", "threads", "stall_report_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.grace_s < 0:

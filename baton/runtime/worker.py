@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -25,6 +26,8 @@ from engine.scheduler import SchedulerStats
 from kvtransfer import KvLayoutSpec
 
 logger = logging.getLogger(__name__)
+
+DRAIN_POLL_S = 0.05
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -89,6 +92,9 @@ class WorkerBase:
         # Set if the engine thread dies (a step raised): the worker then stops and exits
         # non-zero, so that a supervisor restarts it, instead of staying up unable to serve.
         self.failed = asyncio.Event()
+        # SIGTERM: no new requests (GetStats says not serving, so gateways route
+        # elsewhere), those in flight finish.
+        self.draining = False
 
     async def load(self, address: str) -> None:
         """Build and warm the engine off the event loop, then start its thread."""
@@ -116,9 +122,48 @@ class WorkerBase:
             await self.engine.stop()
 
     async def _require_engine(self, context) -> AsyncEngine:
+        """The engine, for a call that brings a request (UNAVAILABLE while the worker
+        cannot take one: loading, draining, stopped or failed)."""
         if self.engine is None or not self.engine.is_alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not ready (model loading or stopped)")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down)")
         return self.engine
+
+    # ------------------------------------------------------------- lifecycle
+    def num_in_flight(self) -> int:
+        """Requests this worker still owes an answer: their streams are open (a prefill
+        worker adds the KV waiting to be pulled)."""
+        return self.engine.num_streams if self.engine is not None and self.engine.is_alive else 0
+
+    async def drain(self) -> None:
+        """Stop taking requests; return once those in flight are done (the caller bounds
+        the wait)."""
+        self.draining = True
+        logger.info("%s worker %s draining: %d requests in flight", self.settings.role, self.worker_id,
+                    self.num_in_flight())
+        while self.num_in_flight():
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def watch_engine_thread(self, server: GrpcServer) -> None:
+        """Liveness follows the engine thread: NOT_SERVING (and an error logged) while it
+        has not come round its loop for --stall-report-s seconds (a step or a command is
+        stuck: restart the worker), SERVING again if it recovers."""
+        limit_s = self.settings.stall_report_s
+        stalled = False
+        while True:
+            await asyncio.sleep(min(1.0, limit_s / 4))
+            engine = self.engine
+            silent_s = time.monotonic() - engine.heartbeat
+            if (engine.is_alive and silent_s > limit_s) != stalled:
+                stalled = not stalled
+                if stalled:
+                    logger.error("%s worker %s: the engine thread has not come round for %.0f s; "
+                                 "liveness NOT_SERVING", self.settings.role, self.worker_id, silent_s)
+                else:
+                    logger.warning("%s worker %s: the engine thread is stepping again", self.settings.role,
+                                   self.worker_id)
+                await server.set_live(not stalled)
 
     async def GetModelInfo(self, request, context):
         await self._require_engine(context)
@@ -139,7 +184,7 @@ class WorkerBase:
             worker_id=self.worker_id,
             role=self.settings.role,
             model=self.model_info.model,
-            serving=engine.is_alive,
+            serving=engine.is_alive and not self.draining,
             block_size=self.layout.block_size,
             kv_block_bytes=self.layout.bytes_per_block,
             max_num_seqs=scheduler.max_num_seqs,
@@ -188,7 +233,11 @@ async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service:
         logger.info("%s worker %s metrics on port %d", settings.role, settings.worker_id, port)
     await server.set_serving(True)
     logger.info("%s worker %s serving on %s", settings.role, settings.worker_id, address)
-    await server.serve_until_signal(service.stop, settings.grace_s, service.failed)
+    watchdog = asyncio.create_task(service.watch_engine_thread(server))
+    try:
+        await server.serve_until_signal(service.stop, settings.grace_s, service.failed, service.drain)
+    finally:
+        watchdog.cancel()
     return 1 if service.failed.is_set() else 0
 
 

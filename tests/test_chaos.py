@@ -1,0 +1,202 @@
+"""Chaos over real processes: workers killed (-9), frozen (SIGSTOP) and stopped (SIGTERM)
+while streams run, and streams cancelled at random moments.
+
+One deployment for the module: a gateway, a prefill worker and two decode workers
+(every prompt handed off). A victim is restarted (or resumed) after its scenario,
+and every scenario ends with no KV block used and no handoff pending on any worker.
+What must hold: every stream completes with the tokens of an undisturbed run
+(greedy and seeded alike); the recovery time (the victim's loss to the moved
+streams' next token) is printed. benchmarks/chaos.py runs the long versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import grpc
+import pytest
+import torch
+
+from baton.cli.local import Deployment, Process, start_deployment
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.timeout(900)
+
+NUM_STREAMS = 16
+MAX_TOKENS = 160
+WORKER_ARGS = ["--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "800",
+               "--transfer-timeout-s", "3", "--lease-s", "5", "--grace-s", "0.2"]
+GATEWAY_ARGS = ["--max-prefill-queue-tokens", "0", "--stall-timeout-s", "1"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("chaos")
+    _, model_dir = make_tiny_model(directory / "model", "llama", 4, 2, 16, True, dtype=torch.float32)
+    deployment = start_deployment(model_dir, directory / "logs", num_decode=2, worker_args=WORKER_ARGS,
+                                  gateway_args=GATEWAY_ARGS)
+    yield deployment
+    for process in deployment.processes:
+        if process.popen.poll() is None:
+            os.kill(process.popen.pid, signal.SIGCONT)
+    deployment.stop()
+
+
+def request(i: int, max_tokens: int = MAX_TOKENS) -> pb.GenerateRequest:
+    """Stream i: greedy, or (every fourth) seeded sampling; always max_tokens long."""
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    if i % 4 == 3:
+        sampling = pb.SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=max_tokens,
+                                     ignore_eos=True)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(10 + i, 50 + 2 * i))), sampling=sampling)
+
+
+class Streams:
+    """NUM_STREAMS concurrent streams through the gateway: each one's tokens and their
+    arrival times."""
+
+    def __init__(self) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(NUM_STREAMS)]
+        self.times: list[list[float]] = [[] for _ in range(NUM_STREAMS)]
+
+    async def run(self, gateway: str, disturb=None, when_tokens: int = 5) -> float | None:
+        """Run them all; once every stream has `when_tokens` tokens (0: at once), call
+        `disturb()` in a thread. Returns what it returns (when it struck, time.monotonic())."""
+        async with grpc.aio.insecure_channel(gateway) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one(i: int) -> None:
+                async for message in stub.GenerateStream(request(i), timeout=120):
+                    self.tokens[i].extend(message.token_ids)
+                    self.times[i].extend([time.monotonic()] * len(message.token_ids))
+
+            streams = asyncio.gather(*(one(i) for i in range(NUM_STREAMS)))
+            disturbed_at = None
+            if disturb is not None:
+                while min(len(t) for t in self.tokens) < when_tokens:
+                    assert not streams.done(), "the streams ended before the disturbance"
+                    await asyncio.sleep(0.005)
+                disturbed_at = await asyncio.to_thread(disturb)
+            await streams
+            return disturbed_at
+
+    def recovery_s(self, since: float) -> float:
+        """The longest wait for a token after `since` (the victim's loss): from `since` to
+        a stream's first token after it, or between two of its tokens."""
+        waits = [0.0]
+        for times in self.times:
+            after = [since] + [t for t in times if t >= since]
+            waits.extend(b - a for a, b in zip(after, after[1:]))
+        return max(waits)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(cluster) -> list[list[int]]:
+    streams = Streams()
+    asyncio.run(streams.run(cluster.gateway))
+    assert all(len(t) == MAX_TOKENS for t in streams.tokens)
+    return streams.tokens
+
+
+def wait_idle(deployment: Deployment, timeout_s: float = 30.0) -> float:
+    """Seconds until no worker holds a KV block, runs or waits a request, or has a handoff pending."""
+    start = time.monotonic()
+    while True:
+        stats = [deployment.stats(process) for process in deployment.processes if process.role != "gateway"]
+        if all(s.num_kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0
+               and s.num_kv_handoffs_pending == 0 for s in stats):
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, f"workers still hold work: {stats}\n{deployment.logs()}"
+        time.sleep(0.05)
+
+
+def busiest_decode(deployment: Deployment) -> Process:
+    return max(deployment.workers("decode"), key=lambda p: deployment.stats(p).num_running)
+
+
+@pytest.mark.parametrize("role,signum", [
+    ("decode", signal.SIGKILL), ("decode", signal.SIGSTOP),
+    ("prefill", signal.SIGKILL), ("prefill", signal.SIGSTOP),
+])
+def test_streams_survive_a_worker_killed_or_frozen(cluster, undisturbed, role, signum):
+    """Kill -9 or freeze a worker while 16 streams run (a decode worker mid-decode, the
+    prefill worker as the prompts arrive): every stream completes with the tokens of an
+    undisturbed run. A frozen worker, resumed, frees what it held; a killed one is
+    restarted; both are routed to again."""
+    victim: Process | None = None
+
+    def disturb() -> float:
+        nonlocal victim
+        victim = busiest_decode(cluster) if role == "decode" else cluster.worker("prefill")
+        if role == "decode":
+            assert cluster.stats(victim).num_running > 0
+        os.kill(victim.popen.pid, signum)
+        return time.monotonic()
+
+    streams = Streams()
+    disturbed_at = asyncio.run(streams.run(cluster.gateway, disturb, when_tokens=5 if role == "decode" else 0))
+    recovery = streams.recovery_s(disturbed_at)
+    print(f"\n{role} {signal.Signals(signum).name}: recovery {recovery:.2f} s")
+    assert streams.tokens == undisturbed, cluster.logs()
+    if signum == signal.SIGSTOP:
+        os.kill(victim.popen.pid, signal.SIGCONT)
+        from baton.cli.local import wait_in_rotation
+        wait_in_rotation(cluster.gateway, cluster, 60)
+    else:
+        cluster.restart(victim)
+    wait_idle(cluster)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill", "gateway"])
+def test_sigterm_lets_streams_finish_or_move_and_exits_0(cluster, undisturbed, role):
+    """SIGTERM on each role while streams run: the process turns NOT_SERVING, its streams
+    finish within the grace period or (decode) move to the other worker, and it exits 0."""
+    victim = busiest_decode(cluster) if role == "decode" else cluster.worker(role)
+
+    def disturb() -> float:
+        victim.popen.send_signal(signal.SIGTERM)
+        return time.monotonic()
+
+    streams = Streams()
+    struck = asyncio.run(streams.run(cluster.gateway, disturb, when_tokens=5 if role != "prefill" else 0))
+    done = time.monotonic()
+    assert streams.tokens == undisturbed, cluster.logs()
+    assert victim.popen.wait(timeout=60) == 0, cluster.logs()
+    print(f"\n{role} SIGTERM: streams done {done - struck:.2f} s after, exit 0 {time.monotonic() - struck:.2f} s after")
+    cluster.restart(victim)
+    wait_idle(cluster)
+
+
+def test_300_streams_cancelled_at_random_moments_leave_nothing_behind(cluster):
+    """Streams cancelled at random moments (before their prefill, during it, during the
+    transfer, mid-decode): soon after the last, no worker holds a block, a request or a
+    lease, and the system still serves."""
+    rng = random.Random(13)
+
+    async def storm() -> float:
+        async with grpc.aio.insecure_channel(cluster.gateway) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one(i: int) -> None:
+                call = stub.GenerateStream(request(i % NUM_STREAMS, max_tokens=400), timeout=120)
+                await asyncio.sleep(rng.uniform(0.0, 0.8))
+                call.cancel()
+
+            for wave in range(5):
+                await asyncio.gather(*(one(wave * 60 + i) for i in range(60)))
+        return time.monotonic()
+
+    last_cancel = asyncio.run(storm())
+    wait_idle(cluster, timeout_s=30)
+    idle_after = time.monotonic() - last_cancel
+    print(f"\nidle {idle_after:.2f} s after the last of 300 cancels")
+    assert idle_after < 5.0, f"took {idle_after:.1f} s to free everything"
+    streams = Streams()
+    asyncio.run(streams.run(cluster.gateway))
+    assert all(len(t) == MAX_TOKENS for t in streams.tokens)
