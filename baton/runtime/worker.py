@@ -16,7 +16,7 @@ from baton.runtime.server import GrpcServer, install_uvloop
 from baton.runtime.settings import WorkerSettings
 from baton.wire import convert
 from baton.wire.records import ModelInfo, WorkerStats
-from engine.async_engine import AsyncEngine
+from engine.async_engine import IDLE_WAIT_S, AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.envs import configure_process
@@ -149,7 +149,7 @@ class WorkerBase:
         """Liveness follows the engine thread: NOT_SERVING (and an error logged) while it
         has not come round its loop for --stall-report-s seconds (a step or a command is
         stuck: restart the worker), SERVING again if it recovers."""
-        limit_s = self.settings.stall_report_s
+        limit_s = max(self.settings.stall_report_s, 2 * IDLE_WAIT_S)  # an idle thread comes round that often
         stalled = False
         while True:
             await asyncio.sleep(min(1.0, limit_s / 4))
