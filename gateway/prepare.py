@@ -38,9 +38,13 @@ class PreparedRequest:
     priority: int
     arrival: float = field(default_factory=time.monotonic)  # for the latency metrics
     span: object | None = None  # its `generate` span (None: tracing off)
+    # The id the workers know it by (None: request_id): unique among every gateway's
+    # requests, where a client's own id need only be unique among its gateway's.
+    worker_request_id: str | None = None
 
     def work(self) -> WorkRequest:
-        return WorkRequest(self.request_id, self.prompt_token_ids, replace(self.params, stop=None), self.priority)
+        return WorkRequest(self.worker_request_id or self.request_id, self.prompt_token_ids,
+                           replace(self.params, stop=None), self.priority)
 
 
 class RequestPreparer:

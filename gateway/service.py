@@ -140,6 +140,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except BaseException:
             self._in_flight.discard(request_id)
             raise
+        if request.request_id:  # the client's own id: other gateways' clients may use it too
+            prepared.worker_request_id = f"{request_id}@{self._prefix}"
         if tracing.recording(span):
             tracing.set_request(span, self.info.model, prepared.params, _OPERATIONS[request.prompt_kind],
                                 request_id, len(prepared.prompt_token_ids), prepared.priority)

@@ -15,13 +15,14 @@ import asyncio
 import os
 import random
 import signal
+import subprocess
 import time
 
 import grpc
 import pytest
 import torch
 
-from baton.cli.local import Deployment, Process, start_deployment
+from baton.cli.local import Deployment, Process, free_port, start_deployment, wait_serving
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from tests.tiny_models import make_tiny_model
@@ -48,13 +49,14 @@ def cluster(tmp_path_factory):
     deployment.stop()
 
 
-def request(i: int, max_tokens: int = MAX_TOKENS) -> pb.GenerateRequest:
+def request(i: int, max_tokens: int = MAX_TOKENS, request_id: str = "") -> pb.GenerateRequest:
     """Stream i: greedy, or (every fourth) seeded sampling; always max_tokens long."""
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     if i % 4 == 3:
         sampling = pb.SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=max_tokens,
                                      ignore_eos=True)
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(10 + i, 50 + 2 * i))), sampling=sampling)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(10 + i, 50 + 2 * i))), sampling=sampling,
+                              request_id=request_id)
 
 
 class Streams:
@@ -200,3 +202,32 @@ def test_300_streams_cancelled_at_random_moments_leave_nothing_behind(cluster):
     streams = Streams()
     asyncio.run(streams.run(cluster.gateway))
     assert all(len(t) == MAX_TOKENS for t in streams.tokens)
+
+
+def test_two_gateways_front_the_same_workers(cluster, undisturbed, tmp_path):
+    """A gateway keeps nothing the workers need: a second one on the same workers serves
+    alongside the first, even when clients of both use the same request ids at once."""
+    first = cluster.worker("gateway")
+    args = list(first.popen.args)
+    address = args[args.index("--listen") + 1] = f"127.0.0.1:{free_port()}"
+    log = open(tmp_path / "gateway-2.log", "w")
+    second = Process("gateway", address, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                                          env=cluster._env), tmp_path / "gateway-2.log")
+    cluster.processes.append(second)
+    wait_serving(address, cluster, 120)
+
+    async def both() -> list[list[int]]:
+        async def one(gateway: str, i: int) -> list[int]:
+            async with grpc.aio.insecure_channel(gateway) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                return [t async for m in stub.GenerateStream(request(i, request_id=f"client-{i}"), timeout=120)
+                        for t in m.token_ids]
+
+        return await asyncio.gather(*(one(g, i) for g in (first.address, address) for i in range(8)))
+
+    tokens = asyncio.run(both())
+    assert tokens == undisturbed[:8] * 2, cluster.logs()
+    second.popen.send_signal(signal.SIGTERM)
+    assert second.popen.wait(timeout=60) == 0
+    cluster.processes.remove(second)
+    wait_idle(cluster)
