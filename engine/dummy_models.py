@@ -74,6 +74,15 @@ DUMMY_MODELS: dict[str, DummyModel] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
     }),
+    # Nothing real: a model that steps in milliseconds on a CPU, for benchmarks of the
+    # serving system itself (benchmarks/chaos.py).
+    "tiny": DummyModel("llama", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    }),
 }
 
 

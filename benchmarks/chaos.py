@@ -1,0 +1,278 @@
+"""Chaos benchmark: how a deployment rides out the loss of its workers, over real processes.
+
+One deployment: a gateway, a prefill worker and two decode workers (every prompt
+handed off), serving `--model` (default `dummy:tiny`, random weights that step in
+milliseconds: the figures are the serving system's, not the model's).
+
+    recovery  streams run while a worker is killed (-9) or frozen (SIGSTOP): decode
+              workers mid-decode, the prefill worker as prompts arrive. Each round
+              checks every stream against an undisturbed run and reports the recovery
+              time: the victim's loss to the moved streams' next token (the longest
+              token gap after it). Target: under 3 s.
+    soak      an open-loop stream of requests for `--soak-s` seconds (default 30 min),
+              a fraction cancelled at random moments, and every `--restart-every-s` a
+              worker stopped (SIGTERM and kill -9 in turn) and restarted. Reported: every
+              request's outcome by status (an unclear one, UNKNOWN or INTERNAL, is a
+              failure), the blocks still held after the run (target 0), and the RSS
+              growth of each process from its start to the end (target under 5%).
+
+    python -m benchmarks.chaos --out results/chaos            # 5 rounds each, 30-minute soak
+    python -m benchmarks.chaos --quick --out /tmp/chaos        # 1 round each, 60-second soak
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from baton.cli.local import Deployment, Process, start_deployment, wait_in_rotation
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
+
+SECTIONS = ("recovery", "soak")
+RECOVERY_TARGET_S = 3.0
+RSS_GROWTH_TARGET = 0.05
+CLEAR_CODES = {"OK", "CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
+VICTIMS = (("decode", signal.SIGKILL), ("decode", signal.SIGSTOP),
+           ("prefill", signal.SIGKILL), ("prefill", signal.SIGSTOP))
+
+
+def deploy(args, log_dir: Path) -> Deployment:
+    return start_deployment(
+        args.model, log_dir, num_decode=2, threads=args.threads,
+        worker_args=["--max-model-len", "1024", "--transfer-timeout-s", "3", "--lease-s", "5", "--grace-s", "1"],
+        gateway_args=["--max-prefill-queue-tokens", "0", "--stall-timeout-s", "1"],
+        env={"OTEL_SDK_DISABLED": "true"}, timeout_s=600,
+    )
+
+
+def request(i: int, max_tokens: int, vocab: int = 500) -> pb.GenerateRequest:
+    """Request i: greedy, or (every fourth) seeded sampling; always max_tokens long."""
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    if i % 4 == 3:
+        sampling = pb.SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True)
+    prompt = [10 + (i * 7 + j) % (vocab - 10) for j in range(40 + 3 * i)]
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+
+
+def wait_idle(deployment: Deployment, timeout_s: float) -> bool:
+    """Whether every worker gets to hold no block, request or handoff within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = [deployment.stats(p) for p in deployment.processes if p.role != "gateway"]
+        if all(s.num_kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0
+               and s.num_kv_handoffs_pending == 0 for s in stats):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# --------------------------------------------------------------------- recovery
+async def run_streams(gateway: str, num_streams: int, max_tokens: int, disturb=None, when_tokens: int = 0):
+    """Streams' tokens and token times; `disturb()` (in a thread) once each has
+    `when_tokens` tokens; returns (tokens, times, what disturb returned)."""
+    tokens = [[] for _ in range(num_streams)]
+    times = [[] for _ in range(num_streams)]
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def one(i: int) -> None:
+            async for message in stub.GenerateStream(request(i, max_tokens), timeout=300):
+                tokens[i].extend(message.token_ids)
+                times[i].extend([time.monotonic()] * len(message.token_ids))
+
+        streams = asyncio.gather(*(one(i) for i in range(num_streams)))
+        struck = None
+        if disturb is not None:
+            while min(len(t) for t in tokens) < when_tokens and not streams.done():
+                await asyncio.sleep(0.005)
+            struck = await asyncio.to_thread(disturb)
+        await streams
+    return tokens, times, struck
+
+
+def longest_gap_after(times: list[list[float]], since: float) -> float:
+    gaps = [0.0]
+    for stream in times:
+        after = [since] + [t for t in stream if t >= since]
+        gaps.extend(b - a for a, b in zip(after, after[1:]))
+    return max(gaps)
+
+
+def recovery_section(args, deployment: Deployment) -> dict:
+    expected, _, _ = asyncio.run(run_streams(deployment.gateway, args.streams, args.max_tokens))
+    result = {}
+    for role, signum in VICTIMS:
+        name = f"{role}-{signal.Signals(signum).name}"
+        rounds = []
+        for _ in range(args.rounds):
+            victim: list[Process] = []
+
+            def disturb() -> float:
+                if role == "decode":
+                    target = max(deployment.workers("decode"), key=lambda p: deployment.stats(p).num_running)
+                else:
+                    target = deployment.worker("prefill")
+                victim.append(target)
+                os.kill(target.popen.pid, signum)
+                return time.monotonic()
+
+            tokens, times, struck = asyncio.run(run_streams(
+                deployment.gateway, args.streams, args.max_tokens, disturb, 5 if role == "decode" else 0))
+            rounds.append({"recovery_s": longest_gap_after(times, struck), "tokens_equal": tokens == expected})
+            if signum == signal.SIGSTOP:
+                os.kill(victim[0].popen.pid, signal.SIGCONT)
+                wait_in_rotation(deployment.gateway, deployment, 120)
+            else:
+                deployment.restart(victim[0])
+            rounds[-1]["idle_after"] = wait_idle(deployment, 30)
+            print(f"  {name}: recovery {rounds[-1]['recovery_s']:.2f} s, tokens equal: "
+                  f"{rounds[-1]['tokens_equal']}", flush=True)
+        recoveries = sorted(r["recovery_s"] for r in rounds)
+        result[name] = {"rounds": rounds, "max_recovery_s": recoveries[-1],
+                        "median_recovery_s": recoveries[len(recoveries) // 2],
+                        "all_tokens_equal": all(r["tokens_equal"] for r in rounds),
+                        "all_idle_after": all(r["idle_after"] for r in rounds)}
+    result["target_met"] = all(v["max_recovery_s"] < RECOVERY_TARGET_S and v["all_tokens_equal"]
+                               for v in result.values() if isinstance(v, dict))
+    return result
+
+
+# ------------------------------------------------------------------------- soak
+async def soak_load(gateway: str, args, stop_at: float, outcomes: dict[str, int]) -> None:
+    """Open-loop Poisson arrivals until `stop_at`; a fraction cancelled at a random moment."""
+    rng = random.Random(args.seed)
+    pending: set[asyncio.Task] = set()
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def one(i: int) -> None:
+            call = stub.GenerateStream(request(i % 64, rng.randint(8, args.max_tokens)), timeout=120)
+            cancel_after = rng.uniform(0, 2.0) if rng.random() < args.cancel_fraction else None
+            try:
+                if cancel_after is None:
+                    async for _ in call:
+                        pass
+                else:
+                    await asyncio.sleep(cancel_after)
+                    call.cancel()
+                code = (await call.code()).name
+            except grpc.aio.AioRpcError as error:
+                code = error.code().name
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+            outcomes[code] = outcomes.get(code, 0) + 1
+
+        i = 0
+        while time.monotonic() < stop_at:
+            task = asyncio.create_task(one(i))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            i += 1
+            await asyncio.sleep(rng.expovariate(args.rate))
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def soak_section(args, deployment: Deployment) -> dict:
+    rss_start = {p.address: rss_bytes(p.popen.pid) for p in deployment.processes}
+    outcomes: dict[str, int] = {}
+    restarts = []
+    stop_at = time.monotonic() + args.soak_s
+
+    async def restarter() -> None:
+        workers = [p.address for p in deployment.processes if p.role != "gateway"]
+        n = 0
+        while time.monotonic() + args.restart_every_s < stop_at:
+            await asyncio.sleep(args.restart_every_s)
+            victim = next(p for p in deployment.processes if p.address == workers[n % len(workers)])
+            signum = signal.SIGTERM if n % 2 == 0 else signal.SIGKILL
+            os.kill(victim.popen.pid, signum)
+            if signum == signal.SIGTERM:
+                await asyncio.to_thread(victim.popen.wait, 60)
+            await asyncio.to_thread(deployment.restart, victim)
+            restarts.append({"address": victim.address, "signal": signal.Signals(signum).name})
+            n += 1
+
+    async def both() -> None:
+        await asyncio.gather(soak_load(deployment.gateway, args, stop_at, outcomes), restarter())
+
+    asyncio.run(both())
+    idle = wait_idle(deployment, 30)
+    rss_end = {p.address: rss_bytes(p.popen.pid) for p in deployment.processes}
+    restarted = {r["address"] for r in restarts}
+    growth = {p.address: (rss_end[p.address] / rss_start[p.address] - 1) if rss_start[p.address] else None
+              for p in deployment.processes if p.address not in restarted}
+    unclear = {code: n for code, n in outcomes.items() if code not in CLEAR_CODES}
+    return {
+        "seconds": args.soak_s, "rate": args.rate, "cancel_fraction": args.cancel_fraction,
+        "outcomes": outcomes, "unclear_outcomes": unclear, "restarts": restarts,
+        "idle_after": idle, "rss_start": rss_start, "rss_end": rss_end, "rss_growth_unrestarted": growth,
+        "target_met": idle and not unclear and all(g is not None and g < RSS_GROWTH_TARGET for g in growth.values()),
+    }
+
+
+# ------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="dummy:tiny")
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--quick", action="store_true", help="1 round each, a 60-second soak")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--soak-s", type=float, default=1800.0)
+    parser.add_argument("--restart-every-s", type=float, default=180.0)
+    parser.add_argument("--rate", type=float, default=8.0, help="soak: requests per second")
+    parser.add_argument("--cancel-fraction", type=float, default=0.2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="directory for chaos.json and the logs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.soak_s, args.restart_every_s = 1, 60.0, 20.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="baton-chaos-"))
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "sections": {}}
+    deployment = deploy(args, out / "logs")
+    try:
+        for section in args.sections.split(","):
+            print(f"{section}:", flush=True)
+            run = {"recovery": recovery_section, "soak": soak_section}[section]
+            payload["sections"][section] = run(args, deployment)
+    finally:
+        for process in deployment.processes:
+            if process.popen.poll() is None:
+                os.kill(process.popen.pid, signal.SIGCONT)
+        payload["exit_codes"] = deployment.stop()
+    (out / "chaos.json").write_text(json.dumps(payload, indent=2))
+    print(json.dumps({name: {k: v for k, v in section.items() if k not in ("rounds", "rss_start", "rss_end")}
+                      for name, section in payload["sections"].items()}, indent=2))
+    print(f"wrote {out / 'chaos.json'}")
+    return 0 if all(section.get("target_met") for section in payload["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
