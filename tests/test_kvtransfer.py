@@ -3,6 +3,7 @@ two real processes over a Gloo channel (spawned children, joined with timeouts).
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import queue
 import threading
@@ -22,6 +23,7 @@ from kvtransfer import (
     LeaseState,
     block_checksums,
 )
+from kvtransfer.connect import join, listen
 from kvtransfer.wire import MAX_DATA_MESSAGES, TransferHeader, plan_digest, plan_messages, wire_tag
 
 SMALL = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -240,6 +242,7 @@ def test_wire_tags_and_header():
 # ---------------------------------------------------------------- two processes
 
 TIMEOUT_S = 10.0
+SECRET = bytes(range(32))  # both ranks are ours (the serving path makes one per channel)
 
 
 def _child(role, port_queue: mp.Queue, results: mp.Queue, *args) -> None:
@@ -257,10 +260,10 @@ def _join(port_queue, *, timeout_s: float, rank: int, **tuning) -> KvChannel:
         store = KvChannel.host_store()
         port_queue.put(store.port)
         return KvChannel.connect(channel_id="test", host="127.0.0.1", port=store.port, rank=1,
-                                 device="cpu", timeout_s=timeout_s, store=store, **tuning)
+                                 secret=SECRET, device="cpu", timeout_s=timeout_s, store=store, **tuning)
     port = port_queue.get(timeout=30)
     return KvChannel.connect(channel_id="test", host="127.0.0.1", port=port, rank=0,
-                             device="cpu", timeout_s=timeout_s, **tuning)
+                             secret=SECRET, device="cpu", timeout_s=timeout_s, **tuning)
 
 
 # (layout, sender ids, receiver ids) of each transfer on the happy path, all in one channel
@@ -451,7 +454,7 @@ def test_connect_times_out_without_a_peer():
     started = time.monotonic()
     with pytest.raises(KvTransferError, match="did not join"):
         KvChannel.connect(channel_id="alone", host="127.0.0.1", port=store.port, rank=0,
-                          device="cpu", timeout_s=1.0)
+                          secret=SECRET, device="cpu", timeout_s=1.0)
     assert time.monotonic() - started < 5.0
 
 
@@ -463,7 +466,7 @@ def test_connect_refuses_sides_that_disagree_on_message_size():
     def join_as_receiver() -> None:
         try:
             KvChannel.connect(channel_id="sizes", host="127.0.0.1", port=store.port, rank=1, device="cpu",
-                              timeout_s=10, store=store, message_bytes=1 << 20)
+                              secret=SECRET, timeout_s=10, store=store, message_bytes=1 << 20)
         except BaseException as error:
             outcome["receiver"] = error
 
@@ -471,6 +474,42 @@ def test_connect_refuses_sides_that_disagree_on_message_size():
     receiver_thread.start()
     with pytest.raises(KvTransferError, match="message_bytes 2097152 != 1048576"):
         KvChannel.connect(channel_id="sizes", host="127.0.0.1", port=store.port, rank=0, device="cpu",
-                          timeout_s=10, message_bytes=2 << 20)
+                          secret=SECRET, timeout_s=10, message_bytes=2 << 20)
     receiver_thread.join(timeout=15)
     assert isinstance(outcome.get("receiver"), KvTransferError)
+
+
+def test_a_stranger_at_the_store_cannot_join_as_the_peer():
+    """The store is open to anyone who reaches its port, and its keys can be listed; a
+    stranger who joins an offered channel under its id, without the secret that went
+    to the real sender over the control plane, is refused, and so is its own side."""
+    offer = listen("offered", "127.0.0.1", "cpu", timeout_s=10)
+    outcome: dict[str, BaseException | object] = {}
+
+    def accept() -> None:
+        try:
+            outcome["receiver"] = offer.accept()
+        except BaseException as error:
+            outcome["receiver"] = error
+
+    receiver_thread = threading.Thread(target=accept)
+    receiver_thread.start()
+    stranger = dataclasses.replace(offer.rendezvous, secret=bytes(32))
+    with pytest.raises(KvTransferError, match="secret"):
+        join(stranger, "cpu")
+    receiver_thread.join(timeout=15)
+    assert isinstance(outcome.get("receiver"), KvTransferError), outcome
+    assert "does not hold the channel's secret" in str(outcome["receiver"])
+
+
+def test_the_sender_given_the_offer_joins():
+    offer = listen("introduced", "127.0.0.1", "cpu", timeout_s=10)
+    accepted: list = []
+    receiver_thread = threading.Thread(target=lambda: accepted.append(offer.accept()))
+    receiver_thread.start()
+    sender = join(offer.rendezvous, "cpu")
+    receiver_thread.join(timeout=15)
+    assert accepted and not accepted[0].is_broken and not sender.is_broken
+    assert "secret" not in repr(offer.rendezvous)
+    sender.close()
+    accepted[0].close()
