@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from baton.runtime.clients import DecodeWorkerClient, PrefillWorkerClient
+from baton.runtime.security import TlsConfig
 from baton.runtime.settings import GatewaySettings
 from baton.wire.records import ModelInfo, WorkerStats
 
@@ -100,10 +101,13 @@ class Worker:
 class WorkerPool:
     """A client for every configured worker, a background poller, and `pick_*`."""
 
-    def __init__(self, prefill_addresses: list[str], decode_addresses: list[str], policy: RoutingPolicy) -> None:
+    def __init__(self, prefill_addresses: list[str], decode_addresses: list[str], policy: RoutingPolicy,
+                 tls: TlsConfig | None = None) -> None:
         self.policy = policy
-        self.prefill = [Worker(address, "prefill", PrefillWorkerClient(address)) for address in prefill_addresses]
-        self.decode = [Worker(address, "decode", DecodeWorkerClient(address)) for address in decode_addresses]
+        self.prefill = [Worker(address, "prefill", PrefillWorkerClient(address, tls=tls))
+                        for address in prefill_addresses]
+        self.decode = [Worker(address, "decode", DecodeWorkerClient(address, tls=tls))
+                       for address in decode_addresses]
         self._poller: asyncio.Task | None = None
         self._refresh: asyncio.Future | None = None
 
