@@ -35,19 +35,7 @@ async def run_gateway(settings: GatewaySettings) -> None:
                       RoutingPolicy.from_settings(settings), tls)
     service = GenerationService(pool)
     admin = GatewayAdminService(pool)
-    interceptors = [] if settings.bearer_key is None else [ApiKeyInterceptor(settings.bearer_key)]
-    public = None if tls is None else tls.server_credentials(internal=False)
-    if settings.admin_listen is None:
-        server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME], credentials=public,
-                            interceptors=interceptors)
-        admin_server = server
-    else:
-        server = GrpcServer(settings.listen, [SERVICE_NAME], credentials=public, interceptors=interceptors)
-        internal = None if tls is None else tls.server_credentials(internal=True)
-        # A verified client certificate is the credential there; without a CA, the API key.
-        mutual = tls is not None and tls.is_mutual
-        admin_server = GrpcServer(settings.admin_listen, [ADMIN_SERVICE_NAME], credentials=internal,
-                                  interceptors=[] if mutual else interceptors)
+    server, admin_server = _servers(settings)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
     worker_pb2_grpc.add_GatewayAdminServicer_to_server(admin, admin_server.server)
     await server.start()
@@ -55,7 +43,7 @@ async def run_gateway(settings: GatewaySettings) -> None:
         await admin_server.start()
         logger.info("gateway admin on %s", admin_server.address)
     logger.info("gateway listening on %s%s%s; waiting for workers", server.address,
-                " (TLS)" if tls is not None else "", " (API key)" if interceptors else "")
+                " (TLS)" if tls is not None else "", " (API key)" if settings.bearer_key else "")
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
     # SERVING only once a decode worker is up; none within the timeout: exit with the error.
     waiting_for = "any worker to answer GetModelInfo"
@@ -84,6 +72,23 @@ async def run_gateway(settings: GatewaySettings) -> None:
         health.cancel()
         if admin_server is not server:
             await admin_server.server.stop(None)
+
+
+def _servers(settings: GatewaySettings) -> tuple[GrpcServer, GrpcServer]:
+    """The public server, and GatewayAdmin's: the same one without --admin-listen."""
+    tls = settings.tls
+    interceptors = [] if settings.bearer_key is None else [ApiKeyInterceptor(settings.bearer_key)]
+    public = None if tls is None else tls.server_credentials(internal=False)
+    if settings.admin_listen is None:
+        server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME], credentials=public,
+                            interceptors=interceptors)
+        return server, server
+    server = GrpcServer(settings.listen, [SERVICE_NAME], credentials=public, interceptors=interceptors)
+    internal = None if tls is None else tls.server_credentials(internal=True)
+    # A verified client certificate is the credential there; without a CA, the API key.
+    mutual = tls is not None and tls.is_mutual
+    return server, GrpcServer(settings.admin_listen, [ADMIN_SERVICE_NAME], credentials=internal,
+                              interceptors=[] if mutual else interceptors)
 
 
 async def _follow_decode_workers(pool: WorkerPool, server: GrpcServer) -> None:

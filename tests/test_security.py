@@ -238,3 +238,22 @@ def test_tls_and_key_settings_fail_at_startup_in_one_line(pki, tmp_path):
     assert settings.bearer_key == API_KEY and settings.tls.is_mutual
     assert API_KEY not in repr(settings) and "PRIVATE KEY" not in repr(settings)
     assert parse(DecodeWorkerSettings, []).tls is None  # plaintext stays the default
+
+
+def test_baton_up_secures_every_process_it_starts(pki, tmp_path):
+    from baton.cli.launcher import UpSettings, role_args
+
+    settings = parse(UpSettings, [*tls_flags(pki.server), "--api-key", API_KEY, "--admin-port", "50052"])
+    args = role_args(settings)
+    for flags in (args.worker, args.gateway):
+        assert flags[flags.index("--tls-ca") + 1] == str(pki.server.ca)
+        assert flags[flags.index("--tls-cert") + 1] == str(pki.server.cert)
+        assert flags[flags.index("--tls-key") + 1] == str(pki.server.key)
+    assert args.env == {"BATON_API_KEY": API_KEY}  # not on a command line
+    assert API_KEY not in args.worker + args.gateway
+    key_file = tmp_path / "key"
+    key_file.write_text(API_KEY)
+    args = role_args(parse(UpSettings, ["--api-key-file", str(key_file)]))
+    assert args.gateway == ["--api-key-file", str(key_file)] and args.env == {}
+    with pytest.raises(SettingsError, match="--tls-key: cannot read"):
+        parse(UpSettings, ["--tls-cert", str(pki.server.cert), "--tls-key", str(tmp_path / "nope")])

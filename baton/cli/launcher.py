@@ -87,23 +87,39 @@ def up_command(args: argparse.Namespace) -> int:
     return up(settings)
 
 
+@dataclass(frozen=True)
+class RoleArgs:
+    """What `baton up` gives the processes it starts, besides their addresses."""
+
+    worker: list[str]  # both workers' flags
+    gateway: list[str]
+    env: dict[str, str]  # every process's extra environment
+
+
+def role_args(settings: UpSettings) -> RoleArgs:
+    worker = ["--log-level", settings.log_level, "--device", settings.device, "--dtype", settings.dtype,
+              "--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+    if settings.kv_cache_memory is not None:
+        worker += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
+    if settings.verify_kv:
+        worker.append("--verify-kv")
+    tls = []  # every role's
+    for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
+        if getattr(settings, name) is not None:
+            tls += ["--" + name.replace("_", "-"), getattr(settings, name)]
+    gateway = [*tls]
+    if settings.api_key_file is not None:
+        gateway += ["--api-key-file", settings.api_key_file]
+    # A key given as such goes in the environment, not on a command line anyone can read
+    # (the workers have no such setting and ignore it).
+    env = {} if settings.api_key is None else {"BATON_API_KEY": settings.api_key}
+    return RoleArgs([*worker, *tls], gateway, env)
+
+
 def up(settings: UpSettings) -> int:
     # Every worker may use every core: idle workers sleep (see start_deployment).
     threads = settings.threads or max(1, len(os.sched_getaffinity(0)))
-    worker_args = ["--log-level", settings.log_level, "--device", settings.device, "--dtype", settings.dtype,
-                   "--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
-    if settings.kv_cache_memory is not None:
-        worker_args += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
-    if settings.verify_kv:
-        worker_args.append("--verify-kv")
-    tls_args = [arg for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name")
-                if getattr(settings, name) is not None
-                for arg in ("--" + name.replace("_", "-"), getattr(settings, name))]
-    # The key goes to the gateway in its environment, not on a command line anyone can read.
-    env = {} if settings.api_key is None else {"BATON_API_KEY": settings.api_key}
-    gateway_args = [*tls_args]
-    if settings.api_key_file is not None:
-        gateway_args += ["--api-key-file", settings.api_key_file]
+    args = role_args(settings)
     stopping = False
 
     def stop(signum=None, frame=None) -> None:
@@ -117,11 +133,11 @@ def up(settings: UpSettings) -> int:
             None,
             gateway_address=f"127.0.0.1:{settings.port}",
             prefill=not settings.colocated,
-            worker_args=[*worker_args, *tls_args],
-            gateway_args=gateway_args,
+            worker_args=args.worker,
+            gateway_args=args.gateway,
             threads=threads,
             timeout_s=STARTUP_TIMEOUT_S,
-            env=env,
+            env=args.env,
             admin_address=None if settings.admin_port is None else f"127.0.0.1:{settings.admin_port}",
             tls=settings.tls,
             api_key=settings.bearer_key,
