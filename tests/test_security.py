@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.cli.local import start_deployment
 from baton.cli.main import main
 from baton.runtime.security import ApiKeyInterceptor, TlsConfig, bearer_metadata
-from baton.runtime.server import GrpcServer, open_blocking_channel
+from baton.runtime.server import GrpcServer, open_blocking_channel, open_channel
 from baton.runtime.settings import (
     DecodeWorkerSettings,
     GatewaySettings,
@@ -257,3 +257,25 @@ def test_baton_up_secures_every_process_it_starts(pki, tmp_path):
     assert args.gateway == ["--api-key-file", str(key_file)] and args.env == {}
     with pytest.raises(SettingsError, match="--tls-key: cannot read"):
         parse(UpSettings, ["--tls-cert", str(pki.server.cert), "--tls-key", str(tmp_path / "nope")])
+
+
+def test_a_peer_dialled_by_an_address_its_certificate_lacks_needs_the_server_name(pki):
+    named = pki.dns_only  # DNS:baton.internal only; we dial 127.0.0.1
+
+    async def scenario(server_name: str | None) -> grpc.StatusCode:
+        tls = TlsConfig.load(str(named.cert), str(named.key), str(pki.ca))
+        server = GrpcServer("127.0.0.1:0", [], credentials=tls.server_credentials(internal=True))
+        await server.start()
+        client = TlsConfig.load(str(pki.client.cert), str(pki.client.key), str(pki.ca), server_name,
+                                serving=False)
+        try:
+            async with open_channel(server.address, client) as channel:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        finally:
+            await server.server.stop(None)
+
+    assert asyncio.run(scenario(None)) == grpc.StatusCode.UNAVAILABLE
+    assert asyncio.run(scenario("baton.internal")) == grpc.StatusCode.OK

@@ -151,10 +151,15 @@ def up(settings: UpSettings) -> int:
         f" --tls-ca {settings.tls_ca}" if settings.tls_ca else "",
         " --api-key <key>" if settings.bearer_key else "",
     ])
+    status = ""
+    if deployment.admin != gateway:  # --admin-port: a client certificate there with a CA, else the key
+        admin_flags = (f" --tls-ca {settings.tls_ca} --tls-cert {settings.tls_cert} --tls-key {settings.tls_key}"
+                       if settings.tls_ca else client_flags)
+        status = f"  baton status --gateway {deployment.admin}{admin_flags}\n"
     print(
         f"\nBaton is serving {settings.model} ({mode}) at {gateway}\n"
         f"  baton generate --gateway {gateway}{client_flags} --chat \"What is the capital of France?\"\n"
-        f"Ctrl-C stops it.\n",
+        f"{status}Ctrl-C stops it.\n",
         flush=True,
     )
     code = 0
