@@ -224,6 +224,10 @@ def test_tls_and_key_settings_fail_at_startup_in_one_line(pki, tmp_path):
                                 "--tls-key", str(pki.server.key)])
     with pytest.raises(SettingsError, match="--tls-cert and --tls-key go together"):
         parse(GatewaySettings, [*workers, "--tls-cert", str(pki.server.cert)])
+    not_pem = tmp_path / "ca.der"
+    not_pem.write_bytes(b"\x30\x82\x01\x0a")
+    with pytest.raises(SettingsError, match="--tls-ca: .* is not PEM"):
+        parse(DecodeWorkerSettings, [*tls_flags(pki.server)[:4], "--tls-ca", str(not_pem)])
     with pytest.raises(SettingsError, match="--tls-ca needs --tls-cert"):
         parse(DecodeWorkerSettings, ["--tls-ca", str(pki.ca)])
     with pytest.raises(SettingsError, match="not both"):

@@ -40,6 +40,13 @@ def read_secret_file(path: str, what: str) -> bytes:
     return data
 
 
+def _read_pem(path: str, what: str) -> bytes:
+    data = read_secret_file(path, what)
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{what}: {path} is not PEM (-----BEGIN ...)")
+    return data
+
+
 @dataclass(frozen=True, repr=False)
 class TlsConfig:
     """PEM bytes: this process's certificate chain and key (served, and presented as a
@@ -67,9 +74,9 @@ class TlsConfig:
                 raise ValueError("--tls-server-name needs TLS (--tls-ca or --tls-cert)")
             return None
         return cls(
-            cert_chain=None if cert is None else read_secret_file(cert, "--tls-cert"),
-            private_key=None if key is None else read_secret_file(key, "--tls-key"),
-            ca=None if ca is None else read_secret_file(ca, "--tls-ca"),
+            cert_chain=None if cert is None else _read_pem(cert, "--tls-cert"),
+            private_key=None if key is None else _read_pem(key, "--tls-key"),
+            ca=None if ca is None else _read_pem(ca, "--tls-ca"),
             server_name=server_name or None,
         )
 
