@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from baton.runtime.clients import Metadata, PrefillWorkerClient
+from baton.runtime.security import TlsConfig
 from baton.wire.records import KvHandle, OpenKvChannel, SendKv, SendKvAccepted, SendKvDone
 from engine.kv_cache import KVCache
 from kvtransfer import KvLayoutSpec, KvTransferError, KvTransport, block_checksums, listen
@@ -52,8 +53,8 @@ class ReceiveResult:
 class _Peer:
     """One prefill worker: its client and, once opened, the transport to it."""
 
-    def __init__(self, address: str) -> None:
-        self.client = PrefillWorkerClient(address)
+    def __init__(self, address: str, tls: TlsConfig | None) -> None:
+        self.client = PrefillWorkerClient(address, tls=tls)
         self.transport: KvTransport | None = None
         self.channel_id = ""
         # Transfers on one channel run one at a time, on this thread, in arrival order.
@@ -74,13 +75,14 @@ class KvReceiver:
     """Pulls handed-off KV into this worker's cache."""
 
     def __init__(self, worker_id: str, kv_cache: KVCache, layout: KvLayoutSpec, *, host: str, timeout_s: float,
-                 verify: bool) -> None:
+                 verify: bool, tls: TlsConfig | None = None) -> None:
         self.worker_id = worker_id
         self.kv_cache = kv_cache
         self.layout = layout
         self.host = host
         self.timeout_s = timeout_s
         self.verify = verify
+        self.tls = tls  # of the control plane's calls (OpenKvChannel, SendKv, ReleaseKv)
         self._peers: dict[str, _Peer] = {}
         # Channel ids: unique to this process (a restarted worker keeps its worker id) and
         # unguessable, since a prefill worker refuses to reopen a working channel's id.
@@ -115,7 +117,7 @@ class KvReceiver:
     def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is None:
-            peer = self._peers[address] = _Peer(address)
+            peer = self._peers[address] = _Peer(address, self.tls)
         return peer
 
     async def receive(self, handle: KvHandle, block_ids: list[int], trace_metadata: Metadata = None) -> ReceiveResult:

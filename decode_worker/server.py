@@ -46,6 +46,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             host=self.settings.transfer_host,
             timeout_s=self.settings.transfer_timeout_s,
             verify=self.settings.verify_kv,
+            tls=self.settings.tls,
         )
 
     async def stop(self) -> None:

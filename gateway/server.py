@@ -1,5 +1,10 @@
 """Run the gateway: listen at once (health NOT_SERVING), learn the model from the
-workers, load its tokenizer, then serve baton.v1.Generation."""
+workers, load its tokenizer, then serve baton.v1.Generation.
+
+The API key guards every call on the public port but health and reflection.
+GatewayAdmin (`baton status`) is served there too, behind the key, or with
+--admin-listen on a port of its own with the workers' transport: mutual TLS when
+there is a CA (the client certificate is then the credential), else the API key."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import asyncio
 import logging
 
 from baton.runtime.metrics import GatewayMetrics, serve_metrics
+from baton.runtime.security import ApiKeyInterceptor
 from baton.runtime.server import GrpcServer, install_uvloop
 from baton.runtime.settings import GatewaySettings
 from baton.runtime.tracing import configure_tracing, shutdown_tracing
@@ -24,15 +30,20 @@ ADMIN_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full
 
 
 async def run_gateway(settings: GatewaySettings) -> None:
+    tls = settings.tls
     pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers),
-                      RoutingPolicy.from_settings(settings), settings.stall_timeout_s)
+                      RoutingPolicy.from_settings(settings), tls, settings.stall_timeout_s)
     service = GenerationService(pool, max_migrations=settings.max_migrations)
     admin = GatewayAdminService(pool)
-    server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME])
+    server, admin_server = _servers(settings)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
-    worker_pb2_grpc.add_GatewayAdminServicer_to_server(admin, server.server)
+    worker_pb2_grpc.add_GatewayAdminServicer_to_server(admin, admin_server.server)
     await server.start()
-    logger.info("gateway listening on %s; waiting for workers", server.address)
+    if admin_server is not server:
+        await admin_server.start()
+        logger.info("gateway admin on %s", admin_server.address)
+    logger.info("gateway listening on %s%s%s; waiting for workers", server.address,
+                " (TLS)" if tls is not None else "", " (API key)" if settings.bearer_key else "")
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
     # SERVING only once a decode worker is up; none within the timeout: exit with the error.
     waiting_for = "any worker to answer GetModelInfo"
@@ -50,6 +61,8 @@ async def run_gateway(settings: GatewaySettings) -> None:
     service.load(tokenizer, info)
     admin.model = info.model
     await server.set_serving(True)
+    if admin_server is not server:
+        await admin_server.set_serving(True)
     logger.info("gateway serving %s on %s (prefill: %s; decode: %s)", info.model, server.address,
                 ", ".join(settings.prefill_workers) or "none, colocated", ", ".join(settings.decode_workers))
     health = asyncio.create_task(_follow_decode_workers(pool, server))
@@ -57,6 +70,25 @@ async def run_gateway(settings: GatewaySettings) -> None:
         await server.serve_until_signal(pool.close, settings.grace_s, drain=service.drain)
     finally:
         health.cancel()
+        if admin_server is not server:
+            await admin_server.server.stop(None)
+
+
+def _servers(settings: GatewaySettings) -> tuple[GrpcServer, GrpcServer]:
+    """The public server, and GatewayAdmin's: the same one without --admin-listen."""
+    tls = settings.tls
+    interceptors = [] if settings.bearer_key is None else [ApiKeyInterceptor(settings.bearer_key)]
+    public = None if tls is None else tls.server_credentials(internal=False)
+    if settings.admin_listen is None:
+        server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME], credentials=public,
+                            interceptors=interceptors)
+        return server, server
+    server = GrpcServer(settings.listen, [SERVICE_NAME], credentials=public, interceptors=interceptors)
+    internal = None if tls is None else tls.server_credentials(internal=True)
+    # A verified client certificate is the credential there; without a CA, the API key.
+    mutual = tls is not None and tls.is_mutual
+    return server, GrpcServer(settings.admin_listen, [ADMIN_SERVICE_NAME], credentials=internal,
+                              interceptors=[] if mutual else interceptors)
 
 
 async def _follow_decode_workers(pool: WorkerPool, server: GrpcServer) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from baton.runtime.clients import DecodeWorkerClient, PrefillWorkerClient
+from baton.runtime.security import TlsConfig
 from baton.runtime.settings import GatewaySettings
 from baton.wire.records import ModelInfo, WorkerStats
 
@@ -132,11 +133,12 @@ class WorkerPool:
     """A client for every configured worker, a background poller, and `pick_*`."""
 
     def __init__(self, prefill_addresses: list[str], decode_addresses: list[str], policy: RoutingPolicy,
-                 stall_timeout_s: float = 1.0) -> None:
+                 tls: TlsConfig | None = None, stall_timeout_s: float = 1.0) -> None:
         self.policy = policy
-        self.prefill = [Worker(address, "prefill", PrefillWorkerClient(address), min_stall_timeout_s=stall_timeout_s)
-                        for address in prefill_addresses]
-        self.decode = [Worker(address, "decode", DecodeWorkerClient(address), min_stall_timeout_s=stall_timeout_s)
+        self.prefill = [Worker(address, "prefill", PrefillWorkerClient(address, tls=tls),
+                               min_stall_timeout_s=stall_timeout_s) for address in prefill_addresses]
+        self.decode = [Worker(address, "decode", DecodeWorkerClient(address, tls=tls),
+                              min_stall_timeout_s=stall_timeout_s)
                        for address in decode_addresses]
         self._poller: asyncio.Task | None = None
         self._refresh: asyncio.Future | None = None

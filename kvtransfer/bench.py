@@ -19,6 +19,8 @@ import torch
 
 from kvtransfer.wire import TAG_BITS
 
+SECRET = bytes(range(32))  # both ranks are the bench's own
+
 # SmolLM2-135M's KV block: 30 layers, 3 KV heads of 64, blocks of 16 tokens, float32
 # (737,280 bytes per block: 64 blocks are 47 MB, 512 blocks 377 MB).
 SMOLLM2 = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
@@ -118,10 +120,10 @@ def _run(
             store = KvChannel.host_store()
             conn.send(store.port)
             channel = KvChannel.connect(channel_id="bench", host="127.0.0.1", port=store.port, rank=1,
-                                        device="cpu", timeout_s=timeout_s, store=store, **tuning)
+                                        secret=SECRET, device="cpu", timeout_s=timeout_s, store=store, **tuning)
         else:
             channel = KvChannel.connect(channel_id="bench", host="127.0.0.1", port=conn.recv(), rank=0,
-                                        device="cpu", timeout_s=timeout_s, **tuning)
+                                        secret=SECRET, device="cpu", timeout_s=timeout_s, **tuning)
         num_bytes = num_blocks * spec.bytes_per_block
         raw = torch.empty(num_bytes, dtype=torch.uint8)
         raw.random_()

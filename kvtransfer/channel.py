@@ -98,10 +98,12 @@ class KvChannel(KvTransport):
         rank: int,
         device: torch.device | str,
         timeout_s: float,
+        secret: bytes,
         store: StoreServer | None = None,
         message_bytes: int | None = None,
     ) -> KvChannel:
-        """Join the two-rank group at host:port; returns once the peer has joined too.
+        """Join the two-rank group at host:port; returns once the peer has joined too and
+        proved it holds `secret` (both sides are given it; see group.py).
 
         Rank 1 (receiver) passes the StoreServer it hosts; the channel keeps it alive
         and drops it on close(). `channel_id` must be new on that store for every
@@ -120,10 +122,10 @@ class KvChannel(KvTransport):
         if message_bytes <= 0:
             raise ValueError("message_bytes must be positive")
         try:
-            group, prefixed = join_group(channel_id, host, port, rank, device, timeout_s,
+            group, prefixed = join_group(channel_id, host, port, rank, device, timeout_s, secret,
                                          agree={"message_bytes": str(message_bytes),
                                                 "min_run_bytes": str(MIN_RUN_BYTES)})
-        except ValueError as error:  # joined, but the two sides are set up differently
+        except ValueError as error:  # joined, but set up differently, or not the peer we were told of
             raise KvTransferError(f"channel {channel_id}: {error}") from error
         except (RuntimeError, OSError) as error:  # DistStoreError, DistNetworkError, refused, unresolvable
             raise KvTransferError(

@@ -7,12 +7,14 @@ NCCL for CUDA ones.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvtransfer.channel import KvChannel
+from kvtransfer.group import SECRET_BYTES
 from kvtransfer.transport import KvTransport, Rendezvous
 
 
@@ -27,12 +29,13 @@ class ChannelOffer:
 
 
 def listen(channel_id: str, host: str, device: torch.device | str, timeout_s: float) -> ChannelOffer:
-    """Receiver side: start hosting a channel on `host` for a cache on `device`."""
+    """Receiver side: start hosting a channel on `host` for a cache on `device`, with a
+    fresh secret only the sender this offer is sent to learns."""
     store = KvChannel.host_store(host)
-    rendezvous = Rendezvous(channel_id, host, store.port, timeout_s)
+    rendezvous = Rendezvous(channel_id, host, store.port, timeout_s, secrets.token_bytes(SECRET_BYTES))
     return ChannelOffer(rendezvous, lambda: KvChannel.connect(
         channel_id=channel_id, host=host, port=store.port, rank=1, device=device, timeout_s=timeout_s,
-        store=store,
+        secret=rendezvous.secret, store=store,
     ))
 
 
@@ -40,5 +43,5 @@ def join(rendezvous: Rendezvous, device: torch.device | str) -> KvTransport:
     """Sender side: join the channel `rendezvous` names, for a cache on `device`."""
     return KvChannel.connect(
         channel_id=rendezvous.channel_id, host=rendezvous.host, port=rendezvous.port, rank=0, device=device,
-        timeout_s=rendezvous.timeout_s,
+        timeout_s=rendezvous.timeout_s, secret=rendezvous.secret,
     )

@@ -3,16 +3,31 @@
 A process may hold many channels (one per peer), so each group is built directly on
 a TCPStore, under a PrefixStore per channel id, rather than through
 init_process_group's single global group.
+
+A TCPStore has no authentication: whoever reaches its port can read its keys (even
+list them) and write a rank's address, and so could join a channel as the peer. So
+once the group is up, each side sends over it an HMAC of the channel's one-time
+secret, which the receiver made and sent to the sender over the authenticated
+control plane (OpenKvChannel), and checks the other's before trusting the group. The
+secret itself never crosses the store or the group; a stranger, even one that
+joined the group, cannot produce the proof, and the channel is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
 import socket
+import time
 
 import torch
 import torch.distributed as dist
+
+
+SECRET_BYTES = 32
+PROOF_BYTES = hashlib.sha256().digest_size
 
 
 class StoreServer:
@@ -42,13 +57,17 @@ def join_group(
     rank: int,
     device: torch.device,
     timeout_s: float,
+    secret: bytes,
     agree: dict[str, str],
 ) -> tuple[dist.ProcessGroup, dist.Store]:
     """Build this rank's half of the group and wait for the peer's; (group, prefixed store).
 
-    `agree`: settings both sides must share; ValueError naming those that differ.
+    `secret`: the channel's, which the peer must prove it holds (ValueError if it does
+    not). `agree`: settings both sides must share; ValueError naming those that differ.
     Raises RuntimeError / OSError on a store or rendezvous timeout or a refused connection.
     """
+    if len(secret) < SECRET_BYTES // 2:
+        raise ValueError(f"a channel secret needs at least {SECRET_BYTES // 2} bytes")
     timeout = datetime.timedelta(seconds=timeout_s)
     # A client connection of our own (also on the hosting side), so the store's
     # timeout is this channel's.
@@ -69,7 +88,49 @@ def join_group(
     if differ:
         abort_group(group)
         raise ValueError("the two sides of the channel differ: " + ", ".join(differ))
+    try:
+        proved = _exchange_proofs(group, channel_id, rank, device, secret, timeout_s)
+    except BaseException:
+        abort_group(group)
+        raise
+    if not proved:
+        abort_group(group)
+        raise ValueError("the peer that joined does not hold the channel's secret: refused")
     return group, store
+
+
+def _proof(secret: bytes, channel_id: str, rank: int) -> bytes:
+    return hmac.new(secret, f"baton-kv-channel/{channel_id}/{rank}".encode(), hashlib.sha256).digest()
+
+
+def _exchange_proofs(group: dist.ProcessGroup, channel_id: str, rank: int, device: torch.device,
+                     secret: bytes, timeout_s: float) -> bool:
+    """Send our proof over the group, receive the peer's; whether it is right. Runs
+    before any transfer, so tag 0 is free; both messages are waited, so none is left
+    posted either way. The sender sends first and the receiver receives first, the
+    order NCCL's in-order streams need."""
+    comm = device if device.type == "cuda" else torch.device("cpu")
+    mine = torch.frombuffer(bytearray(_proof(secret, channel_id, rank)), dtype=torch.uint8).to(comm)
+    theirs = torch.zeros(PROOF_BYTES, dtype=torch.uint8, device=comm)
+    if rank == 0:
+        works = [group.send([mine], 1, 0), group.recv([theirs], 1, 0)]
+    else:
+        works = [group.recv([theirs], 0, 0), group.send([mine], 0, 0)]
+    for work in works:
+        _wait(work, device, timeout_s)
+    return hmac.compare_digest(bytes(theirs.cpu().tolist()), _proof(secret, channel_id, 1 - rank))
+
+
+def _wait(work, device: torch.device, timeout_s: float) -> None:
+    if device.type != "cuda":
+        work.wait(datetime.timedelta(seconds=timeout_s))
+        return
+    deadline = time.monotonic() + timeout_s  # NCCL's wait() only orders streams
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no proof from the peer within {timeout_s:g} s")
+        time.sleep(50e-6)
+    work.wait()
 
 
 def abort_group(group: dist.ProcessGroup) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,12 +49,16 @@ class TransferStats:
 @dataclass(frozen=True, slots=True)
 class Rendezvous:
     """What the sender needs to join a channel the receiver offers: its id, where the
-    receiver hosts the rendezvous, and the timeout of the join and of every later wait."""
+    receiver hosts the rendezvous, the timeout of the join and of every later wait, and
+    the channel's one-time secret. The store is open to whoever reaches its port, so
+    each side proves it holds the secret before it trusts the other (group.py); it
+    travels only over the control plane, which TLS authenticates."""
 
     channel_id: str
     host: str
     port: int
     timeout_s: float
+    secret: bytes = field(repr=False)
 
 
 class KvTransport(ABC):

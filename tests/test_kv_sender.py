@@ -36,7 +36,7 @@ def test_an_open_working_channel_cannot_be_reopened_by_its_id():
     sender = KvSender("p-0", engine=None, kv_cache=cache, layout=layout, lease_s=30.0, metrics=None)
     live = _Transport(is_broken=False)
     sender._channels["decode-0-abc-0"] = _Channel(live, ThreadPoolExecutor(1), "decode-0")
-    request = OpenKvChannel(Rendezvous("decode-0-abc-0", "127.0.0.1", 1, 1.0), layout, "intruder")
+    request = OpenKvChannel(Rendezvous("decode-0-abc-0", "127.0.0.1", 1, 1.0, bytes(32)), layout, "intruder")
 
     with pytest.raises(ChannelInUse):
         asyncio.run(sender.open_channel(request))

@@ -240,6 +240,7 @@ def test_wire_tags_and_header():
 # ---------------------------------------------------------------- two processes
 
 TIMEOUT_S = 10.0
+SECRET = bytes(range(32))  # both ranks are ours (the serving path makes one per channel)
 
 
 def _child(role, port_queue: mp.Queue, results: mp.Queue, *args) -> None:
@@ -257,10 +258,10 @@ def _join(port_queue, *, timeout_s: float, rank: int, **tuning) -> KvChannel:
         store = KvChannel.host_store()
         port_queue.put(store.port)
         return KvChannel.connect(channel_id="test", host="127.0.0.1", port=store.port, rank=1,
-                                 device="cpu", timeout_s=timeout_s, store=store, **tuning)
+                                 secret=SECRET, device="cpu", timeout_s=timeout_s, store=store, **tuning)
     port = port_queue.get(timeout=30)
     return KvChannel.connect(channel_id="test", host="127.0.0.1", port=port, rank=0,
-                             device="cpu", timeout_s=timeout_s, **tuning)
+                             secret=SECRET, device="cpu", timeout_s=timeout_s, **tuning)
 
 
 # (layout, sender ids, receiver ids) of each transfer on the happy path, all in one channel
@@ -451,7 +452,7 @@ def test_connect_times_out_without_a_peer():
     started = time.monotonic()
     with pytest.raises(KvTransferError, match="did not join"):
         KvChannel.connect(channel_id="alone", host="127.0.0.1", port=store.port, rank=0,
-                          device="cpu", timeout_s=1.0)
+                          secret=SECRET, device="cpu", timeout_s=1.0)
     assert time.monotonic() - started < 5.0
 
 
@@ -463,7 +464,7 @@ def test_connect_refuses_sides_that_disagree_on_message_size():
     def join_as_receiver() -> None:
         try:
             KvChannel.connect(channel_id="sizes", host="127.0.0.1", port=store.port, rank=1, device="cpu",
-                              timeout_s=10, store=store, message_bytes=1 << 20)
+                              secret=SECRET, timeout_s=10, store=store, message_bytes=1 << 20)
         except BaseException as error:
             outcome["receiver"] = error
 
@@ -471,6 +472,7 @@ def test_connect_refuses_sides_that_disagree_on_message_size():
     receiver_thread.start()
     with pytest.raises(KvTransferError, match="message_bytes 2097152 != 1048576"):
         KvChannel.connect(channel_id="sizes", host="127.0.0.1", port=store.port, rank=0, device="cpu",
-                          timeout_s=10, message_bytes=2 << 20)
+                          secret=SECRET, timeout_s=10, message_bytes=2 << 20)
     receiver_thread.join(timeout=15)
     assert isinstance(outcome.get("receiver"), KvTransferError)
+

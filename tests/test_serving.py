@@ -455,6 +455,8 @@ def test_messages_a_chat_template_rejects_are_invalid_argument(system, tiny_chat
         ({"channel_id": ""}, "channel_id"),
         ({"channel_id": "c" * 300}, "channel_id"),
         ({"store_host": ""}, "store_host"),
+        ({"secret": b""}, "secret"),  # a channel nobody needs to prove anything to join
+        ({"secret": b"short"}, "secret"),
     ],
 )
 def test_a_malformed_kv_channel_rendezvous_is_invalid_argument(system, stub, fields, fragment):
@@ -466,7 +468,7 @@ def test_a_malformed_kv_channel_rendezvous_is_invalid_argument(system, stub, fie
     layout = worker_pb2.KvLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=16, dtype="float64")
     request = worker_pb2.OpenKvChannelRequest(
         **{"channel_id": "probe", "store_host": "127.0.0.1", "store_port": 1, "layout": layout,
-           "decode_worker_id": "probe", "timeout_seconds": 1.0, **fields})
+           "decode_worker_id": "probe", "timeout_seconds": 1.0, "secret": bytes(32), **fields})
     with grpc.insecure_channel(system.worker("prefill").address) as channel:
         with pytest.raises(grpc.RpcError) as error:
             worker_pb2_grpc.PrefillWorkerStub(channel).OpenKvChannel(request, timeout=30)

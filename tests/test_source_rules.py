@@ -284,6 +284,7 @@ NOT_DEAD = {
     "exc_info": "__exit__'s signature",
     "Export": "a gRPC servicer method (the OTLP sink), called by grpc",
     "collect": "a prometheus_client Collector method, called at scrape time",
+    "intercept_service": "a grpc.aio ServerInterceptor method, called by grpc",
     "sort_key": "read through a key function (_sort_key)",
     "_store": "keeps a rendezvous store alive as long as its channel",
     "_store_server": "keeps a rendezvous store alive as long as its channel",

@@ -4,26 +4,55 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from baton.runtime.clients import GenerationClient
-from baton.runtime.settings import DEFAULT_GATEWAY_ADDRESS, add_flags, from_args, setting
+from baton.runtime.security import TlsConfig
+from baton.runtime.server import open_blocking_channel
+from baton.runtime.settings import (
+    API_KEY_FILE_HELP,
+    DEFAULT_GATEWAY_ADDRESS,
+    TLS_SERVER_NAME_HELP,
+    add_flags,
+    from_args,
+    load_api_key,
+    setting,
+)
 from baton.wire.records import ChatMessage, GenerateRequest, TextDelta
 from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class GatewayAddress:
-    """Where a client command finds the gateway."""
+class GatewayConnection:
+    """Where and how a client command reaches the gateway: its address, TLS, the API key."""
 
     gateway: str = setting(DEFAULT_GATEWAY_ADDRESS, "gateway address")
+    api_key: str | None = setting(None, "API key, sent as 'authorization: Bearer <key>'", shown="none",
+                                  secret=True)
+    api_key_file: str | None = setting(None, API_KEY_FILE_HELP)
+    tls_ca: str | None = setting(None, "PEM CA bundle to verify the gateway's certificate against (TLS)",
+                                 shown="plaintext")
+    tls_cert: str | None = setting(None, "PEM client certificate (mutual TLS: the admin port with a CA)")
+    tls_key: str | None = setting(None, "PEM private key of --tls-cert")
+    tls_server_name: str | None = setting(None, TLS_SERVER_NAME_HELP, shown="the host dialled")
+    # Built from the settings above (files read on construction).
+    tls: TlsConfig | None = field(init=False, repr=False, compare=False)
+    bearer_key: str | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tls", TlsConfig.load(self.tls_cert, self.tls_key, self.tls_ca,
+                                                       self.tls_server_name, serving=False))
+        object.__setattr__(self, "bearer_key", load_api_key(self.api_key, self.api_key_file))
+
+    def open_channel(self) -> grpc.Channel:
+        return open_blocking_channel(self.gateway, self.tls)
 
 
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
-    add_flags(parser, GatewayAddress)
+    add_flags(parser, GatewayConnection)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
@@ -52,14 +81,14 @@ def build_request(args: argparse.Namespace) -> GenerateRequest:
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    gateway = from_args(GatewayAddress, args).gateway
+    connection = from_args(GatewayConnection, args)
     try:
         request = build_request(args)
     except ValueError as error:
         print(f"baton generate: error: {error}", file=sys.stderr)
         return 2
-    with grpc.insecure_channel(gateway) as channel:
-        client = GenerationClient(channel)
+    with connection.open_channel() as channel:
+        client = GenerationClient(channel, connection.bearer_key)
         try:
             if args.stream:
                 final: TextDelta | None = None

@@ -8,21 +8,30 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.cli.local import start_deployment
 from baton.runtime.server import configure_logging
+from baton.runtime.security import TlsConfig
 from baton.runtime.settings import (
+    API_KEY_FILE_HELP,
+    API_KEY_HELP,
     DEFAULT_GATEWAY_ADDRESS,
     DEVICE_HELP,
     DTYPE_HELP,
     GPU_MEMORY_UTILIZATION_HELP,
     KV_CACHE_MEMORY_SHOWN,
     MODEL_HELP,
+    TLS_CA_HELP,
+    TLS_CERT_HELP,
+    TLS_KEY_HELP,
+    TLS_SERVER_NAME_HELP,
     SettingsError,
     default_of,
     format_size,
     from_args,
+    load_api_key,
+    load_tls,
     parse_size,
     setting,
 )
@@ -49,8 +58,22 @@ class UpSettings:
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
     colocated: bool = setting(False, "no prefill worker: the decode worker prefills")
     log_level: str = setting("INFO", "logging level")
+    # Security: passed to every role (the API key to the gateway only).
+    admin_port: int | None = setting(None, "serve GatewayAdmin (baton status) on this port of its own",
+                                     shown="on the gateway port")
+    api_key: str | None = setting(None, API_KEY_HELP, shown="none, open", secret=True)
+    api_key_file: str | None = setting(None, API_KEY_FILE_HELP)
+    tls_cert: str | None = setting(None, TLS_CERT_HELP, shown="plaintext")
+    tls_key: str | None = setting(None, TLS_KEY_HELP)
+    tls_ca: str | None = setting(None, TLS_CA_HELP, shown="no client certificates")
+    tls_server_name: str | None = setting(None, TLS_SERVER_NAME_HELP, shown="the host dialled")
+    # Read on construction, so a missing file fails here, before any process starts.
+    tls: TlsConfig | None = field(init=False, repr=False, compare=False)
+    bearer_key: str | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tls", load_tls(self))
+        object.__setattr__(self, "bearer_key", load_api_key(self.api_key, self.api_key_file))
         if device_type(self.device) == "cuda" and not self.colocated:
             # Two workers' caches on GPUs need the GPU-to-GPU KV handoff (CUDA IPC on
             # one GPU, NCCL across GPUs), which the workers do not have yet.
@@ -64,15 +87,39 @@ def up_command(args: argparse.Namespace) -> int:
     return up(settings)
 
 
+@dataclass(frozen=True)
+class RoleArgs:
+    """What `baton up` gives the processes it starts, besides their addresses."""
+
+    worker: list[str]  # both workers' flags
+    gateway: list[str]
+    env: dict[str, str]  # every process's extra environment
+
+
+def role_args(settings: UpSettings) -> RoleArgs:
+    worker = ["--log-level", settings.log_level, "--device", settings.device, "--dtype", settings.dtype,
+              "--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+    if settings.kv_cache_memory is not None:
+        worker += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
+    if settings.verify_kv:
+        worker.append("--verify-kv")
+    tls = []  # every role's
+    for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
+        if getattr(settings, name) is not None:
+            tls += ["--" + name.replace("_", "-"), getattr(settings, name)]
+    gateway = [*tls]
+    if settings.api_key_file is not None:
+        gateway += ["--api-key-file", settings.api_key_file]
+    # A key given as such goes in the environment, not on a command line anyone can read
+    # (the workers have no such setting and ignore it).
+    env = {} if settings.api_key is None else {"BATON_API_KEY": settings.api_key}
+    return RoleArgs([*worker, *tls], gateway, env)
+
+
 def up(settings: UpSettings) -> int:
     # Every worker may use every core: idle workers sleep (see start_deployment).
     threads = settings.threads or max(1, len(os.sched_getaffinity(0)))
-    worker_args = ["--log-level", settings.log_level, "--device", settings.device, "--dtype", settings.dtype,
-                   "--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
-    if settings.kv_cache_memory is not None:
-        worker_args += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
-    if settings.verify_kv:
-        worker_args.append("--verify-kv")
+    args = role_args(settings)
     stopping = False
 
     def stop(signum=None, frame=None) -> None:
@@ -86,19 +133,33 @@ def up(settings: UpSettings) -> int:
             None,
             gateway_address=f"127.0.0.1:{settings.port}",
             prefill=not settings.colocated,
-            worker_args=worker_args,
+            worker_args=args.worker,
+            gateway_args=args.gateway,
             threads=threads,
             timeout_s=STARTUP_TIMEOUT_S,
+            env=args.env,
+            admin_address=None if settings.admin_port is None else f"127.0.0.1:{settings.admin_port}",
+            tls=settings.tls,
+            api_key=settings.bearer_key,
         )
     except (RuntimeError, TimeoutError) as error:
         print(f"baton up: {error}", file=sys.stderr)
         return 1
     gateway = deployment.gateway
     mode = "colocated" if settings.colocated else "disaggregated"
+    client_flags = "".join([
+        f" --tls-ca {settings.tls_ca}" if settings.tls_ca else "",
+        " --api-key <key>" if settings.bearer_key else "",
+    ])
+    status = ""
+    if deployment.admin != gateway:  # --admin-port: a client certificate there with a CA, else the key
+        admin_flags = (f" --tls-ca {settings.tls_ca} --tls-cert {settings.tls_cert} --tls-key {settings.tls_key}"
+                       if settings.tls_ca else client_flags)
+        status = f"  baton status --gateway {deployment.admin}{admin_flags}\n"
     print(
         f"\nBaton is serving {settings.model} ({mode}) at {gateway}\n"
-        f"  baton generate --gateway {gateway} --chat \"What is the capital of France?\"\n"
-        f"Ctrl-C stops it.\n",
+        f"  baton generate --gateway {gateway}{client_flags} --chat \"What is the capital of France?\"\n"
+        f"{status}Ctrl-C stops it.\n",
         flush=True,
     )
     code = 0

@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.runtime.clients import GatewayAdminClient, worker_stats
+from baton.runtime.security import TlsConfig
+from baton.runtime.server import open_blocking_channel
 from baton.runtime.settings import child_environment
 from baton.wire.records import WorkerStats
 
@@ -43,14 +45,29 @@ class Process:
 
 @dataclass
 class Deployment:
-    """Running processes; `gateway` is the public address."""
+    """Running processes; `gateway` is the public address, `admin` GatewayAdmin's.
+    `tls` and `api_key` are how this process calls them (TLS: its certificate is one
+    the deployment's CA signed, so it passes the workers' mTLS)."""
 
     gateway: str
     processes: list[Process] = field(default_factory=list)
     _env: dict[str, str] | None = None  # the processes' environment
+    admin: str = ""  # the gateway's --admin-listen, or `gateway`
+    tls: TlsConfig | None = None
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        self.admin = self.admin or self.gateway
 
     def worker(self, role: str) -> Process:
         return next(p for p in self.processes if p.role == role)
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A blocking channel to one of the processes, over TLS if they serve it."""
+        return open_blocking_channel(address, self.tls)
+
+    def admin_client(self, channel: grpc.Channel) -> GatewayAdminClient:
+        return GatewayAdminClient(channel, self.api_key)
 
     def workers(self, role: str) -> list[Process]:
         return [p for p in self.processes if p.role == role]
@@ -58,7 +75,7 @@ class Deployment:
     def stats(self, role: str | Process) -> WorkerStats:
         """A worker's stats: the first of `role`'s, or this process's."""
         process = self.worker(role) if isinstance(role, str) else role
-        with grpc.insecure_channel(process.address) as channel:
+        with self.channel(process.address) as channel:
             return worker_stats(channel, process.role, timeout=10)
 
     def restart(self, process: Process, timeout_s: float = 300.0) -> Process:
@@ -74,7 +91,7 @@ class Deployment:
         restarted = Process(process.role, process.address, popen, log_path, process.metrics_port)
         self.processes[self.processes.index(process)] = restarted
         wait_serving(restarted.address, self, timeout_s)
-        wait_in_rotation(self.gateway, self, timeout_s)
+        wait_in_rotation(self.admin, self, timeout_s)
         return restarted
 
     def logs(self) -> str:
@@ -113,7 +130,7 @@ def _spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str]
 
 def wait_serving(address: str, deployment: Deployment, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with deployment.channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             for process in deployment.processes:
@@ -128,13 +145,14 @@ def wait_serving(address: str, deployment: Deployment, timeout_s: float) -> None
     raise TimeoutError(f"{address} not serving after {timeout_s} s\n{deployment.logs()}")
 
 
-def wait_in_rotation(gateway: str, deployment: Deployment, timeout_s: float) -> None:
-    """Wait until the gateway routes to every worker it was given. A gateway serves
-    once one decode worker is up; a worker that finished loading after that joins at
-    the gateway's next poll, and a test or benchmark must not run before then."""
+def wait_in_rotation(admin: str, deployment: Deployment, timeout_s: float) -> None:
+    """Wait until the gateway (its GatewayAdmin at `admin`) routes to every worker it
+    was given. A gateway serves once one decode worker is up; a worker that finished
+    loading after that joins at the gateway's next poll, and a test or benchmark must
+    not run before then."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(gateway) as channel:
-        client = GatewayAdminClient(channel)
+    with deployment.channel(admin) as channel:
+        client = deployment.admin_client(channel)
         while time.monotonic() < deadline:
             status = client.get_deployment_status(timeout=10)
             if all(worker.in_rotation for worker in status.workers):
@@ -158,11 +176,17 @@ def start_deployment(
     threads: int = 1,
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
+    admin_address: str | None = None,
+    tls: TlsConfig | None = None,
+    api_key: str | None = None,
 ) -> Deployment:
     """Start the processes (logs to `log_dir`, or to our stdout when None) and wait
     until the gateway and every worker are SERVING. `metrics`: each serves Prometheus
     metrics on a free port of its own (`Process.metrics_port`). `env`: extra environment
-    variables of the processes, over ours (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
+    variables of the processes, over ours (e.g. OTEL_EXPORTER_OTLP_ENDPOINT).
+    `admin_address`: the gateway serves GatewayAdmin there ("auto": a free port).
+    `tls`, `api_key`: how we reach the processes, when the caller's args (the
+    --tls-* flags to every role, --api-key-file or BATON_API_KEY to the gateway) secure them."""
 
     def metrics_args() -> list[str]:
         return ["--metrics-port", str(free_port())] if metrics else []
@@ -178,9 +202,13 @@ def start_deployment(
     common = ["--model", model, "--threads", str(threads), *worker_args]
     decode_addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_decode)]
     gateway_address = gateway_address or f"127.0.0.1:{free_port()}"
-    deployment = Deployment(gateway_address, _env=env)
+    if admin_address == "auto":
+        admin_address = f"127.0.0.1:{free_port()}"
+    deployment = Deployment(gateway_address, _env=env, admin=admin_address or "", tls=tls, api_key=api_key)
     gateway_args = ["gateway", "--listen", gateway_address, "--model", model,
                     "--decode-workers", ",".join(decode_addresses), *metrics_args(), *gateway_args]
+    if admin_address is not None:
+        gateway_args += ["--admin-listen", admin_address]
     if prefill:
         prefill_address = f"127.0.0.1:{free_port()}"
         args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *common,
@@ -196,7 +224,7 @@ def start_deployment(
         wait_serving(gateway_address, deployment, timeout_s)
         for process in deployment.processes[:-1]:
             wait_serving(process.address, deployment, timeout_s)
-        wait_in_rotation(gateway_address, deployment, timeout_s)
+        wait_in_rotation(deployment.admin, deployment, timeout_s)
     except BaseException:
         deployment.stop()
         raise

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from baton.cli.client import GatewayAddress
+from baton.cli.client import GatewayConnection
 from baton.runtime.clients import GatewayAdminClient
 from baton.runtime.settings import add_flags, from_args
 from baton.wire import convert
@@ -216,7 +216,7 @@ def to_json(status: DeploymentStatus, findings: list[Finding]) -> str:
 
 
 def add_status_flags(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, GatewayAddress)
+    add_flags(parser, GatewayConnection)  # --gateway: the gateway's --admin-listen address if it has one
     parser.add_argument("--queue-slo-ms", type=float, default=1000.0,
                         help="report mean queue times (arrival to admission) above this (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the status and findings as JSON")
@@ -226,12 +226,14 @@ def add_status_flags(parser: argparse.ArgumentParser) -> None:
 def status_command(args: argparse.Namespace) -> int:
     """`baton status`: print the deployment's status and findings; 1 if the gateway
     cannot be reached."""
-    gateway = from_args(GatewayAddress, args).gateway
-    with grpc.insecure_channel(gateway) as channel:
+    connection = from_args(GatewayConnection, args)
+    with connection.open_channel() as channel:
         try:
-            status = GatewayAdminClient(channel).get_deployment_status(timeout=args.timeout_s)
+            client = GatewayAdminClient(channel, connection.bearer_key)
+            status = client.get_deployment_status(timeout=args.timeout_s)
         except grpc.RpcError as error:
-            print(f"baton status: gateway {gateway}: {error.code().name}: {error.details()}", file=sys.stderr)
+            print(f"baton status: gateway {connection.gateway}: {error.code().name}: {error.details()}",
+                  file=sys.stderr)
             return 1
     slo_s = args.queue_slo_ms / 1e3
     findings = [finding for worker in status.workers for finding in diagnose(worker, slo_s)]

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
+from baton.runtime.security import TlsConfig, bearer_metadata
 from baton.runtime.server import open_channel
 from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2_grpc
@@ -42,9 +43,10 @@ class WorkerClient:
 
     _stub_class: type
 
-    def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
+    def __init__(self, address: str, channel: grpc.aio.Channel | None = None, *,
+                 tls: TlsConfig | None = None) -> None:
         self.address = address
-        self.channel = channel or open_channel(address)
+        self.channel = channel or open_channel(address, tls)
         self._stub = self._stub_class(self.channel)
 
     async def close(self) -> None:
@@ -123,27 +125,31 @@ def worker_stats(channel: grpc.Channel, role: str, timeout: float) -> WorkerStat
 
 
 class GenerationClient:
-    """The public service, blocking (`baton generate`)."""
+    """The public service, blocking (`baton generate`); `api_key` goes with every call."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel, api_key: str | None = None) -> None:
         self._stub = generation_pb2_grpc.GenerationStub(channel)
+        self._metadata = bearer_metadata(api_key)
 
     def generate(self, request: GenerateRequest, timeout: float) -> TextDelta:
         """The whole answer, as one delta."""
         return convert.text_delta_from_pb(self._stub.Generate(convert.generate_request_to_pb(request),
-                                                              timeout=timeout))
+                                                              timeout=timeout, metadata=self._metadata))
 
     def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[TextDelta]:
-        for message in self._stub.GenerateStream(convert.generate_request_to_pb(request), timeout=timeout):
+        for message in self._stub.GenerateStream(convert.generate_request_to_pb(request), timeout=timeout,
+                                                 metadata=self._metadata):
             yield convert.text_delta_from_pb(message)
 
 
 class GatewayAdminClient:
-    """`baton status`'s view: blocking, one call."""
+    """`baton status`'s view: blocking, one call; `api_key` goes with it."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel, api_key: str | None = None) -> None:
         self._stub = worker_pb2_grpc.GatewayAdminStub(channel)
+        self._metadata = bearer_metadata(api_key)
 
     def get_deployment_status(self, timeout: float) -> DeploymentStatus:
-        response = self._stub.GetDeploymentStatus(convert.GET_DEPLOYMENT_STATUS, timeout=timeout)
+        response = self._stub.GetDeploymentStatus(convert.GET_DEPLOYMENT_STATUS, timeout=timeout,
+                                                  metadata=self._metadata)
         return convert.deployment_status_from_pb(response)

@@ -1,5 +1,6 @@
 """What every Baton gRPC process shares: a grpc.aio server with health and reflection,
-uvloop, and a graceful shutdown on SIGTERM/SIGINT."""
+uvloop, and a graceful shutdown on SIGTERM/SIGINT; channels to other Baton processes,
+over TLS when configured (security.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+
+from baton.runtime.security import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +59,21 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    """An asyncio channel to another Baton process, with the options above."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to another Baton process, with the options above; with `tls`,
+    the server is verified against its CA and our certificate goes as the client's."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + tls.channel_options()
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+
+
+def open_blocking_channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
+    """A blocking channel to a Baton process (the command line, tests), TLS as above."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + tls.channel_options()
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 def listen_host(listen: str) -> str:
@@ -89,10 +104,13 @@ class GrpcServer:
     Readiness (health of "" and of every service) starts NOT_SERVING; call
     `set_serving(True)` once the model is loaded and warm. Liveness
     (LIVENESS_SERVICE) starts SERVING; `set_live(False)` when the process is stuck.
+    With `credentials` the port speaks TLS only.
     """
 
-    def __init__(self, address: str, service_names: Sequence[str]) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(self, address: str, service_names: Sequence[str], *,
+                 credentials: grpc.ServerCredentials | None = None,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=tuple(interceptors) or None)
         self.service_names = tuple(service_names)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -101,7 +119,10 @@ class GrpcServer:
              reflection.SERVICE_NAME),
             self.server,
         )
-        self.port = self.server.add_insecure_port(address)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"could not listen on {address}")
         host = address.rsplit(":", 1)[0]

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from baton.runtime.security import TlsConfig, read_secret_file
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, engine_config
 
 ENV_PREFIX = "BATON_"
@@ -40,6 +41,13 @@ MODEL_HELP = (f"model: {DEFAULT_MODEL!r}, a Hugging Face model directory, a .ggu
               "or dummy:<name> (random weights at a real model's shapes: dummy:llama-3.1-8b, ...)")
 DEVICE_HELP = "cpu, cuda or cuda:N"
 DTYPE_HELP = "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 or float64"
+TLS_CERT_HELP = "PEM certificate chain this process serves and presents as a client (a TLS secret's tls.crt)"
+TLS_KEY_HELP = "PEM private key of --tls-cert (tls.key)"
+TLS_CA_HELP = ("PEM CA bundle (ca.crt): internal ports then require client certificates it signed, and "
+               "calls to other Baton processes verify them against it")
+TLS_SERVER_NAME_HELP = "name to expect in peers' server certificates, when they are dialled by an address it lacks"
+API_KEY_HELP = "clients must send 'authorization: Bearer <key>'"
+API_KEY_FILE_HELP = "read the API key from this file (a mounted secret)"
 GPU_MEMORY_UTILIZATION_HELP = ("CUDA: fraction of the GPU's memory for weights, activations and the KV cache, "
                                "which gets what the rest leaves")
 
@@ -50,16 +58,18 @@ class SettingsError(ValueError):
 
 # ------------------------------------------------------------------ declaring
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, parse: Callable[[str], Any] | None = None,
-            shown: str | None = None, default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
+            shown: str | None = None, default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
+            secret: bool = False) -> Any:
     """A dataclass field that is also a flag and an environment variable.
 
     `parse` turns the text of a flag or variable into the value (default: by the
-    field's type); `shown` is how --help writes a default that is not a literal.
+    field's type); `shown` is how --help writes a default that is not a literal;
+    a `secret` is left out of the settings' repr (and so of logs).
     """
     metadata = {"help": help, "parse": parse, "shown": shown}
     if default_factory is not dataclasses.MISSING:
-        return field(default_factory=default_factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
+        return field(default_factory=default_factory, metadata=metadata, repr=not secret)
+    return field(default=default, metadata=metadata, repr=not secret)
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -208,6 +218,22 @@ def from_args(cls: type, args: argparse.Namespace, env: Mapping[str, str] | None
         raise SettingsError(str(error)) from None
 
 
+def load_tls(settings) -> TlsConfig | None:
+    """The TLS files a settings object names, read now (ValueError if one is unreadable)."""
+    return TlsConfig.load(settings.tls_cert, settings.tls_key, settings.tls_ca, settings.tls_server_name)
+
+
+def load_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """The API key, given or read from its file (ValueError for both, or an unreadable file)."""
+    if api_key is not None and api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        return read_secret_file(api_key_file, "--api-key-file").decode().strip()
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key is empty")
+    return api_key
+
+
 def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment plus `extra`, for a child process."""
     return {**os.environ, **(extra or {})}
@@ -262,8 +288,13 @@ class WorkerSettings:
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (0: any free one)",
                                        shown="off")
     log_level: str = setting("INFO", "logging level")
+    tls_cert: str | None = setting(None, TLS_CERT_HELP, shown="plaintext")
+    tls_key: str | None = setting(None, TLS_KEY_HELP)
+    tls_ca: str | None = setting(None, TLS_CA_HELP, shown="no client certificates")
+    tls_server_name: str | None = setting(None, TLS_SERVER_NAME_HELP, shown="the host dialled")
     # Built from the settings above (validated on construction).
     engine: EngineConfig = field(init=False, repr=False, compare=False)
+    tls: TlsConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.role:
@@ -273,6 +304,7 @@ class WorkerSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        object.__setattr__(self, "tls", load_tls(self))
         object.__setattr__(self, "engine", engine_config(
             self.model,
             device=self.device,
@@ -326,6 +358,20 @@ class GatewaySettings:
                                           "and then failing a probe is lost: its requests move")
     max_migrations: int = setting(3, "a request moves to another worker at most this many times")
     log_level: str = setting("INFO", "logging level")
+    # Security (baton/runtime/security.py).
+    admin_listen: str | None = setting(None, "serve GatewayAdmin (baton status) here, with the workers' TLS "
+                                             "(client certificates with --tls-ca), and not on --listen",
+                                       shown="on --listen, behind --api-key")
+    api_key: str | None = setting(None, API_KEY_HELP, shown="none, open", secret=True)
+    api_key_file: str | None = setting(None, API_KEY_FILE_HELP)
+    tls_cert: str | None = setting(None, TLS_CERT_HELP + "; --listen serves TLS without client certificates",
+                                   shown="plaintext")
+    tls_key: str | None = setting(None, TLS_KEY_HELP)
+    tls_ca: str | None = setting(None, TLS_CA_HELP, shown="no client certificates")
+    tls_server_name: str | None = setting(None, TLS_SERVER_NAME_HELP, shown="the host dialled")
+    # Built from the settings above (files read on construction).
+    tls: TlsConfig | None = field(init=False, repr=False, compare=False)
+    bearer_key: str | None = field(init=False, repr=False, compare=False)  # --api-key or the file's
 
     def __post_init__(self) -> None:
         if not self.decode_workers:
@@ -338,6 +384,10 @@ class GatewaySettings:
             raise ValueError("stall_timeout_s must be positive")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
+        if self.admin_listen is not None and self.admin_listen == self.listen:
+            raise ValueError("--admin-listen must differ from --listen")
+        object.__setattr__(self, "tls", load_tls(self))
+        object.__setattr__(self, "bearer_key", load_api_key(self.api_key, self.api_key_file))
 
 
 # ------------------------------------------------------------------ tracing

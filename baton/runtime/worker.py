@@ -221,7 +221,9 @@ async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service:
     """Serve one worker until SIGTERM: listen first (health NOT_SERVING), then load and
     warm the model off the event loop, then turn SERVING. Returns the process's exit
     code: 0 after SIGTERM, 1 if the engine failed."""
-    server = GrpcServer(settings.listen, [service_name])
+    # Workers are internal: mTLS with a CA (security.py), plaintext only with no TLS at all.
+    credentials = None if settings.tls is None else settings.tls.server_credentials(internal=True)
+    server = GrpcServer(settings.listen, [service_name], credentials=credentials)
     add_service(service, server.server)
     await server.start()
     address = settings.advertise or server.address

@@ -378,12 +378,14 @@ def open_kv_channel_to_pb(request: OpenKvChannel) -> worker_pb2.OpenKvChannelReq
         layout=layout_to_pb(request.layout),
         decode_worker_id=request.decode_worker_id,
         timeout_seconds=rendezvous.timeout_s,
+        secret=rendezvous.secret,
     )
 
 
 # Longest rendezvous wait a peer may ask for (torch.distributed takes it as a timedelta).
 MAX_RENDEZVOUS_TIMEOUT_S = 3600.0
 MAX_CHANNEL_ID_LENGTH = 256
+MIN_CHANNEL_SECRET_BYTES, MAX_CHANNEL_SECRET_BYTES = 16, 256
 
 
 def open_kv_channel_from_pb(message: worker_pb2.OpenKvChannelRequest, default_timeout_s: float) -> OpenKvChannel:
@@ -398,7 +400,9 @@ def open_kv_channel_from_pb(message: worker_pb2.OpenKvChannelRequest, default_ti
         raise ValueError(f"channel_id must have 1 to {MAX_CHANNEL_ID_LENGTH} characters")
     if not message.store_host:
         raise ValueError("store_host is empty")
-    rendezvous = Rendezvous(message.channel_id, message.store_host, message.store_port, timeout_s)
+    if not MIN_CHANNEL_SECRET_BYTES <= len(message.secret) <= MAX_CHANNEL_SECRET_BYTES:
+        raise ValueError(f"secret must have {MIN_CHANNEL_SECRET_BYTES} to {MAX_CHANNEL_SECRET_BYTES} bytes")
+    rendezvous = Rendezvous(message.channel_id, message.store_host, message.store_port, timeout_s, message.secret)
     return OpenKvChannel(rendezvous, layout_from_pb(message.layout), message.decode_worker_id)
 
 

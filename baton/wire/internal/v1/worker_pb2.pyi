@@ -84,20 +84,22 @@ class ReleaseKvResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class OpenKvChannelRequest(_message.Message):
-    __slots__ = ("channel_id", "store_host", "store_port", "layout", "decode_worker_id", "timeout_seconds")
+    __slots__ = ("channel_id", "store_host", "store_port", "layout", "decode_worker_id", "timeout_seconds", "secret")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     store_host: str
     store_port: int
     layout: KvLayout
     decode_worker_id: str
     timeout_seconds: float
-    def __init__(self, channel_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, channel_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class OpenKvChannelResponse(_message.Message):
     __slots__ = ("prefill_worker_id", "backend")
