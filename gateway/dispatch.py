@@ -94,13 +94,16 @@ class Dispatcher:
         try:
             return await worker.client.prefill(work, timeout=time_remaining(), metadata=trace_metadata)
         except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                logger.warning("prefill worker %s unavailable; running %s colocated", worker.address,
-                               work.request_id)
-                self.pool.mark_down(worker)
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                # Down, or its queue is full (then the decode worker refuses it in turn if
+                # its own is full too).
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    logger.warning("prefill worker %s unavailable; running %s colocated", worker.address,
+                                   work.request_id)
+                    self.pool.mark_down(worker)
                 self.pool.prefill_moved(worker, decode, len(work.prompt_token_ids))
                 return None
-            raise RequestError(error.code(), error.details() or "prefill failed") from None
+            raise RequestError.from_worker(error, "prefill failed") from None
         except ValueError as error:  # a KV handle no cache could have: a worker of another release
             self._background.spawn(self._release(worker, work.request_id, trace_metadata))
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -123,7 +126,7 @@ class Dispatcher:
             code = error.code()
             if code == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_down(worker)
-            raise RequestError(code, error.details() or "decode failed") from None
+            raise RequestError.from_worker(error, "decode failed") from None
         finally:
             worker.num_in_flight -= 1
             await events.aclose()  # the client went away or a stop string matched: abort on the worker

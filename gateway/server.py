@@ -14,6 +14,7 @@ from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.v1 import generation_pb2, generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
 from gateway.admin import GatewayAdminService
+from gateway.admission import GatewayAdmission, GatewayLimits
 from gateway.service import GenerationService
 from gateway.workers import POLL_INTERVAL_S, RoutingPolicy, WorkerPool
 
@@ -26,7 +27,7 @@ ADMIN_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full
 async def run_gateway(settings: GatewaySettings) -> None:
     pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers),
                       RoutingPolicy.from_settings(settings))
-    service = GenerationService(pool)
+    service = GenerationService(pool, admission=GatewayAdmission(pool, GatewayLimits.from_settings(settings)))
     admin = GatewayAdminService(pool)
     server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME])
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server.server)

@@ -25,6 +25,7 @@ from baton.wire.records import ModelInfo, TextDelta
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.detokenizer import IncrementalDetokenizer
+from gateway.admission import GatewayAdmission
 from gateway.dispatch import Dispatcher
 from gateway.errors import RequestError
 from gateway.prepare import PreparedRequest, RequestPreparer
@@ -40,9 +41,11 @@ _STARTING = "gateway is starting: no worker is serving yet"
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     """baton.v1.Generation over a pool of prefill and decode workers."""
 
-    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics | None = None,
+                 admission: GatewayAdmission | None = None) -> None:
         self.dispatcher = Dispatcher(pool)
         self.metrics = metrics  # None: not recorded
+        self.admission = admission or GatewayAdmission(pool)
         # Set by `load` (the gateway listens before its workers are up).
         self.preparer: RequestPreparer | None = None
         self._in_flight: set[str] = set()
@@ -103,10 +106,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             finally:
                 if prepared is not None:
                     self._in_flight.discard(prepared.request_id)
+                    self.admission.release(prepared.request_id)
                 self._end_span(span, failure)
 
     async def _prepare(self, message: pb.GenerateRequest, span) -> PreparedRequest:
-        """Read, validate and tokenize; raises RequestError. The request is then in flight."""
+        """Read, validate, admit and tokenize; raises RequestError. The request is then in flight."""
         preparer = self.preparer
         if preparer is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, _STARTING)
@@ -117,13 +121,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         request_id = request.request_id or f"{self._prefix}-{next(self._ids)}"
         if request_id in self._in_flight:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
+        self.admission.admit(request_id)  # before tokenizing: an overloaded gateway refuses at once
         self._in_flight.add(request_id)  # now, so that a twin arriving while this one tokenizes is refused
         try:
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_executor, preparer.prepare, request, request_id, span
             )
+            self.admission.queue_tokens(request_id, len(prepared.prompt_token_ids))
         except BaseException:
             self._in_flight.discard(request_id)
+            self.admission.release(request_id)
             raise
         if tracing.recording(span):
             tracing.set_request(span, self.info.model, prepared.params, _OPERATIONS[request.prompt_kind],
@@ -172,6 +179,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         events = self.dispatcher.run(prepared, context.time_remaining)
         try:
             async for event in events:
+                if not num_output:
+                    self.admission.started(prepared.request_id)  # its prompt is no longer queued
                 num_output += len(event.token_ids)
                 token_times.extend([time.monotonic()] * len(event.token_ids))
                 text, finish_reason, stop_string = "", event.finish_reason, None

@@ -259,6 +259,12 @@ class WorkerSettings:
     grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (0: any free one)",
                                        shown="off")
+    # Admission control (baton/runtime/admission.py): beyond these, calls are refused
+    # with RESOURCE_EXHAUSTED and a retry hint instead of queued.
+    max_queued_requests: int = setting(0, "requests in flight beyond --max-num-seqs before Prefill/Decode "
+                                          "calls are refused (0: --max-num-seqs)")
+    max_queued_tokens: int = setting(0, "prompt tokens waiting to be prefilled or received before calls are "
+                                        "refused (0: the KV cache's capacity in tokens)")
     log_level: str = setting("INFO", "logging level")
     # Built from the settings above (validated on construction).
     engine: EngineConfig = field(init=False, repr=False, compare=False)
@@ -271,6 +277,8 @@ class WorkerSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
+            raise ValueError("max_queued_requests and max_queued_tokens must be >= 0 (0: derived)")
         object.__setattr__(self, "engine", engine_config(
             self.model,
             device=self.device,
@@ -319,6 +327,12 @@ class GatewaySettings:
                                                "(no handoff)")
     max_prefill_queue_tokens: int = setting(2048, "above this many queued prefill tokens, prompts go to a "
                                                   "decode worker with fewer queued (0: never)")
+    # Admission control (gateway/admission.py): beyond these, requests are refused at
+    # once with RESOURCE_EXHAUSTED and a retry hint.
+    max_concurrent_requests: int = setting(0, "requests in flight before new ones are refused "
+                                              "(0: the decode workers' --max-num-seqs, summed)")
+    max_queued_tokens: int = setting(0, "prompt tokens admitted and not yet prefilled before new requests "
+                                        "are refused (0: 2 steps of the prefill workers' token budgets)")
     log_level: str = setting("INFO", "logging level")
 
     def __post_init__(self) -> None:
@@ -328,6 +342,8 @@ class GatewaySettings:
             raise ValueError("routing thresholds must be >= 0")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
+        if self.max_concurrent_requests < 0 or self.max_queued_tokens < 0:
+            raise ValueError("max_concurrent_requests and max_queued_tokens must be >= 0 (0: derived)")
 
 
 # ------------------------------------------------------------------ tracing
