@@ -125,3 +125,27 @@ def test_a_decode_worker_refuses_calls_beyond_its_own_queue(system):
     assert "requests in flight" in error.details()
     assert error_details_from_trailers(error.trailing_metadata()).retry_after_s > 0
     wait_for_idle(system)
+
+
+def test_the_overload_benchmark_at_tiny_scale(system):
+    """benchmarks/overload.py's phases against this deployment, a few seconds each: every
+    request is served or refused with a hint (none fails otherwise), and the report
+    holds every figure and check. The figures themselves mean nothing here."""
+    from benchmarks import overload
+
+    args = overload.parse_args(["--seconds", "2", "--capacity-seconds", "1", "--burst", "12",
+                                "--unloaded-requests", "3", "--deadline", "8"])
+    mixed, long = overload.workloads(args, VOCAB_SIZE, max_context=512)
+    wait_for_idle(system)
+    report = asyncio.run(overload.measure(args, system, mixed, long))
+    assert report["capacity"]["mixed"]["requests_per_s"] > 0 and report["capacity"]["long"]["requests_per_s"] > 0
+    over, burst = report["overload"], report["burst"]
+    assert set(over["statuses"]) <= {"OK", "RESOURCE_EXHAUSTED"}, over["statuses"]
+    assert over["statuses"].get("OK", 0) > 0 and over["ttft_p99_ratio"] > 0
+    assert set(burst["statuses"]) <= {"OK", "DEADLINE_EXCEEDED"}, burst["statuses"]
+    assert burst["statuses"].get("OK", 0) > 0 and burst["num_refusals"] > 0  # 12 at once over a limit of 4
+    assert set(report["rss"]) == {"gateway", "prefill", "decode"}
+    assert all(figures["start_mb"] > 0 for figures in report["rss"].values())
+    assert len(overload.checks(report)) == 7
+    overload.print_report({**report, "checks": overload.checks(report)})
+    wait_for_idle(system)
