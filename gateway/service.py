@@ -90,6 +90,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 yield delta
         except RequestError as error:
             failure = error
+            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.metrics is not None:
+                self.metrics.refused.inc()
             await context.abort(error.code, error.details,
                                 trailing_metadata=status.error_trailers(error.code, error.details,
                                                                         error.error_details))

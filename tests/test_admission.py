@@ -178,9 +178,10 @@ def test_gateway_refuses_with_resource_exhausted_and_a_retry_hint():
 # ----------------------------------------------------------------- workers
 def test_worker_limits_default_to_the_batch_and_the_cache():
     settings = DecodeWorkerSettings(max_num_seqs=8, block_size=4)
-    assert worker_limits(settings, num_kv_blocks=100) == AdmissionLimits(16, 400)
+    assert worker_limits(settings, num_kv_blocks=100, max_model_len=512) == AdmissionLimits(16, 4 * 400)
+    assert worker_limits(settings, num_kv_blocks=10, max_model_len=512) == AdmissionLimits(16, 512)
     settings = PrefillWorkerSettings(max_num_seqs=8, max_queued_requests=3, max_queued_tokens=50)
-    assert worker_limits(settings, num_kv_blocks=100) == AdmissionLimits(11, 50)
+    assert worker_limits(settings, num_kv_blocks=100, max_model_len=512) == AdmissionLimits(11, 50)
     with pytest.raises(ValueError):
         DecodeWorkerSettings(max_queued_requests=-1)
     with pytest.raises(ValueError):

@@ -264,7 +264,7 @@ class WorkerSettings:
     max_queued_requests: int = setting(0, "requests in flight beyond --max-num-seqs before Prefill/Decode "
                                           "calls are refused (0: --max-num-seqs)")
     max_queued_tokens: int = setting(0, "prompt tokens waiting to be prefilled or received before calls are "
-                                        "refused (0: the KV cache's capacity in tokens)")
+                                        "refused (0: 4x the KV cache's capacity in tokens)")
     log_level: str = setting("INFO", "logging level")
     # Built from the settings above (validated on construction).
     engine: EngineConfig = field(init=False, repr=False, compare=False)

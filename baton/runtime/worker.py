@@ -71,14 +71,20 @@ def worker_stats(stats: SchedulerStats, **fields) -> WorkerStats:
     )
 
 
-def worker_limits(settings: WorkerSettings, num_kv_blocks: int) -> AdmissionLimits:
+# A worker's prompt tokens waiting, by default: this many times what its KV cache holds.
+QUEUED_CACHES = 4
+
+
+def worker_limits(settings: WorkerSettings, num_kv_blocks: int, max_model_len: int) -> AdmissionLimits:
     """A worker's own bounds (unless configured): as many requests waiting as its batch
-    holds, and as many prompt tokens waiting as its KV cache holds. They are the backstop
-    for several gateways, or a client calling the worker directly; one gateway's own
-    limits are tighter."""
+    holds, and prompt tokens waiting worth QUEUED_CACHES caches (at least one longest
+    prompt). They are the backstop for several gateways, or a client calling the worker
+    directly; one gateway's own limits are tighter, so that a decode worker does not
+    refuse a request whose first token its client already has."""
     max_num_seqs = settings.engine.scheduler.max_num_seqs
+    cache_tokens = num_kv_blocks * settings.engine.cache.block_size
     return AdmissionLimits(max_num_seqs + (settings.max_queued_requests or max_num_seqs),
-                           settings.max_queued_tokens or num_kv_blocks * settings.engine.cache.block_size)
+                           settings.max_queued_tokens or max(QUEUED_CACHES * cache_tokens, max_model_len))
 
 
 class WorkerBase:
@@ -110,7 +116,7 @@ class WorkerBase:
         self.model_info = model_info(llm)
         self.layout = KvLayoutSpec.from_kv_layout(llm.kv_layout)
         self.metrics = WorkerMetrics(self.model_info.model, self.settings.role)
-        self.admission = AdmissionQueue(worker_limits(self.settings, llm.kv_cache.num_blocks))
+        self.admission = AdmissionQueue(worker_limits(self.settings, llm.kv_cache.num_blocks, llm.max_model_len))
         self.engine = AsyncEngine(llm, on_kv_receive=self._on_kv_receive,
                                   on_last_output=lambda output: self.metrics.record_timings(output.timings),
                                   on_failure=self._on_engine_failure)
