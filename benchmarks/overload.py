@@ -58,6 +58,10 @@ class Outcome:
     retry_after_s: float | None = None  # the last refusal's hint
 
 
+def ratio(value: float, base: float) -> float:
+    return value / base if base else float("nan")
+
+
 def percentile(values, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
@@ -235,7 +239,7 @@ def overload_figures(outcomes: list[Outcome], seconds: float, cap: float, unload
         **refusal_figures(outcomes),
         "accepted_ttft_p50_ms": percentile(ttfts, 50) * 1e3, "accepted_ttft_p99_ms": percentile(ttfts, 99) * 1e3,
         "ttft_p99_ratio": percentile(ttfts, 99) / unloaded_p99,
-        "goodput_requests_per_s": goodput, "goodput_ratio": goodput / cap,
+        "goodput_requests_per_s": goodput, "goodput_ratio": ratio(goodput, cap),
     }
 
 
@@ -247,7 +251,7 @@ def burst_figures(outcomes: list[Outcome], cap: float) -> dict:
     return {
         "num_requests": len(outcomes), "statuses": statuses, **refusal_figures(outcomes),
         "refused_at_first_attempt": sum(1 for o in outcomes if o.refusal_seconds) / max(len(outcomes), 1),
-        "window_s": window, "goodput_requests_per_s": goodput, "goodput_ratio": goodput / cap,
+        "window_s": window, "goodput_requests_per_s": goodput, "goodput_ratio": ratio(goodput, cap),
     }
 
 
@@ -275,6 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--burst", type=int, default=None, help="long requests at once (default 1000, --quick 200)")
     p.add_argument("--deadline", type=float, default=30.0, help="seconds each request (and burst client) may take")
     p.add_argument("--capacity-seconds", type=float, default=None, help="each capacity run (default 30, --quick 8)")
+    p.add_argument("--capacity", default=None, metavar="MIXED,LONG",
+                   help="req/s of both workloads, e.g. from a run with admission (skips measuring them)")
     p.add_argument("--unloaded-requests", type=int, default=None, help="default 30, --quick 10")
     p.add_argument("--colocated", action="store_true", help="no prefill worker")
     p.add_argument("--no-admission", action="store_true", help="limits so high that nothing is refused: "
@@ -317,8 +323,12 @@ async def measure(args, deployment, mixed, long) -> dict:
         unloaded_p99 = percentile(ttfts, 99)
         print("capacity ...", file=sys.stderr, flush=True)
         warmup = min(5.0, args.capacity_seconds / 4)
-        cap = await capacity(client, mixed, concurrency, args.capacity_seconds, warmup)
-        cap_long = await capacity(client, long, concurrency, args.capacity_seconds, warmup)
+        if args.capacity:
+            cap, cap_long = ({"requests_per_s": float(v), "concurrency": concurrency, "given": True}
+                             for v in args.capacity.split(","))
+        else:
+            cap = await capacity(client, mixed, concurrency, args.capacity_seconds, warmup)
+            cap_long = await capacity(client, long, concurrency, args.capacity_seconds, warmup)
         rate = args.overload * cap["requests_per_s"]
         print(f"overload: {rate:.1f} req/s for {args.seconds:.0f} s ...", file=sys.stderr, flush=True)
         sampler = RssSampler({p.role: p.popen.pid for p in deployment.processes})

@@ -167,7 +167,7 @@ def test_gateway_refuses_with_resource_exhausted_and_a_retry_hint():
     assert refused.value.error_details.retry_after_s == DEFAULT_RETRY_S
     assert "retry in" in refused.value.details
     with pytest.raises(RequestError) as refused:
-        admission.queue_tokens("b", 100)  # 200 > 2 x 64 queued tokens
+        admission.queue_tokens("b", 100)  # 200 > a step of 64 tokens, with some already queued
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert admission.queue.num_requests == 1
     admission.started("a")

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 
 MAX_NUM_SEQS = 4  # the decode worker's; the gateway admits this many requests at once
 DECODE_MAX_QUEUED = 2  # the decode worker's own bound: 6 Decode calls at once
-PREFILL_BUDGET = 64  # the gateway queues 2 x 64 prompt tokens at most
+PREFILL_BUDGET = 64  # the gateway queues a step of it (64 prompt tokens) at most
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def system(tiny_chat_model, tmp_path_factory):
         prefill_args=["--max-num-batched-tokens", "48"],
         decode_args=["--max-num-batched-tokens", "64"],
         # Every prompt goes through the prefill worker and a handoff (no local prefill);
-        # bursts far over 2 steps of its tiny budget are queued, not refused.
+        # bursts far over a step of its tiny budget are queued, not refused.
         gateway_args=["--max-prefill-queue-tokens", "0", "--max-queued-tokens", "100000"],
     )
     yield deployment

@@ -332,7 +332,7 @@ class GatewaySettings:
     max_concurrent_requests: int = setting(0, "requests in flight before new ones are refused "
                                               "(0: the decode workers' --max-num-seqs, summed)")
     max_queued_tokens: int = setting(0, "prompt tokens admitted and not yet prefilled before new requests "
-                                        "are refused (0: 2 steps of the prefill workers' token budgets)")
+                                        "are refused (0: a step of the prefill workers' token budgets)")
     log_level: str = setting("INFO", "logging level")
 
     def __post_init__(self) -> None:
