@@ -3,9 +3,14 @@ opened channel per prefill worker, and the pull of one request's blocks over it
 (control on gRPC through PrefillWorkerClient, data over a kvtransfer transport).
 
     receive(handle, blocks)
-      no channel to that prefill worker yet: listen() + OpenKvChannel, then accept()
+      an idle channel to that prefill worker, else a new one (up to MAX_CHANNELS_PER_PEER):
+        listen() + OpenKvChannel, then accept()
       SendKv: accepted (its lease pinned, its block ids) -> recv_blocks -> done
       verify: our checksums of the blocks must equal the sender's
+
+A channel carries one transfer at a time, so several channels per prefill worker let
+pulls overlap: a burst of handoffs no longer waits in a line (each pull's RPC round
+trips, its receive and its checksums), holding its decode slots and blocks meanwhile.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 # Tags are per channel and wrap well inside int32 (kvtransfer derives message tags from them).
 MAX_TAG = 1 << TAG_BITS  # the header carries the full tag; wire tags wrap here anyway
+# Concurrent pulls from one prefill worker, each on a channel of its own (opened the
+# first time that many pulls overlap).
+MAX_CHANNELS_PER_PEER = 4
 
 
 # Refusals of one send that leave the channel as it was: the lease is gone (NOT_FOUND),
@@ -50,16 +58,14 @@ class ReceiveResult:
     error: str = ""  # why it failed (the caller then prefills the prompt itself)
 
 
-class _Peer:
-    """One prefill worker: its client and, once opened, the transport to it."""
+class _Channel:
+    """One channel to a prefill worker: once opened, its transport; its transfers run one
+    at a time, on its own thread."""
 
-    def __init__(self, address: str, tls: TlsConfig | None) -> None:
-        self.client = PrefillWorkerClient(address, tls=tls)
+    def __init__(self, address: str, index: int) -> None:
         self.transport: KvTransport | None = None
         self.channel_id = ""
-        # Transfers on one channel run one at a time, on this thread, in arrival order.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-recv-{address}")
-        self.lock = asyncio.Lock()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-recv-{address}-{index}")
         self.tags = itertools.count(1)
 
     def next_tag(self) -> int:
@@ -69,6 +75,22 @@ class _Peer:
         if self.transport is not None:
             self.executor.submit(self.transport.close)
             self.transport = None
+
+    def close(self) -> None:
+        self.drop_transport()
+        self.executor.shutdown(wait=False)
+
+
+class _Peer:
+    """One prefill worker: its client and its channels, the idle ones last-used first (so
+    channels beyond the first open only when pulls overlap)."""
+
+    def __init__(self, address: str, tls: TlsConfig | None) -> None:
+        self.client = PrefillWorkerClient(address, tls=tls)
+        self.channels = [_Channel(address, i) for i in range(MAX_CHANNELS_PER_PEER)]
+        self.idle: asyncio.LifoQueue[_Channel] = asyncio.LifoQueue()
+        for channel in reversed(self.channels):
+            self.idle.put_nowait(channel)
 
 
 class KvReceiver:
@@ -106,8 +128,8 @@ class KvReceiver:
 
     async def close(self) -> None:
         for peer in self._peers.values():
-            peer.drop_transport()
-            peer.executor.shutdown(wait=False)
+            for channel in peer.channels:
+                channel.close()
             await peer.client.close()
         self._peers.clear()
 
@@ -126,18 +148,20 @@ class KvReceiver:
         calls to the prefill worker."""
         started = time.perf_counter()
         peer = self._peer(handle.prefill_address)
+        channel = await peer.idle.get()
         try:
-            async with peer.lock:
-                pulled = await self._pull(peer, handle, block_ids, trace_metadata)
+            pulled = await self._pull(peer.client, channel, handle, block_ids, trace_metadata)
         except (KvTransferError, grpc.aio.AioRpcError, asyncio.TimeoutError, ValueError) as error:
             self.num_transfer_failures += 1
             if isinstance(error, grpc.aio.AioRpcError) and error.code() not in _CHANNEL_INTACT:
                 # The peer may not know our channel any more (it restarted on its address:
                 # FAILED_PRECONDITION to every send, for good). The next pull opens a new one.
-                peer.drop_transport()
+                channel.drop_transport()
             message = _describe(error)
             logger.warning("KV pull of %s from %s failed: %s", handle.request_id, handle.prefill_address, message)
             return ReceiveResult(ok=False, error=message, seconds=time.perf_counter() - started)
+        finally:
+            peer.idle.put_nowait(channel)
         result = replace(pulled, seconds=time.perf_counter() - started)
         self.num_transfers += 1
         self.num_transfers_verified += result.verified
@@ -145,29 +169,31 @@ class KvReceiver:
         self.transfer_seconds += result.seconds
         return result
 
-    async def _pull(self, peer: _Peer, handle: KvHandle, block_ids: list[int], trace_metadata) -> ReceiveResult:
+    async def _pull(self, client: PrefillWorkerClient, channel: _Channel, handle: KvHandle, block_ids: list[int],
+                    trace_metadata) -> ReceiveResult:
         """The pull (its seconds left for the caller to time); raises on any failure."""
         if len(block_ids) != handle.num_blocks:
             raise ValueError(f"allocated {len(block_ids)} blocks for {handle.num_blocks} held")
-        if peer.transport is None or peer.transport.is_broken:
-            await self._open(peer, trace_metadata)
+        if channel.transport is None or channel.transport.is_broken:
+            await self._open(client, channel, trace_metadata)
         loop = asyncio.get_running_loop()
-        request = SendKv(peer.channel_id, handle.request_id, peer.next_tag(), len(block_ids), block_ids, self.verify)
-        call = peer.client.send_kv(request, timeout=self.timeout_s * 2, metadata=trace_metadata)
+        request = SendKv(channel.channel_id, handle.request_id, channel.next_tag(), len(block_ids), block_ids,
+                         self.verify)
+        call = client.send_kv(request, timeout=self.timeout_s * 2, metadata=trace_metadata)
         try:
             accepted = await call.next_event()
             if not isinstance(accepted, SendKvAccepted):
                 raise ValueError("prefill worker did not accept the send")
             # NOTE: receives are posted only after the sender accepted, so a refused send
             # (lease expired, released) never leaves a receive pending on the channel.
-            stats = await loop.run_in_executor(peer.executor, peer.transport.recv_blocks, self.kv_cache, block_ids,
-                                               request.tag, accepted.block_ids)
+            stats = await loop.run_in_executor(channel.executor, channel.transport.recv_blocks, self.kv_cache,
+                                               block_ids, request.tag, accepted.block_ids)
             done = await call.next_event()
             if not isinstance(done, SendKvDone):
                 raise ValueError("prefill worker did not confirm the send")
             if not self.verify:
                 return ReceiveResult(True, num_bytes=stats.num_bytes)
-            mine = await loop.run_in_executor(peer.executor, block_checksums, self.kv_cache, block_ids)
+            mine = await loop.run_in_executor(channel.executor, block_checksums, self.kv_cache, block_ids)
             if mine != done.block_checksums:
                 bad = sum(a != b for a, b in zip(mine, done.block_checksums))
                 raise KvTransferError(f"checksum mismatch in {bad} of {len(mine)} blocks")
@@ -176,22 +202,22 @@ class KvReceiver:
             call.cancel()
             raise
 
-    async def _open(self, peer: _Peer, trace_metadata) -> None:
+    async def _open(self, client: PrefillWorkerClient, channel: _Channel, trace_metadata) -> None:
         """Offer a channel to the prefill worker and wait until it has joined."""
-        peer.drop_transport()
+        channel.drop_transport()
         channel_id = f"{self._channel_prefix}-{next(self._channel_ids)}"
         offer = listen(channel_id, self.host, self.kv_cache.blocks.device, self.timeout_s)
-        joining = asyncio.get_running_loop().run_in_executor(peer.executor, offer.accept)
+        joining = asyncio.get_running_loop().run_in_executor(channel.executor, offer.accept)
         try:
-            await peer.client.open_kv_channel(OpenKvChannel(offer.rendezvous, self.layout, self.worker_id),
+            await client.open_kv_channel(OpenKvChannel(offer.rendezvous, self.layout, self.worker_id),
                                               timeout=self.timeout_s * 2, metadata=trace_metadata)
         except BaseException:
             # Our side of the rendezvous times out on its own; its thread is then free.
             joining.add_done_callback(lambda f: f.exception())
             raise
-        peer.transport = await joining
-        peer.channel_id = channel_id
-        logger.info("opened KV channel %s to prefill worker %s", channel_id, peer.client.address)
+        channel.transport = await joining
+        channel.channel_id = channel_id
+        logger.info("opened KV channel %s to prefill worker %s", channel_id, client.address)
 
 
 def _describe(error: BaseException) -> str:

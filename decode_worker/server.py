@@ -69,6 +69,8 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
     async def _decode(self, message: worker_pb2.DecodeRequest, context, span):
         engine = await self._require_engine(context)
         request_id = message.request.request_id
+        # Released by _forget, whichever way the call ends.
+        await self.accept_call(context, request_id, len(message.request.prompt_token_ids))
         traced = tracing.recording(span)
         try:
             request = convert.decode_request_from_pb(message)
@@ -86,10 +88,14 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         except EngineDeadError:
             self._forget(request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
+        except BaseException:  # cancelled while it was being added: the engine aborts it (AsyncEngine._add)
+            self._forget(request_id)
+            raise
 
         finished = False
         try:
             async for output in stream:
+                self.admission.started(request_id)  # prefilled or received: no longer queued
                 tracing.add_events(span, output.events)
                 if output.finished:
                     finished = True
@@ -124,6 +130,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                                                        num_generated_tokens=work.num_generated_tokens)
 
     def _forget(self, request_id: str) -> None:
+        self.admission.release(request_id)
         self._handles.pop(request_id, None)
         self._spans.pop(request_id, None)
 

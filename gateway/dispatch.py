@@ -164,13 +164,16 @@ class Dispatcher:
                 return None
             return call.result()
         except grpc.aio.AioRpcError as error:
-            if error.code() in _WORKER_LOST_CODES:
-                logger.warning("prefill worker %s %s; running %s colocated", worker.address,
-                               error.code().name, work.request_id)
-                self.pool.mark_down(worker)
+            if error.code() in (*_WORKER_LOST_CODES, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                # Lost, or its queue is full (then the decode worker refuses it in turn if
+                # its own is full too).
+                if error.code() in _WORKER_LOST_CODES:
+                    logger.warning("prefill worker %s %s; running %s colocated", worker.address,
+                                   error.code().name, work.request_id)
+                    self.pool.mark_down(worker)
                 self.pool.prefill_moved(worker, decode, len(work.prompt_token_ids))
                 return None
-            raise RequestError(error.code(), error.details() or "prefill failed") from None
+            raise RequestError.from_worker(error, "prefill failed") from None
         except ValueError as error:  # a KV handle no cache could have: a worker of another release
             self._background.spawn(self._release(worker, work.request_id, trace_metadata))
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -226,7 +229,7 @@ class Dispatcher:
             if code in _WORKER_LOST_CODES:
                 self.pool.mark_down(worker)
                 raise WorkerLost(worker, f"{code.name}: {error.details()}") from None
-            raise RequestError(code, error.details() or "decode failed") from None
+            raise RequestError.from_worker(error, "decode failed") from None
         finally:
             worker.num_in_flight -= 1
             await events.aclose()  # the client went away or a stop string matched: abort on the worker

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 
+from baton.wire import status
 from baton.wire.records import ErrorDetails, FieldError
 
 
@@ -30,3 +31,10 @@ class RequestError(Exception):
         if isinstance(error, FieldError):
             return cls(code, str(error), field=error.field)
         return cls(code, str(error))
+
+    @classmethod
+    def from_worker(cls, error: grpc.aio.AioRpcError, fallback: str) -> RequestError:
+        """A worker call's failure as the client's: its code, its message and its retry
+        hint (an overloaded worker's RESOURCE_EXHAUSTED stays that, with its RetryInfo)."""
+        details = status.error_details_from_trailers(error.trailing_metadata())
+        return cls(error.code(), error.details() or fallback, retry_after_s=details.retry_after_s)

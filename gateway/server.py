@@ -20,6 +20,7 @@ from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.v1 import generation_pb2, generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
 from gateway.admin import GatewayAdminService
+from gateway.admission import GatewayAdmission, GatewayLimits
 from gateway.service import GenerationService
 from gateway.workers import POLL_INTERVAL_S, RoutingPolicy, WorkerPool
 
@@ -33,7 +34,8 @@ async def run_gateway(settings: GatewaySettings) -> None:
     tls = settings.tls
     pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers),
                       RoutingPolicy.from_settings(settings), tls, settings.stall_timeout_s)
-    service = GenerationService(pool, max_migrations=settings.max_migrations)
+    service = GenerationService(pool, max_migrations=settings.max_migrations,
+                                admission=GatewayAdmission(pool, GatewayLimits.from_settings(settings)))
     admin = GatewayAdminService(pool)
     server, admin_server = _servers(settings)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server.server)

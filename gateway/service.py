@@ -25,6 +25,7 @@ from baton.wire.records import ModelInfo, TextDelta
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.detokenizer import IncrementalDetokenizer
+from gateway.admission import GatewayAdmission
 from gateway.dispatch import DEFAULT_MAX_MIGRATIONS, Dispatcher
 from gateway.errors import RequestError
 from gateway.prepare import PreparedRequest, RequestPreparer
@@ -41,9 +42,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     """baton.v1.Generation over a pool of prefill and decode workers."""
 
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics | None = None, *,
-                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS, admission: GatewayAdmission | None = None) -> None:
         self.dispatcher = Dispatcher(pool, max_migrations, self._count_migration)
         self.metrics = metrics  # None: not recorded
+        self.admission = admission or GatewayAdmission(pool)
         # Set by `load` (the gateway listens before its workers are up).
         self.preparer: RequestPreparer | None = None
         self._in_flight: set[str] = set()
@@ -100,6 +102,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 yield delta
         except RequestError as error:
             failure = error
+            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.metrics is not None:
+                self.metrics.refused.inc()
             await context.abort(error.code, error.details,
                                 trailing_metadata=status.error_trailers(error.code, error.details,
                                                                         error.error_details))
@@ -116,10 +120,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             finally:
                 if prepared is not None:
                     self._in_flight.discard(prepared.request_id)
+                    self.admission.release(prepared.request_id)
                 self._end_span(span, failure)
 
     async def _prepare(self, message: pb.GenerateRequest, span) -> PreparedRequest:
-        """Read, validate and tokenize; raises RequestError. The request is then in flight."""
+        """Read, validate, admit and tokenize; raises RequestError. The request is then in flight."""
         preparer = self.preparer
         if preparer is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, _STARTING)
@@ -132,13 +137,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         request_id = request.request_id or f"{self._prefix}-{next(self._ids)}"
         if request_id in self._in_flight:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
+        self.admission.admit(request_id)  # before tokenizing: an overloaded gateway refuses at once
         self._in_flight.add(request_id)  # now, so that a twin arriving while this one tokenizes is refused
         try:
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_executor, preparer.prepare, request, request_id, span
             )
+            self.admission.queue_tokens(request_id, len(prepared.prompt_token_ids))
         except BaseException:
             self._in_flight.discard(request_id)
+            self.admission.release(request_id)
             raise
         if request.request_id:  # the client's own id: other gateways' clients may use it too
             prepared.worker_request_id = f"{request_id}@{self._prefix}"
@@ -189,6 +197,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         events = self.dispatcher.run(prepared, context.time_remaining)
         try:
             async for event in events:
+                if not num_output:
+                    self.admission.started(prepared.request_id)  # its prompt is no longer queued
                 num_output += len(event.token_ids)
                 token_times.extend([time.monotonic()] * len(event.token_ids))
                 text, finish_reason, stop_string = "", event.finish_reason, None

@@ -70,6 +70,15 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context, span) -> worker_pb2.PrefillResponse:
         engine = await self._require_engine(context)
+        request_id = request.request.request_id
+        await self.accept_call(context, request_id, len(request.request.prompt_token_ids))
+        try:  # its prompt is queued here until the call ends, at its first token
+            return await self._prefill_admitted(engine, request, context, span)
+        finally:
+            self.admission.release(request_id)
+
+    async def _prefill_admitted(self, engine, request: worker_pb2.PrefillRequest, context,
+                                span) -> worker_pb2.PrefillResponse:
         try:
             work = convert.work_request_from_pb(request.request)
             stream = await engine.add_request(work.request_id, work.prompt_token_ids, work.params,

@@ -46,8 +46,9 @@ def system(tiny_chat_model, tmp_path_factory):
         worker_args=worker_args,
         prefill_args=["--max-num-batched-tokens", "48"],
         decode_args=["--max-num-batched-tokens", "64"],
-        # Every prompt goes through the prefill worker and a handoff (no local prefill).
-        gateway_args=["--max-prefill-queue-tokens", "0"],
+        # Every prompt goes through the prefill worker and a handoff (no local prefill);
+        # bursts far over a step of its tiny budget are queued, not refused.
+        gateway_args=["--max-prefill-queue-tokens", "0", "--max-queued-tokens", "100000"],
     )
     yield deployment
     codes = deployment.stop()
@@ -273,8 +274,8 @@ def test_gateway_prefills_on_the_decode_worker_when_the_prefill_queue_is_long(sy
     model, path, _ = tiny_chat_model
     rng = random.Random(7)
     cases = [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(20, 60))] for _ in range(12)]
-    flags = ["--max-prefill-queue-tokens", "1", "--prefill-workers", system.worker("prefill").address,
-             "--decode-workers", system.worker("decode").address]
+    flags = ["--max-prefill-queue-tokens", "1", "--max-queued-tokens", "100000",
+             "--prefill-workers", system.worker("prefill").address, "--decode-workers", system.worker("decode").address]
     with extra_gateway(path, tmp_path, *flags) as stub:
         transfers_before = system.stats("decode").num_transfers
         with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:

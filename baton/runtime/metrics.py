@@ -6,7 +6,7 @@ measures is what it sees:
 
 - gateway: the client's view of a request: time to first token, time per output
   token, inter-token latency, end-to-end latency; prompt and generation tokens;
-  finished requests by finish reason.
+  finished requests by finish reason, and requests refused for overload.
 - workers: the engine's state, read at scrape time (requests running, waiting and
   swapped, KV blocks used and total, preemptions by kind, steps); each request's
   queue time and prefill time, from the timings on its last output; and, on the
@@ -65,6 +65,8 @@ class GatewayMetrics:
         self.finished = {reason: finished.labels(model, reason) for reason in FINISH_REASONS}
         self.migrations = Counter("baton_request_migrations", "Requests moved off a lost worker (per move)",
                                   labels, registry=r).labels(model)
+        self.refused = Counter("baton_requests_refused", "Requests refused at once: RESOURCE_EXHAUSTED (overload)",
+                               labels, registry=r).labels(model)
 
     def record_request(self, *, arrival: float, token_times: list[float], finished_at: float,
                        num_prompt_tokens: int, finish_reason: str) -> None:

@@ -287,6 +287,12 @@ class WorkerSettings:
                                           "in a step this long")
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (0: any free one)",
                                        shown="off")
+    # Admission control (baton/runtime/admission.py): beyond these, calls are refused
+    # with RESOURCE_EXHAUSTED and a retry hint instead of queued.
+    max_queued_requests: int = setting(0, "requests in flight beyond --max-num-seqs before Prefill/Decode "
+                                          "calls are refused (0: --max-num-seqs)")
+    max_queued_tokens: int = setting(0, "prompt tokens waiting to be prefilled or received before calls are "
+                                        "refused (0: 4x the KV cache's capacity in tokens)")
     log_level: str = setting("INFO", "logging level")
     tls_cert: str | None = setting(None, TLS_CERT_HELP, shown="plaintext")
     tls_key: str | None = setting(None, TLS_KEY_HELP)
@@ -304,6 +310,8 @@ class WorkerSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
+            raise ValueError("max_queued_requests and max_queued_tokens must be >= 0 (0: derived)")
         object.__setattr__(self, "tls", load_tls(self))
         object.__setattr__(self, "engine", engine_config(
             self.model,
@@ -357,6 +365,12 @@ class GatewaySettings:
     stall_timeout_s: float = setting(1.0, "a worker silent this long (or 50 of its recent steps, if longer) "
                                           "and then failing a probe is lost: its requests move")
     max_migrations: int = setting(3, "a request moves to another worker at most this many times")
+    # Admission control (gateway/admission.py): beyond these, requests are refused at
+    # once with RESOURCE_EXHAUSTED and a retry hint.
+    max_concurrent_requests: int = setting(0, "requests in flight before new ones are refused "
+                                              "(0: the decode workers' --max-num-seqs, summed)")
+    max_queued_tokens: int = setting(0, "prompt tokens admitted and not yet prefilled before new requests "
+                                        "are refused (0: a step of the prefill workers' token budgets)")
     log_level: str = setting("INFO", "logging level")
     # Security (baton/runtime/security.py).
     admin_listen: str | None = setting(None, "serve GatewayAdmin (baton status) here, with the workers' TLS "
@@ -380,6 +394,8 @@ class GatewaySettings:
             raise ValueError("routing thresholds must be >= 0")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
+        if self.max_concurrent_requests < 0 or self.max_queued_tokens < 0:
+            raise ValueError("max_concurrent_requests and max_queued_tokens must be >= 0 (0: derived)")
         if self.stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be positive")
         if self.max_migrations < 0:

@@ -11,11 +11,12 @@ from collections.abc import Callable
 import grpc
 
 from baton.runtime import tracing
+from baton.runtime.admission import AdmissionLimits, AdmissionQueue, Overloaded
 from baton.runtime.metrics import WorkerMetrics, engine_snapshot, serve_metrics
 from baton.runtime.server import GrpcServer, install_uvloop
 from baton.runtime.settings import WorkerSettings
-from baton.wire import convert
-from baton.wire.records import ModelInfo, WorkerStats
+from baton.wire import convert, status
+from baton.wire.records import ErrorDetails, ModelInfo, WorkerStats
 from engine.async_engine import IDLE_WAIT_S, AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -73,6 +74,22 @@ def worker_stats(stats: SchedulerStats, **fields) -> WorkerStats:
     )
 
 
+# A worker's prompt tokens waiting, by default: this many times what its KV cache holds.
+QUEUED_CACHES = 4
+
+
+def worker_limits(settings: WorkerSettings, num_kv_blocks: int, max_model_len: int) -> AdmissionLimits:
+    """A worker's own bounds (unless configured): as many requests waiting as its batch
+    holds, and prompt tokens waiting worth QUEUED_CACHES caches (at least one longest
+    prompt). They are the backstop for several gateways, or a client calling the worker
+    directly; one gateway's own limits are tighter, so that a decode worker does not
+    refuse a request whose first token its client already has."""
+    max_num_seqs = settings.engine.scheduler.max_num_seqs
+    cache_tokens = num_kv_blocks * settings.engine.cache.block_size
+    return AdmissionLimits(max_num_seqs + (settings.max_queued_requests or max_num_seqs),
+                           settings.max_queued_tokens or max(QUEUED_CACHES * cache_tokens, max_model_len))
+
+
 class WorkerBase:
     """The parts of a worker service that do not depend on its role.
 
@@ -89,6 +106,7 @@ class WorkerBase:
         self.model_info: ModelInfo | None = None
         self.layout: KvLayoutSpec | None = None
         self.metrics: WorkerMetrics | None = None  # set by load
+        self.admission: AdmissionQueue | None = None  # set by load
         # Set if the engine thread dies (a step raised): the worker then stops and exits
         # non-zero, so that a supervisor restarts it, instead of staying up unable to serve.
         self.failed = asyncio.Event()
@@ -104,6 +122,7 @@ class WorkerBase:
         self.model_info = model_info(llm)
         self.layout = KvLayoutSpec.from_kv_layout(llm.kv_layout)
         self.metrics = WorkerMetrics(self.model_info.model, self.settings.role)
+        self.admission = AdmissionQueue(worker_limits(self.settings, llm.kv_cache.num_blocks, llm.max_model_len))
         self.engine = AsyncEngine(llm, on_kv_receive=self._on_kv_receive,
                                   on_last_output=lambda output: self.metrics.record_timings(output.timings),
                                   on_failure=self._on_engine_failure)
@@ -129,6 +148,19 @@ class WorkerBase:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down)")
         return self.engine
+
+    async def accept_call(self, context, request_id: str, num_prompt_tokens: int) -> None:
+        """Take a Prefill or Decode call's request on (the caller releases it when the
+        call ends), or end the call: RESOURCE_EXHAUSTED with a RetryInfo beyond this
+        worker's bounds, INVALID_ARGUMENT if that request id is in flight here already."""
+        try:
+            self.admission.admit(request_id, num_prompt_tokens)
+        except Overloaded as refusal:
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(refusal)
+            await context.abort(code, message, trailing_metadata=status.error_trailers(
+                code, message, ErrorDetails(retry_after_s=refusal.retry_after_s)))
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     # ------------------------------------------------------------- lifecycle
     def num_in_flight(self) -> int:
