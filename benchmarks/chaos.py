@@ -51,7 +51,9 @@ def deploy(args, log_dir: Path) -> Deployment:
     return start_deployment(
         args.model, log_dir, num_decode=2, threads=args.threads,
         worker_args=["--max-model-len", "1024", "--transfer-timeout-s", "3", "--lease-s", "5", "--grace-s", "1"],
-        gateway_args=["--max-prefill-queue-tokens", "0", "--stall-timeout-s", "1"],
+        # Admission wide open: overload is benchmarks/overload.py's subject.
+        gateway_args=["--max-prefill-queue-tokens", "0", "--stall-timeout-s", "1",
+                      "--max-queued-tokens", "1000000", "--max-concurrent-requests", "1000"],
         env={"OTEL_SDK_DISABLED": "true"}, timeout_s=600,
     )
 

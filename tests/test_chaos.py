@@ -33,7 +33,9 @@ NUM_STREAMS = 16
 MAX_TOKENS = 160
 WORKER_ARGS = ["--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "800",
                "--transfer-timeout-s", "3", "--lease-s", "5", "--grace-s", "0.2"]
-GATEWAY_ARGS = ["--max-prefill-queue-tokens", "0", "--stall-timeout-s", "1"]
+# Every prompt handed off; admission wide open (the bursts here are the point, not overload).
+GATEWAY_ARGS = ["--max-prefill-queue-tokens", "0", "--stall-timeout-s", "1", "--max-queued-tokens", "1000000",
+                "--max-concurrent-requests", "1000"]
 
 
 @pytest.fixture(scope="module")
