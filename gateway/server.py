@@ -6,14 +6,18 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import grpc
+
 from baton.runtime.metrics import GatewayMetrics, serve_metrics
 from baton.runtime.server import GrpcServer, install_uvloop
 from baton.runtime.settings import GatewaySettings
 from baton.runtime.tracing import configure_tracing, shutdown_tracing
+from baton.wire.status import lenient_parser
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
-from baton.wire.v1 import generation_pb2, generation_pb2_grpc
+from baton.wire.v1 import generation_pb2
 from engine.tokenizer import load_tokenizer
 from gateway.admin import GatewayAdminService
+from gateway.limits import MAX_REQUEST_BYTES
 from gateway.service import GenerationService
 from gateway.workers import POLL_INTERVAL_S, RoutingPolicy, WorkerPool
 
@@ -28,8 +32,8 @@ async def run_gateway(settings: GatewaySettings) -> None:
                       RoutingPolicy.from_settings(settings))
     service = GenerationService(pool)
     admin = GatewayAdminService(pool)
-    server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME])
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
+    server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME], max_receive_bytes=MAX_REQUEST_BYTES)
+    add_generation_service(service, server.server)
     worker_pb2_grpc.add_GatewayAdminServicer_to_server(admin, server.server)
     await server.start()
     logger.info("gateway listening on %s; waiting for workers", server.address)
@@ -57,6 +61,26 @@ async def run_gateway(settings: GatewaySettings) -> None:
         await server.serve_until_signal(pool.close, settings.grace_s)
     finally:
         health.cancel()
+
+
+def add_generation_service(service: GenerationService, server: grpc.aio.Server) -> None:
+    """generation_pb2_grpc.add_GenerationServicer_to_server, except that a request whose
+    bytes do not parse (garbage, a string that is not UTF-8) reaches the servicer to be
+    answered INVALID_ARGUMENT, where grpc's own deserializer failed the call with UNKNOWN."""
+    parse_request = lenient_parser(generation_pb2.GenerateRequest)
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            service.Generate, request_deserializer=parse_request,
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            service.GenerateStream, request_deserializer=parse_request,
+            response_serializer=generation_pb2.GenerateStreamResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo, request_deserializer=generation_pb2.GetModelInfoRequest.FromString,
+            response_serializer=generation_pb2.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 async def _follow_decode_workers(pool: WorkerPool, server: GrpcServer) -> None:

@@ -39,12 +39,13 @@ GATEWAY_LIBRARY = {
 # The modules that may build or read protobuf messages: the conversion module, and the
 # servicers (which hand messages between grpc and it).
 PROTOBUF_EDGE = {
-    "baton.wire.convert", "baton.wire.status",
+    "baton.wire.convert", "baton.wire.stats_convert", "baton.wire.status",
     "gateway.service", "gateway.admin", "gateway.server",
     "prefill_worker.server", "decode_worker.server",
 }
 # The modules that call or register gRPC services: the clients, and the servicers.
-GRPC_EDGE = PROTOBUF_EDGE - {"baton.wire.convert", "baton.wire.status"} | {"baton.runtime.clients"}
+GRPC_EDGE = (PROTOBUF_EDGE - {"baton.wire.convert", "baton.wire.stats_convert", "baton.wire.status"}
+             | {"baton.runtime.clients"})
 MAX_LINES = 500
 
 

@@ -77,14 +77,17 @@ def install_uvloop() -> None:
 
 
 class GrpcServer:
-    """A grpc.aio server exposing `service_names`, grpc.health.v1 and server reflection.
+    """A grpc.aio server exposing `service_names`, grpc.health.v1 and server reflection;
+    a request message over `max_receive_bytes` is refused (RESOURCE_EXHAUSTED).
 
     Health starts NOT_SERVING for every service; call `set_serving(True)` once
     the model is loaded and warm.
     """
 
-    def __init__(self, address: str, service_names: Sequence[str]) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(self, address: str, service_names: Sequence[str], max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        options = [(key, max_receive_bytes if key == "grpc.max_receive_message_length" else value)
+                   for key, value in SERVER_OPTIONS]
+        self.server = grpc.aio.server(options=options)
         self.service_names = tuple(service_names)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -95,12 +95,17 @@ class TextDelta:
 @dataclass(frozen=True, slots=True)
 class WorkRequest:
     """A validated, tokenized request as the gateway hands it to a worker. `params` has
-    no stop strings: the gateway owns the text and applies them itself."""
+    no stop strings: the gateway owns the text and applies them itself.
+
+    `kv_token` (sent with a Prefill only) is the secret the gateway chose for the KV the
+    prefill worker will hold: ReleaseKv and SendKv must present it (the decode worker
+    gets it in the KvHandle), so nobody else can drop, abort or consume that KV."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    kv_token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +119,7 @@ class KvHandle:
     num_blocks: int
     layout: KvLayoutSpec
     lease_s: float
+    kv_token: str  # the secret SendKv presents (WorkRequest.kv_token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +179,15 @@ class SendKv:
     num_blocks: int  # the receiver allocated; the sender checks it against what it holds
     block_ids: list[int]
     verify: bool = False  # also return a checksum per sent block
+    kv_token: str = ""  # the handle's: the KV is sent only to a caller that knows it
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseKv:
+    """Drop the KV held (or being prefilled) for a request; `kv_token` must be its owner's."""
+
+    request_id: str
+    kv_token: str
 
 
 @dataclass(frozen=True, slots=True)
