@@ -80,7 +80,8 @@ class SamplingParams:
             raise SamplingParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         _check_real("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise SamplingParamError("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise SamplingParamError("repetition_penalty",
+                                     f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
             _check_int("seed", self.seed)
         _check_int("max_tokens", self.max_tokens)
@@ -88,11 +89,13 @@ class SamplingParams:
             raise SamplingParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         _check_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise SamplingParamError("min_tokens", f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise SamplingParamError("min_tokens",
+                                     f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_NUM_LOGPROBS:
-                raise SamplingParamError("logprobs", f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}")
+                raise SamplingParamError("logprobs",
+                                         f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}")
         # Plain Python numbers from here on (numpy scalars are accepted above).
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))

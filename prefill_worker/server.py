@@ -69,35 +69,38 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         engine = await self._require_engine(context)
         try:
             work = convert.prefill_request_from_pb(request)
-        except ValueError as error:
-            await abort_invalid(context, error)
-        try:
             self.sender.claim(work.request_id, work.kv_token)
         except AlreadyClaimed as error:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        except ValueError as error:
+            await abort_invalid(context, error)
         result = None
         try:
-            try:
-                stream = await engine.add_request(work.request_id, work.prompt_token_ids, work.params,
-                                                  priority=work.priority, prefill_only=True,
-                                                  trace=tracing.recording(span))
-            except ValueError as error:
-                await abort_invalid(context, error)
-            try:
-                output = await stream.get()
-            except asyncio.CancelledError:
-                # The gateway gave up (client cancel, deadline): nothing may stay behind.
-                await engine.abort(work.request_id)
-                raise
-            tracing.add_events(span, output.events)
-            self._observe(output, span)
-            if output.finish_reason == "abort":
-                await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
-            result = self._result(work, output, span)
+            result = await self._run(engine, work, context, span)
             return convert.prefill_result_to_pb(result)
         finally:
             if result is None or result.kv_handle is None:  # nothing held: the token owns nothing
                 self.sender.disown(work.request_id)
+
+    async def _run(self, engine, work: WorkRequest, context, span) -> PrefillResult:
+        """The prefill, to its first token (and its KV held, unless that token ended it)."""
+        try:
+            stream = await engine.add_request(work.request_id, work.prompt_token_ids, work.params,
+                                              priority=work.priority, prefill_only=True,
+                                              trace=tracing.recording(span))
+        except ValueError as error:
+            await abort_invalid(context, error)
+        try:
+            output = await stream.get()
+        except asyncio.CancelledError:
+            # The gateway gave up (client cancel, deadline): nothing may stay behind.
+            await engine.abort(work.request_id)
+            raise
+        tracing.add_events(span, output.events)
+        self._observe(output, span)
+        if output.finish_reason == "abort":
+            await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+        return self._result(work, output, span)
 
     def _result(self, work: WorkRequest, output, span) -> PrefillResult:
         first_logprob = output.new_logprobs[0] if output.new_logprobs else None
