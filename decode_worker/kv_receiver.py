@@ -145,7 +145,8 @@ class KvReceiver:
     async def receive(self, handle: KvHandle, block_ids: list[int], trace_metadata: Metadata = None) -> ReceiveResult:
         """Pull the KV `handle` names into `block_ids`. Never raises: a failure is reported
         (the caller then prefills the prompt itself). `trace_metadata` goes with the
-        calls to the prefill worker."""
+        calls to the prefill worker. Cancelling it gives up the pull at once, except
+        during the receive itself, which it waits for (the blocks are being written)."""
         started = time.perf_counter()
         peer = self._peer(handle.prefill_address)
         channel = await peer.idle.get()
@@ -178,7 +179,7 @@ class KvReceiver:
             await self._open(client, channel, trace_metadata)
         loop = asyncio.get_running_loop()
         request = SendKv(channel.channel_id, handle.request_id, channel.next_tag(), len(block_ids), block_ids,
-                         self.verify)
+                         self.verify, handle.kv_token)
         call = client.send_kv(request, timeout=self.timeout_s * 2, metadata=trace_metadata)
         try:
             accepted = await call.next_event()
@@ -186,8 +187,16 @@ class KvReceiver:
                 raise ValueError("prefill worker did not accept the send")
             # NOTE: receives are posted only after the sender accepted, so a refused send
             # (lease expired, released) never leaves a receive pending on the channel.
-            stats = await loop.run_in_executor(channel.executor, channel.transport.recv_blocks, self.kv_cache,
-                                               block_ids, request.tag, accepted.block_ids)
+            receiving = loop.run_in_executor(channel.executor, channel.transport.recv_blocks, self.kv_cache,
+                                             block_ids, request.tag, accepted.block_ids)
+            try:
+                stats = await asyncio.shield(receiving)
+            except asyncio.CancelledError:
+                # NOTE: the receive writes into the request's blocks until it ends (the channel's
+                # timeout bounds it): a pull cancelled meanwhile returns only then, so that
+                # its blocks are never freed under it.
+                await asyncio.wait([receiving])
+                raise
             done = await call.next_event()
             if not isinstance(done, SendKvDone):
                 raise ValueError("prefill worker did not confirm the send")

@@ -5,6 +5,7 @@ chunked and mixed with decodes."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -12,10 +13,10 @@ import grpc
 from baton.runtime import tracing
 from baton.runtime.settings import DecodeWorkerSettings
 from baton.runtime.tasks import BackgroundTasks
-from baton.runtime.worker import WorkerBase, serve_worker
+from baton.runtime.worker import WorkerBase, abort_invalid, serve_worker
 from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
-from baton.wire.records import DecodeRequest, KvHandle, TokenEvent
+from baton.wire.records import DecodeRequest, KvHandle, ReleaseKv, TokenEvent
 from decode_worker.kv_receiver import KvReceiver, ReceiveResult
 from engine.async_engine import EngineDeadError
 from engine.outputs import KvReceive, RequestOutput
@@ -35,6 +36,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         # Requests admitted with a handle, until their Decode call ends.
         self._handles: dict[str, KvHandle] = {}
         self._spans: dict[str, object] = {}  # traced requests' decode spans, for their kv_transfer
+        self._pulls: dict[str, asyncio.Task] = {}  # KV pulls under way, cancelled if their call ends
         self._background = BackgroundTasks()
 
     async def load(self, address: str) -> None:
@@ -84,7 +86,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ValueError as error:
             self._forget(request_id)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            await abort_invalid(context, error)
         except EngineDeadError:
             self._forget(request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
@@ -109,6 +111,9 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
         finally:
             self._forget(request_id)
+            pull = self._pulls.get(request_id)
+            if pull is not None:
+                pull.cancel()  # its peer may never answer: the blocks are freed now, not after its timeouts
             if not finished:
                 # Client gone (cancel, deadline, gateway loss) or shutdown: free it here now.
                 await engine.abort(request_id)
@@ -137,15 +142,21 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
     # -------------------------------------------------------------- KV receive
     def _on_kv_receive(self, receive: KvReceive) -> None:
         """The engine admitted a handed-off request and allocated its blocks: pull its KV."""
-        self._background.spawn(self._pull(receive))
+        self._pulls[receive.request_id] = self._background.spawn(self._pull(receive))
 
     async def _pull(self, receive: KvReceive) -> None:
         request_id = receive.request_id
         handle = self._handles.get(request_id)
         if handle is None:  # the Decode call already ended; the engine aborts it when told
+            self._end_pull(request_id)
             result = ReceiveResult(ok=False, error="request gone")
         else:
-            result = await self._receive(handle, receive)
+            try:
+                result = await self._receive(handle, receive)
+            except asyncio.CancelledError:  # its Decode call ended
+                result = ReceiveResult(ok=False, error="the Decode call ended")
+            finally:
+                self._end_pull(request_id)
             if result.ok:
                 self.metrics.record_transfer(result.num_bytes, result.seconds)
             else:
@@ -156,6 +167,10 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         if handle is not None and not result.ok:
             # Tell the prefill worker to drop its lease if the send never happened.
             self._background.spawn(self._release_remote(handle))
+
+    def _end_pull(self, request_id: str) -> None:
+        if self._pulls.get(request_id) is asyncio.current_task():  # not a later request's, same id
+            del self._pulls[request_id]
 
     async def _receive(self, handle: KvHandle, receive: KvReceive) -> ReceiveResult:
         """The pull itself, in a `kv_transfer` span under the request's decode span when traced."""
@@ -185,7 +200,8 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _release_remote(self, handle: KvHandle) -> None:
         try:
-            await self.receiver.client_for(handle.prefill_address).release_kv(handle.request_id, timeout=5)
+            await self.receiver.client_for(handle.prefill_address).release_kv(
+                ReleaseKv(handle.request_id, handle.kv_token), timeout=5)
         except grpc.aio.AioRpcError as error:
             logger.info("release of %s on %s failed: %s", handle.request_id, handle.prefill_address,
                         error.code().name)

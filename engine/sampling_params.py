@@ -12,6 +12,15 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_NUM_LOGPROBS = 20
 
 
+class SamplingParamError(ValueError):
+    """A SamplingParams attribute holds a value it cannot take; `name` is the attribute,
+    so that a server can tell its caller which field of its request is at fault."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request turns logits into tokens and when it stops.
@@ -59,37 +68,34 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_real("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
         _check_real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+            raise SamplingParamError("top_k", f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
         _check_real("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         _check_real("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise ValueError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
-            )
+            raise SamplingParamError("repetition_penalty",
+                                     f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
             _check_int("seed", self.seed)
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise SamplingParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         _check_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
+            raise SamplingParamError("min_tokens",
+                                     f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_NUM_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}"
-                )
+                raise SamplingParamError("logprobs",
+                                         f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}")
         # Plain Python numbers from here on (numpy scalars are accepted above).
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
@@ -107,14 +113,14 @@ class SamplingParams:
 
 def _check_real(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise SamplingParamError(name, f"{name} must be finite, got {value}")
 
 
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be an int, got {value!r}")
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...]:
@@ -123,11 +129,11 @@ def _normalize_stop(stop: object) -> tuple[str, ...]:
     if isinstance(stop, str):
         return (stop,) if stop else _normalize_stop([stop])
     if not isinstance(stop, (list, tuple)):
-        raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
+        raise SamplingParamError("stop", f"stop must be a str or a list of str, got {stop!r}")
     stop = tuple(stop)
     for s in stop:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+            raise SamplingParamError("stop", f"stop strings must be non-empty str, got {s!r}")
     return stop
 
 
@@ -137,5 +143,5 @@ def _normalize_ids(ids: object) -> tuple[int, ...]:
     ids = tuple(ids)
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral) or token_id < 0:
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {token_id!r}")
+            raise SamplingParamError("stop_token_ids", f"stop_token_ids must be non-negative ints, got {token_id!r}")
     return tuple(int(token_id) for token_id in ids)

@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from baton.wire import convert
+from baton.wire import convert, stats_convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import DeploymentStatus, WorkerStatus
 from gateway.workers import Worker, WorkerPool
@@ -23,7 +23,7 @@ class GatewayAdminService(worker_pb2_grpc.GatewayAdminServicer):
     async def GetDeploymentStatus(self, request, context) -> worker_pb2.DeploymentStatus:
         """Every configured worker's stats, asked for now, all at once."""
         statuses = await asyncio.gather(*(self._status(worker) for worker in self.pool.workers))
-        return convert.deployment_status_to_pb(DeploymentStatus(self.model, tuple(statuses)))
+        return stats_convert.deployment_status_to_pb(DeploymentStatus(self.model, tuple(statuses)))
 
     @staticmethod
     async def _status(worker: Worker) -> WorkerStatus:

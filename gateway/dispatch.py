@@ -32,7 +32,7 @@ import grpc
 
 from baton.runtime import tracing
 from baton.runtime.tasks import BackgroundTasks
-from baton.wire.records import DecodeRequest, PrefillResult, TokenEvent, WorkRequest
+from baton.wire.records import DecodeRequest, PrefillResult, ReleaseKv, TokenEvent, WorkRequest
 from gateway.errors import RequestError
 from gateway.prepare import PreparedRequest
 from gateway.workers import Worker, WorkerPool
@@ -126,7 +126,7 @@ class Dispatcher:
             except asyncio.CancelledError:
                 # The worker may have held the KV just as the call was cancelled, and its
                 # answer is lost: drop the lease now, not at expiry.
-                self._background.spawn(self._release(prefill, work.request_id, trace_metadata))
+                self._background.spawn(self._release(prefill, work, trace_metadata))
                 raise
             if result is None and tracing.recording(span):
                 tracing.set_route(span, decode.address, None)  # the prefill worker was lost
@@ -141,7 +141,7 @@ class Dispatcher:
                     yield first  # TTFT does not wait for the handoff
                 except BaseException:  # closed at the first token (client gone, stop string)
                     if result.kv_handle is not None:
-                        self._background.spawn(self._release(prefill, work.request_id, trace_metadata))
+                        self._background.spawn(self._release(prefill, work, trace_metadata))
                     raise
                 if result.finish_reason is not None:
                     return
@@ -175,7 +175,7 @@ class Dispatcher:
                 return None
             raise RequestError.from_worker(error, "prefill failed") from None
         except ValueError as error:  # a KV handle no cache could have: a worker of another release
-            self._background.spawn(self._release(worker, work.request_id, trace_metadata))
+            self._background.spawn(self._release(worker, work, trace_metadata))
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"prefill worker {worker.address} sent an unusable KV handle: {error}") from None
         finally:
@@ -235,12 +235,13 @@ class Dispatcher:
             await events.aclose()  # the client went away or a stop string matched: abort on the worker
             if holder is not None and not got_event:
                 # The decode side may never have pulled the KV: drop the lease now, not at expiry.
-                self._background.spawn(self._release(holder, request.request.request_id, trace_metadata))
+                self._background.spawn(self._release(holder, request.request, trace_metadata))
 
-    async def _release(self, prefill: Worker, request_id: str, trace_metadata) -> None:
+    async def _release(self, prefill: Worker, work: WorkRequest, trace_metadata) -> None:
         """Drop the KV `prefill` holds for a request that will not pull it (best effort: the
-        lease expires anyway)."""
+        lease expires anyway); its kv_token proves the KV is ours."""
         try:
-            await prefill.client.release_kv(request_id, timeout=RELEASE_TIMEOUT_S, metadata=trace_metadata)
+            await prefill.client.release_kv(ReleaseKv(work.request_id, work.kv_token), timeout=RELEASE_TIMEOUT_S,
+                                            metadata=trace_metadata)
         except grpc.aio.AioRpcError:
             pass

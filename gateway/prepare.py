@@ -1,11 +1,15 @@
-"""A client's request made ready to run: checked against the model, tokenized.
+"""A client's request made ready to run: checked against the model and the gateway's
+limits (limits.py), tokenized.
 
 Every problem is a RequestError with a status the client can act on: INVALID_ARGUMENT
-with the reason for anything wrong with the request itself.
+for anything wrong with the request itself (OUT_OF_RANGE for a prompt longer than the
+model's context), naming the field at fault by its path in baton.v1.GenerateRequest.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 import time
 from dataclasses import dataclass, field, replace
 
@@ -13,24 +17,30 @@ import grpc
 import jinja2
 
 from baton.runtime import tracing
-from baton.wire.records import GenerateRequest, ModelInfo, WorkRequest
+from baton.wire.records import FieldError, GenerateRequest, ModelInfo, WorkRequest
 from engine.sampling_params import SamplingParams
 from gateway.errors import RequestError
+from gateway.limits import (
+    CHAT_ROLES,
+    MAX_ABS_PRIORITY,
+    MAX_CHARS_PER_TOKEN,
+    MAX_NUM_MESSAGES,
+    MAX_NUM_STOP,
+    MAX_NUM_STOP_TOKEN_IDS,
+    MAX_REQUEST_ID_LENGTH,
+    MAX_STOP_LENGTH,
+)
 
-MAX_REQUEST_ID_LENGTH = 256
-# Characters of prompt text (or of all chat contents) per token of the model's context
-# that the gateway will tokenize at most: far past any real tokenizer's average, so no
-# prompt that could fit is refused, while a prompt far too long for the context is
-# refused before it costs seconds of tokenizing.
-MAX_CHARS_PER_TOKEN = 32
-CHAT_ROLES = ("system", "user", "assistant")
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_PROMPT_FIELDS = {"text": "text", "token_ids": "token_ids.ids", "messages": "messages.messages"}
 
 
 @dataclass(slots=True)
 class PreparedRequest:
     """A validated, tokenized request. `params` keeps the stop strings, which only the
-    gateway applies; the workers get the rest (`work()`)."""
+    gateway applies; the workers get the rest (`work()`). `kv_token` is the secret that
+    owns the request's KV on its prefill worker: only a caller that presents it may
+    release or pull that KV (the gateway, and the decode worker it hands it to)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -41,10 +51,11 @@ class PreparedRequest:
     # The id the workers know it by (None: request_id): unique among every gateway's
     # requests, where a client's own id need only be unique among its gateway's.
     worker_request_id: str | None = None
+    kv_token: str = field(default_factory=lambda: secrets.token_hex(16))  # 128 random bits
 
     def work(self) -> WorkRequest:
         return WorkRequest(self.worker_request_id or self.request_id, self.prompt_token_ids,
-                           replace(self.params, stop=None), self.priority)
+                           replace(self.params, stop=None), self.priority, kv_token=self.kv_token)
 
 
 class RequestPreparer:
@@ -56,35 +67,38 @@ class RequestPreparer:
         self.info = info
 
     def prepare(self, request: GenerateRequest, request_id: str, span=None) -> PreparedRequest:
-        if len(request_id) > MAX_REQUEST_ID_LENGTH:
-            raise RequestError(_INVALID, f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
+        try:
+            _check_request(request, request_id, self.info.vocab_size)
+        except FieldError as error:
+            raise RequestError.invalid(error) from None
+        if request.params.stop and self.tokenizer is None:
+            raise RequestError(_INVALID, "stop strings need a model with a tokenizer", field="sampling.stop")
         prompt_token_ids = self._traced_tokenize(request, span)
-        self._check_tokens(prompt_token_ids, request.params)
+        self._check_tokens(prompt_token_ids, _PROMPT_FIELDS[request.prompt_kind])
         return PreparedRequest(request_id, prompt_token_ids, request.params, request.priority, span=span)
 
-    def _check_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _check_tokens(self, prompt_token_ids: list[int], prompt_field: str) -> None:
         if not prompt_token_ids:
-            raise RequestError(_INVALID, "the prompt is empty")
+            raise RequestError(_INVALID, "the prompt is empty", field=prompt_field)
         vocab_size = self.info.vocab_size
-        bad = [t for t in prompt_token_ids if t >= vocab_size]
-        if bad:
-            raise RequestError(_INVALID, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        for index, token_id in enumerate(prompt_token_ids):
+            if token_id >= vocab_size:
+                raise RequestError(_INVALID, f"token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                                   field=f"{prompt_field}[{index}]" if prompt_field == "token_ids.ids"
+                                   else prompt_field)
         max_len = self.info.max_context_length
         if len(prompt_token_ids) >= max_len:
-            raise RequestError(
-                _INVALID, f"the prompt has {len(prompt_token_ids)} tokens; the model's limit is {max_len - 1}"
-            )
-        if any(t >= vocab_size for t in params.stop_token_ids or ()):
-            raise RequestError(_INVALID, "stop_token_ids must lie in the vocabulary")
-        if params.stop and self.tokenizer is None:
-            raise RequestError(_INVALID, "stop strings need a model with a tokenizer")
+            raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
+                               f"the prompt has {len(prompt_token_ids)} tokens; the model's limit is {max_len - 1}",
+                               field=prompt_field)
 
-    def _check_length(self, num_chars: int, max_chars: int, what: str) -> None:
+    def _check_length(self, num_chars: int, max_chars: int, prompt_field: str) -> None:
         if num_chars > max_chars:
             raise RequestError(
-                _INVALID,
-                f"{what} has {num_chars} characters; a prompt of the model's context "
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"{prompt_field} has {num_chars} characters; a prompt of the model's context "
                 f"({self.info.max_context_length} tokens) has at most {max_chars}",
+                field=prompt_field,
             )
 
     def _traced_tokenize(self, request: GenerateRequest, parent) -> list[int]:
@@ -104,29 +118,79 @@ class RequestPreparer:
 
     def _tokenize(self, request: GenerateRequest) -> list[int]:
         kind = request.prompt_kind
-        if kind is None:
-            raise RequestError(_INVALID, "set one of text, token_ids or messages")
         if kind == "token_ids":
             return list(request.prompt)
         if self.tokenizer is None:
-            raise RequestError(_INVALID, "this model has no tokenizer: send token_ids")
+            raise RequestError(_INVALID, "this model has no tokenizer: send token_ids", field=kind)
         max_chars = self.info.max_context_length * MAX_CHARS_PER_TOKEN
         if kind == "text":
             self._check_length(len(request.prompt), max_chars, "text")
             return self.tokenizer.encode(request.prompt) if request.prompt else []
         messages = [{"role": m.role, "content": m.content} for m in request.prompt]
-        if not messages:
-            raise RequestError(_INVALID, "messages is empty")
-        self._check_length(sum(len(m["content"]) for m in messages), max_chars, "the messages' contents")
-        for message in messages:
-            if message["role"] not in CHAT_ROLES:
-                raise RequestError(_INVALID, f"unknown chat role {message['role']!r}; use {', '.join(CHAT_ROLES)}")
+        self._check_length(sum(len(m["content"]) for m in messages), max_chars, "messages.messages")
         if not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError(_INVALID, "this model has no chat template: send text or token_ids")
+            raise RequestError(_INVALID, "this model has no chat template: send text or token_ids", field="messages")
+        return self._encode_chat(messages)
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        """The conversation's token ids, each message's content encoded as text: a special
+        token written in a message ("<|im_end|>") stays those characters, not the control
+        token, so no message can end its turn and speak as another role. The template is
+        rendered with a placeholder for each content; its own parts are encoded as the
+        tokenizer does (their special tokens are control tokens), each content with
+        special tokens split."""
+        marker = secrets.token_hex(8)  # unguessable: no content can contain a placeholder
+        placeholders = [{"role": m["role"], "content": f"{marker}{index}{marker}"} for index, m in enumerate(messages)]
         try:
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            rendered = self.tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
         except jinja2.TemplateSyntaxError as error:  # the model's template is broken, not the request
             raise RequestError(grpc.StatusCode.INTERNAL, f"the model's chat template does not compile: {error}")
-        except jinja2.TemplateError as error:  # raise_exception(...) in the template, or a missing field
-            raise RequestError(_INVALID, f"the chat template rejects these messages: {error}") from None
-        return self.tokenizer.encode(rendered, add_special_tokens=False)
+        except Exception as error:  # raise_exception(...) in the template, a missing field, a type error
+            raise RequestError(_INVALID, f"the chat template rejects these messages: {error}",
+                               field="messages") from None
+        encode = self.tokenizer.encode
+        token_ids: list[int] = []
+        # re.split with a group: template text, content index, template text, ...
+        for position, part in enumerate(re.split(f"{marker}(\\d+){marker}", rendered)):
+            if position % 2:
+                token_ids += encode(messages[int(part)]["content"], add_special_tokens=False,
+                                    split_special_tokens=True)
+            elif part:
+                token_ids += encode(part, add_special_tokens=False)
+        return token_ids
+
+
+def _check_request(request: GenerateRequest, request_id: str, vocab_size: int) -> None:
+    """The gateway's limits (limits.py) on what the engine's SamplingParams do not bound;
+    FieldError naming the first field at fault."""
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise FieldError("request_id", f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
+    if not request_id.isprintable():
+        raise FieldError("request_id", "request_id has non-printable characters")
+    if abs(request.priority) > MAX_ABS_PRIORITY:
+        raise FieldError("priority", f"priority must lie in [-{MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}]")
+    kind = request.prompt_kind
+    if kind is None:
+        raise FieldError("prompt", "set one of text, token_ids or messages")
+    if kind == "messages":
+        messages = request.prompt
+        if not messages:
+            raise FieldError("messages.messages", "messages is empty")
+        if len(messages) > MAX_NUM_MESSAGES:
+            raise FieldError("messages.messages", f"more than {MAX_NUM_MESSAGES} messages")
+        for index, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise FieldError(f"messages.messages[{index}].role",
+                                 f"unknown chat role {message.role[:32]!r}; use {', '.join(CHAT_ROLES)}")
+    params = request.params
+    if len(params.stop) > MAX_NUM_STOP:
+        raise FieldError("sampling.stop", f"more than {MAX_NUM_STOP} stop strings")
+    for index, stop in enumerate(params.stop):
+        if len(stop) > MAX_STOP_LENGTH:
+            raise FieldError(f"sampling.stop[{index}]", f"stop string longer than {MAX_STOP_LENGTH} characters")
+    if len(params.stop_token_ids) > MAX_NUM_STOP_TOKEN_IDS:
+        raise FieldError("sampling.stop_token_ids", f"more than {MAX_NUM_STOP_TOKEN_IDS} stop token ids")
+    for index, token_id in enumerate(params.stop_token_ids):
+        if token_id >= vocab_size:
+            raise FieldError(f"sampling.stop_token_ids[{index}]",
+                             f"stop token id {token_id} is outside the vocabulary [0, {vocab_size})")

@@ -2,11 +2,18 @@
 the KV held for decode workers, one channel per decode worker (joined when that worker
 opens it), and the send of one request's blocks over it.
 
+    Prefill       -> claim(): the request's kv_token owns it from now on
     Prefill done  -> hold(): the blocks stay pinned under a lease
     OpenKvChannel -> open_channel(): join the channel the decode worker hosts
     SendKv        -> send(): accepted (lease pinned) ... blocks sent ... done
                      then the blocks are freed, sent or not (the decode side re-prefills)
     ReleaseKv, or the lease expiring -> the blocks are freed unsent
+
+Only a caller that presents the request's kv_token (the gateway that prefilled it, and
+the decode worker it handed the KvHandle to) may release it, abort its prefill or pull
+its KV. A wrong or missing token is answered exactly as an unknown request id is
+(released = false; NotHeld, NOT_FOUND): nothing is touched, and nobody can tell
+whether the id exists.
 
 Every call into the engine goes through the AsyncEngine (the engine thread), and
 every transfer runs on its channel's own thread, never on the event loop.
@@ -15,6 +22,7 @@ every transfer runs on its channel's own thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from baton.runtime.metrics import WorkerMetrics
-from baton.wire.records import KvChannelOpened, OpenKvChannel, SendKv, SendKvAccepted, SendKvDone
+from baton.wire.records import KvChannelOpened, OpenKvChannel, ReleaseKv, SendKv, SendKvAccepted, SendKvDone
 from engine.async_engine import AsyncEngine
 from engine.kv_cache import KVCache
 from kvtransfer import KvLayoutSpec, KvLeaseTable, KvTransferError, KvTransport, block_checksums, join
@@ -41,7 +49,8 @@ class NoChannel(SendRefused):
 
 
 class NotHeld(SendRefused):
-    """No KV held for the request: released, already sent, or its lease expired."""
+    """No KV held for the request: released, already sent, its lease expired, or the
+    caller's kv_token is not its owner's."""
 
 
 class AlreadySending(SendRefused):
@@ -50,6 +59,10 @@ class AlreadySending(SendRefused):
 
 class BlockCountMismatch(SendRefused):
     """The receiver allocated another number of blocks than are held."""
+
+
+class AlreadyClaimed(Exception):
+    """A Prefill naming a request that is being prefilled or held here already."""
 
 
 class ChannelInUse(Exception):
@@ -82,6 +95,8 @@ class KvSender:
         self.lease_s = lease_s
         self.metrics = metrics
         self.leases = KvLeaseTable()
+        # Each request's kv_token, from its Prefill until its KV is freed (disown).
+        self._owners: dict[str, str] = {}
         self._channels: dict[str, _Channel] = {}
         self._sweeper: asyncio.Task | None = None
         # Counters (WorkerStats).
@@ -110,17 +125,39 @@ class KvSender:
             num_leases_expired=self.num_leases_expired,
         )
 
+    # ------------------------------------------------------------------ owners
+    def claim(self, request_id: str, kv_token: str) -> None:
+        """A Prefill starts: `kv_token` owns the request until disown(). AlreadyClaimed if
+        the id is being prefilled or held already."""
+        if request_id in self._owners:
+            raise AlreadyClaimed(f"request {request_id!r} is being prefilled or held here already")
+        self._owners[request_id] = kv_token
+
+    def disown(self, request_id: str) -> None:
+        """The request holds nothing here any more (its prefill ended unheld, its lease ended)."""
+        self._owners.pop(request_id, None)
+
+    def _is_owner(self, request_id: str, kv_token: str) -> bool:
+        owner = self._owners.get(request_id)
+        return owner is not None and hmac.compare_digest(owner.encode(), kv_token.encode())
+
     # ------------------------------------------------------------------ leases
     def hold(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
-        """The engine holds `block_ids` for the request: they wait under a lease to be pulled."""
+        """The engine holds `block_ids` for the (claimed) request: they wait under a lease
+        to be pulled."""
         self.leases.hold(request_id, block_ids, num_tokens, self.lease_s)
 
-    async def release(self, request_id: str) -> bool:
+    async def release(self, request: ReleaseKv) -> bool:
         """Give up a request's KV (its gateway is done with it). A request not held yet may
-        still be prefilling: it is aborted there. Whether anything was released."""
+        still be prefilling: it is aborted there. Whether anything was released; False
+        as well for a caller without the request's kv_token, and nothing is touched."""
+        request_id = request.request_id
+        if not self._is_owner(request_id, request.kv_token):
+            return False
         if request_id not in self.leases:
-            return await self.engine.abort(request_id)
+            return await self.engine.abort(request_id)  # its Prefill call then disowns it
         if self.leases.release(request_id):
+            self.disown(request_id)
             await self.engine.call(lambda llm: llm.release_kv(request_id))
         return True  # or it is being sent: the send frees it when done
 
@@ -132,6 +169,8 @@ class KvSender:
             if not expired:
                 continue
             self.num_leases_expired += len(expired)
+            for request_id in expired:
+                self.disown(request_id)
             logger.warning("KV lease expired for %d request(s): %s", len(expired), expired[:5])
             await self.engine.call(lambda llm: [llm.release_kv(request_id) for request_id in expired])
 
@@ -174,17 +213,21 @@ class KvSender:
         if channel is None or channel.transport.is_broken:
             raise NoChannel(f"no open KV channel {request.channel_id!r}")
         request_id = request.request_id
+        lease = self.leases.get(request_id)
+        if lease is None or not self._is_owner(request_id, request.kv_token):
+            raise NotHeld(f"no KV held for {request_id!r} (released, sent or lease expired)")
+        # Checked before the lease is pinned: a malformed send must not consume it.
+        if request.num_blocks != len(lease.block_ids) or len(request.block_ids) != len(lease.block_ids):
+            raise BlockCountMismatch(f"receiver allocated {request.num_blocks} blocks ({len(request.block_ids)} "
+                                     f"ids given); {len(lease.block_ids)} are held")
         try:
-            lease = self.leases.begin_send(request_id)
+            self.leases.begin_send(request_id)
         except KeyError:
             raise NotHeld(f"no KV held for {request_id!r} (released, sent or lease expired)") from None
         except ValueError:
             raise AlreadySending(f"KV of {request_id!r} is already being sent") from None
         block_ids = list(lease.block_ids)
         try:
-            if request.num_blocks != len(block_ids) or len(request.block_ids) != len(block_ids):
-                raise BlockCountMismatch(f"receiver allocated {request.num_blocks} blocks ({len(request.block_ids)} "
-                                         f"ids given); {len(block_ids)} are held")
             yield SendKvAccepted(block_ids)
             loop = asyncio.get_running_loop()
             try:
@@ -206,4 +249,5 @@ class KvSender:
             yield SendKvDone(checksums, stats.num_bytes, stats.seconds)
         finally:
             self.leases.end_send(request_id)
+            self.disown(request_id)
             await self.engine.call(lambda llm: llm.release_kv(request_id))

@@ -10,13 +10,14 @@ import grpc
 
 from baton.runtime import tracing
 from baton.runtime.settings import PrefillWorkerSettings
-from baton.runtime.worker import WorkerBase, serve_worker
+from baton.runtime.worker import WorkerBase, abort_invalid, serve_worker
 from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import KvHandle, PrefillResult, SendKvDone, WorkRequest
 from engine.async_engine import EngineDeadError
 from kvtransfer import KvLayoutMismatchError, KvTransferError
 from prefill_worker.kv_sender import (
+    AlreadyClaimed,
     AlreadySending,
     BlockCountMismatch,
     ChannelInUse,
@@ -80,13 +81,29 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
     async def _prefill_admitted(self, engine, request: worker_pb2.PrefillRequest, context,
                                 span) -> worker_pb2.PrefillResponse:
         try:
-            work = convert.work_request_from_pb(request.request)
+            work = convert.prefill_request_from_pb(request)
+            self.sender.claim(work.request_id, work.kv_token)
+        except AlreadyClaimed as error:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        except ValueError as error:
+            await abort_invalid(context, error)
+        result = None
+        try:
+            result = await self._run(engine, work, context, span)
+            return convert.prefill_result_to_pb(result)
+        finally:
+            if result is None or result.kv_handle is None:  # nothing held: the token owns nothing
+                self.sender.disown(work.request_id)
+
+    async def _run(self, engine, work: WorkRequest, context, span) -> PrefillResult:
+        """The prefill, to its first token (and its KV held, unless that token ended it)."""
+        try:
             stream = await engine.add_request(work.request_id, work.prompt_token_ids, work.params,
                                               priority=work.priority, prefill_only=True,
                                               num_generated_tokens=work.num_generated_tokens,
                                               trace=tracing.recording(span))
         except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            await abort_invalid(context, error)
         except EngineDeadError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
         try:
@@ -101,7 +118,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         self._observe(output, span)
         if output.finish_reason == "abort":
             await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
-        return convert.prefill_result_to_pb(self._result(work, output, span))
+        return self._result(work, output, span)
 
     def _result(self, work: WorkRequest, output, span) -> PrefillResult:
         first_logprob = output.new_logprobs[0] if output.new_logprobs else None
@@ -118,6 +135,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             num_blocks=len(output.kv_block_ids),
             layout=self.layout,
             lease_s=self.settings.lease_s,
+            kv_token=work.kv_token,
         )
         return PrefillResult(output.new_token_ids[0], first_logprob, kv_handle=handle)
 
@@ -136,7 +154,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         except ChannelInUse as error:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         except ValueError as error:  # a malformed rendezvous (after the layout: a subclass)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            await abort_invalid(context, error)
         except KvTransferError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV channel rendezvous failed: {error}")
         return convert.kv_channel_opened_to_pb(opened)

@@ -191,17 +191,21 @@ class _FakePrefillClient:
         self.block = block
         self.started = asyncio.Event()
         self.released: list[str] = []
+        self.kv_tokens: list[str] = []
 
     async def prefill(self, work, timeout, metadata):
         self.started.set()
+        self.kv_tokens.append(work.kv_token)
         if self.block:
             await asyncio.Event().wait()
         layout = KvLayoutSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=16, dtype="float64")
-        handle = KvHandle("p-0", "127.0.0.1:1", work.request_id, len(work.prompt_token_ids), 2, layout, 30.0)
+        handle = KvHandle("p-0", "127.0.0.1:1", work.request_id, len(work.prompt_token_ids), 2, layout, 30.0,
+                          work.kv_token)
         return PrefillResult(first_token_id=7, kv_handle=handle)
 
-    async def release_kv(self, request_id, timeout, metadata):
-        self.released.append(request_id)
+    async def release_kv(self, request, timeout, metadata):
+        assert request.kv_token == self.kv_tokens[-1] and len(request.kv_token) == 32  # the prefill's own token
+        self.released.append(request.request_id)
         return True
 
 

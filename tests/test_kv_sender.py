@@ -1,4 +1,5 @@
-"""The prefill worker's KV sender: who may open which channel."""
+"""The prefill worker's KV sender: who may open which channel, and who may release or pull
+which request's KV."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from baton.wire.records import OpenKvChannel
+from baton.wire.records import OpenKvChannel, ReleaseKv, SendKv
 from engine.kv_cache import KVCache, KVLayout
 from kvtransfer import KvLayoutSpec, Rendezvous
-from prefill_worker.kv_sender import ChannelInUse, KvSender, _Channel
+from prefill_worker.kv_sender import AlreadyClaimed, BlockCountMismatch, ChannelInUse, KvSender, NotHeld, _Channel
 
 
 class _Transport:
@@ -41,3 +42,73 @@ def test_an_open_working_channel_cannot_be_reopened_by_its_id():
     with pytest.raises(ChannelInUse):
         asyncio.run(sender.open_channel(request))
     assert sender._channels["decode-0-abc-0"].transport is live and not live.closed
+
+
+# --------------------------------------------------------------- the KV token owns the KV
+class _Engine:
+    """Records what the sender asks of the engine thread."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+        self.released: list[str] = []
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+    async def call(self, command):
+        class _Llm:
+            def release_kv(_, request_id: str) -> bool:
+                self.released.append(request_id)
+                return True
+        return command(_Llm())
+
+
+def _owned_sender() -> tuple[KvSender, _Engine]:
+    cache = KVCache(KVLayout(2, 4, 2, 16, torch.float32), 8, 0)
+    layout = KvLayoutSpec.from_kv_layout(cache.layout)
+    engine = _Engine()
+    sender = KvSender("p-0", engine=engine, kv_cache=cache, layout=layout, lease_s=30.0, metrics=None)
+    sender._channels["c-0"] = _Channel(_Transport(is_broken=False), ThreadPoolExecutor(1), "decode-0")
+    return sender, engine
+
+
+async def _first_event(sender: KvSender, request: SendKv):
+    events = sender.send(request)
+    try:
+        return await events.__anext__()
+    finally:
+        await events.aclose()
+
+
+def test_a_stranger_cannot_release_abort_or_pull_a_requests_kv():
+    """Knowing a request id was enough to drop its lease, abort its prefill, or consume its
+    lease with a malformed SendKv. Without the request's token each is answered as for an
+    unknown id, and nothing is touched."""
+
+    async def scenario() -> None:
+        sender, engine = _owned_sender()
+        sender.claim("prefilling", "a" * 32)
+        assert not await sender.release(ReleaseKv("prefilling", "b" * 32))
+        assert not await sender.release(ReleaseKv("prefilling", ""))
+        assert engine.aborted == []  # a stranger cannot abort a prefill
+        with pytest.raises(AlreadyClaimed):
+            sender.claim("prefilling", "b" * 32)
+
+        sender.claim("held", "t" * 32)
+        sender.hold("held", [3, 4], num_tokens=8)
+        for token in ("", "x" * 32, "t" * 31):
+            assert not await sender.release(ReleaseKv("held", token))
+            with pytest.raises(NotHeld):
+                await _first_event(sender, SendKv("c-0", "held", 1, 2, [0, 1], kv_token=token))
+        # The owner's malformed send is refused before the lease is pinned: it stays held.
+        with pytest.raises(BlockCountMismatch):
+            await _first_event(sender, SendKv("c-0", "held", 1, 3, [0, 1, 2], kv_token="t" * 32))
+        assert "held" in sender.leases and engine.released == []
+
+        assert await sender.release(ReleaseKv("held", "t" * 32))  # the owner may
+        assert "held" not in sender.leases and engine.released == ["held"]
+        assert await sender.release(ReleaseKv("prefilling", "a" * 32))
+        assert engine.aborted == ["prefilling"]
+
+    asyncio.run(scenario())

@@ -32,7 +32,7 @@ import grpc
 from baton.cli.client import GatewayConnection
 from baton.runtime.clients import GatewayAdminClient
 from baton.runtime.settings import add_flags, from_args
-from baton.wire import convert
+from baton.wire import stats_convert
 from baton.wire.records import DeploymentStatus, WorkerStats, WorkerStatus
 
 # Memory pressure: the mean share of KV blocks in use.
@@ -211,7 +211,7 @@ def _render_worker(worker: WorkerStatus) -> list[str]:
 
 
 def to_json(status: DeploymentStatus, findings: list[Finding]) -> str:
-    return json.dumps({"status": convert.deployment_status_to_json(status),
+    return json.dumps({"status": stats_convert.deployment_status_to_json(status),
                        "findings": [asdict(finding) for finding in findings]}, indent=2)
 
 

@@ -15,7 +15,7 @@ import grpc
 
 from baton.runtime.security import TlsConfig, bearer_metadata
 from baton.runtime.server import open_channel
-from baton.wire import convert
+from baton.wire import convert, stats_convert
 from baton.wire.internal.v1 import worker_pb2_grpc
 from baton.wire.v1 import generation_pb2_grpc
 from baton.wire.records import (
@@ -26,6 +26,7 @@ from baton.wire.records import (
     ModelInfo,
     OpenKvChannel,
     PrefillResult,
+    ReleaseKv,
     SendKv,
     SendKvAccepted,
     SendKvDone,
@@ -53,7 +54,7 @@ class WorkerClient:
         await self.channel.close()
 
     async def get_stats(self, timeout: float) -> WorkerStats:
-        return convert.worker_stats_from_pb(await self._stub.GetStats(convert.GET_STATS, timeout=timeout))
+        return stats_convert.worker_stats_from_pb(await self._stub.GetStats(convert.GET_STATS, timeout=timeout))
 
     async def get_model_info(self, timeout: float) -> ModelInfo:
         return convert.model_info_from_pb(await self._stub.GetModelInfo(convert.GET_MODEL_INFO, timeout=timeout))
@@ -70,8 +71,8 @@ class PrefillWorkerClient(WorkerClient):
             if not call.done():  # cancelled while waiting: abort it on the worker
                 call.cancel()
 
-    async def release_kv(self, request_id: str, *, timeout: float, metadata: Metadata = None) -> bool:
-        response = await self._stub.ReleaseKv(convert.release_kv_to_pb(request_id), timeout=timeout,
+    async def release_kv(self, request: ReleaseKv, *, timeout: float, metadata: Metadata = None) -> bool:
+        response = await self._stub.ReleaseKv(convert.release_kv_to_pb(request), timeout=timeout,
                                               metadata=metadata)
         return convert.released_from_pb(response)
 
@@ -121,7 +122,7 @@ class DecodeWorkerClient(WorkerClient):
 def worker_stats(channel: grpc.Channel, role: str, timeout: float) -> WorkerStats:
     """A worker's stats over a blocking channel (`role`: "prefill" or "decode")."""
     stub_class = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-    return convert.worker_stats_from_pb(stub_class(channel).GetStats(convert.GET_STATS, timeout=timeout))
+    return stats_convert.worker_stats_from_pb(stub_class(channel).GetStats(convert.GET_STATS, timeout=timeout))
 
 
 class GenerationClient:
@@ -152,4 +153,4 @@ class GatewayAdminClient:
     def get_deployment_status(self, timeout: float) -> DeploymentStatus:
         response = self._stub.GetDeploymentStatus(convert.GET_DEPLOYMENT_STATUS, timeout=timeout,
                                                   metadata=self._metadata)
-        return convert.deployment_status_from_pb(response)
+        return stats_convert.deployment_status_from_pb(response)

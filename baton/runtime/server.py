@@ -99,7 +99,8 @@ LIVENESS_SERVICE = "liveness"
 
 
 class GrpcServer:
-    """A grpc.aio server exposing `service_names`, grpc.health.v1 and server reflection.
+    """A grpc.aio server exposing `service_names`, grpc.health.v1 and server reflection;
+    a request message over `max_receive_bytes` is refused (RESOURCE_EXHAUSTED).
 
     Readiness (health of "" and of every service) starts NOT_SERVING; call
     `set_serving(True)` once the model is loaded and warm. Liveness
@@ -109,8 +110,11 @@ class GrpcServer:
 
     def __init__(self, address: str, service_names: Sequence[str], *,
                  credentials: grpc.ServerCredentials | None = None,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=tuple(interceptors) or None)
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        options = [(key, max_receive_bytes if key == "grpc.max_receive_message_length" else value)
+                   for key, value in SERVER_OPTIONS]
+        self.server = grpc.aio.server(options=options, interceptors=tuple(interceptors) or None)
         self.service_names = tuple(service_names)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -15,8 +15,8 @@ from baton.runtime.admission import AdmissionLimits, AdmissionQueue, Overloaded
 from baton.runtime.metrics import WorkerMetrics, engine_snapshot, serve_metrics
 from baton.runtime.server import GrpcServer, install_uvloop
 from baton.runtime.settings import WorkerSettings
-from baton.wire import convert, status
-from baton.wire.records import ErrorDetails, ModelInfo, WorkerStats
+from baton.wire import convert, stats_convert, status
+from baton.wire.records import ErrorDetails, FieldError, ModelInfo, WorkerStats
 from engine.async_engine import IDLE_WAIT_S, AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -88,6 +88,15 @@ def worker_limits(settings: WorkerSettings, num_kv_blocks: int, max_model_len: i
     cache_tokens = num_kv_blocks * settings.engine.cache.block_size
     return AdmissionLimits(max_num_seqs + (settings.max_queued_requests or max_num_seqs),
                            settings.max_queued_tokens or max(QUEUED_CACHES * cache_tokens, max_model_len))
+
+
+async def abort_invalid(context, error: ValueError, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+    """End a call refused for what its request holds: `code` with the error's words and, for
+    a FieldError, a google.rpc.BadRequest naming the field (as the gateway answers its
+    clients). Raises, as context.abort does."""
+    details = str(error)
+    violations = ((error.field, error.description),) if isinstance(error, FieldError) else ()
+    await context.abort(code, details, trailing_metadata=status.error_trailers(code, details, ErrorDetails(violations)))
 
 
 class WorkerBase:
@@ -202,7 +211,7 @@ class WorkerBase:
         return convert.model_info_to_pb(self.model_info)
 
     async def GetStats(self, request, context):
-        return convert.worker_stats_to_pb(await self.stats())
+        return stats_convert.worker_stats_to_pb(await self.stats())
 
     async def stats(self) -> WorkerStats:
         """This worker's stats now; a worker still loading (or stopped) says it is not serving."""

@@ -2,23 +2,20 @@
 besides the servicers' and clients' handing them to grpc.
 
 Functions come in pairs, `<record>_to_pb` and `<record>_from_pb`. A `_from_pb` that
-meets a value the record cannot hold raises ValueError with what is wrong (the
-servicer answers INVALID_ARGUMENT); a malformed KV layout raises
-KvLayoutMismatchError (a ValueError too).
+meets a value the record cannot hold raises FieldError (a ValueError) naming the field
+by its path in the message read ("sampling.temperature", "kv_handle.num_blocks"), and
+the servicer answers INVALID_ARGUMENT with a google.rpc.BadRequest; a malformed KV
+layout raises KvLayoutMismatchError (a ValueError too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import fields
-
-from google.protobuf import json_format
 
 from baton.wire.internal.v1 import worker_pb2
 from baton.wire.records import (
     ChatMessage,
     DecodeRequest,
-    DeploymentStatus,
     FieldError,
     GenerateRequest,
     KvChannelOpened,
@@ -26,19 +23,18 @@ from baton.wire.records import (
     ModelInfo,
     OpenKvChannel,
     PrefillResult,
+    ReleaseKv,
     SendKv,
     SendKvAccepted,
     SendKvDone,
     TextDelta,
     TokenEvent,
-    WorkerStats,
-    WorkerStatus,
     WorkRequest,
 )
+from baton.wire.status import Undecodable
 from baton.wire.v1 import generation_pb2 as pb
 from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler.stats import RecentStats
+from engine.sampling_params import SamplingParamError, SamplingParams
 from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.transport import Rendezvous
 
@@ -49,6 +45,9 @@ _FINISH_NAMES = {value: name for name, value in _FINISH_REASONS.items()}
 GET_STATS = worker_pb2.GetStatsRequest()
 GET_MODEL_INFO = pb.GetModelInfoRequest()
 GET_DEPLOYMENT_STATUS = worker_pb2.GetDeploymentStatusRequest()
+
+# A kv_token is 128 random bits in hex; anything much longer is not one.
+MAX_KV_TOKEN_LENGTH = 128
 
 
 # ------------------------------------------------------------------ basics
@@ -61,11 +60,20 @@ def finish_reason_from_pb(value: int) -> str | None:
     return _FINISH_NAMES.get(value)
 
 
-def sampling_params_from_pb(message: pb.SamplingParams, *, with_stop_strings: bool = True) -> SamplingParams:
+def sampling_params_from_pb(message: pb.SamplingParams, *, with_stop_strings: bool = True,
+                            field: str = "sampling") -> SamplingParams:
     """Engine SamplingParams from the wire; unset optional fields take the defaults.
 
-    Raises ValueError (with the engine's message) on out-of-range values.
+    Raises FieldError ("`field`.temperature", with the engine's message) on out-of-range
+    values, NaN and infinities.
     """
+    try:
+        return _sampling_params_from_pb(message, with_stop_strings)
+    except SamplingParamError as error:
+        raise FieldError(f"{field}.{error.name}", str(error)) from None
+
+
+def _sampling_params_from_pb(message: pb.SamplingParams, with_stop_strings: bool) -> SamplingParams:
     defaults = SamplingParams()
     has = message.HasField
     return SamplingParams(
@@ -133,8 +141,11 @@ def logprobs_from_pb(messages: Iterable[pb.TokenLogprob]) -> list[TokenLogprobs]
 
 
 # ------------------------------------------------------------------ public API
-def generate_request_from_pb(message: pb.GenerateRequest) -> GenerateRequest:
-    """A client's request, read; ValueError ("sampling: ...") if its sampling is out of range."""
+def generate_request_from_pb(message: pb.GenerateRequest | Undecodable) -> GenerateRequest:
+    """A client's request, read; FieldError if its sampling is out of range, ValueError if
+    it did not parse."""
+    if isinstance(message, Undecodable):
+        message.check()
     kind = message.WhichOneof("prompt")
     prompt: str | tuple = ()
     if kind == "text":
@@ -143,10 +154,7 @@ def generate_request_from_pb(message: pb.GenerateRequest) -> GenerateRequest:
         prompt = tuple(message.token_ids.ids)
     elif kind == "messages":
         prompt = tuple(ChatMessage(m.role, m.content) for m in message.messages.messages)
-    try:
-        params = sampling_params_from_pb(message.sampling)
-    except ValueError as error:
-        raise ValueError(f"sampling: {error}") from None
+    params = sampling_params_from_pb(message.sampling)
     return GenerateRequest(message.request_id, kind, prompt, params, message.priority)
 
 
@@ -234,9 +242,9 @@ def work_request_to_pb(work: WorkRequest) -> worker_pb2.WorkRequest:
     )
 
 
-def work_request_from_pb(message: worker_pb2.WorkRequest) -> WorkRequest:
-    """ValueError if its sampling is out of range, or it claims more generated tokens
-    than its prompt has."""
+def work_request_from_pb(message: worker_pb2.WorkRequest, kv_token: str = "") -> WorkRequest:
+    """FieldError ("request.sampling.top_p") if its sampling is out of range, or it claims
+    more generated tokens than its prompt has."""
     if message.num_generated_tokens >= max(len(message.prompt_token_ids), 1):
         raise FieldError("request.num_generated_tokens",
                          f"{message.num_generated_tokens} generated tokens need a longer prompt than "
@@ -244,14 +252,26 @@ def work_request_from_pb(message: worker_pb2.WorkRequest) -> WorkRequest:
     return WorkRequest(
         request_id=message.request_id,
         prompt_token_ids=list(message.prompt_token_ids),
-        params=sampling_params_from_pb(message.sampling, with_stop_strings=False),
+        params=sampling_params_from_pb(message.sampling, with_stop_strings=False, field="request.sampling"),
         priority=message.priority,
         num_generated_tokens=message.num_generated_tokens,
+        kv_token=kv_token,
     )
 
 
 def prefill_request_to_pb(work: WorkRequest) -> worker_pb2.PrefillRequest:
-    return worker_pb2.PrefillRequest(request=work_request_to_pb(work))
+    return worker_pb2.PrefillRequest(request=work_request_to_pb(work), kv_token=work.kv_token)
+
+
+def prefill_request_from_pb(message: worker_pb2.PrefillRequest) -> WorkRequest:
+    """The request to prefill, with the token that will own its KV; FieldError if either is malformed."""
+    _check_kv_token(message.kv_token, "kv_token")
+    return work_request_from_pb(message.request, message.kv_token)
+
+
+def _check_kv_token(kv_token: str, field: str) -> None:
+    if not kv_token or len(kv_token) > MAX_KV_TOKEN_LENGTH:
+        raise FieldError(field, f"a kv_token of 1 to {MAX_KV_TOKEN_LENGTH} characters is required")
 
 
 def layout_to_pb(spec: KvLayoutSpec) -> worker_pb2.KvLayout:
@@ -274,6 +294,7 @@ def kv_handle_to_pb(handle: KvHandle) -> worker_pb2.KvHandle:
         num_blocks=handle.num_blocks,
         layout=layout_to_pb(handle.layout),
         lease_ms=round(handle.lease_s * 1000),
+        kv_token=handle.kv_token,
     )
 
 
@@ -286,6 +307,7 @@ def kv_handle_from_pb(message: worker_pb2.KvHandle) -> KvHandle:
         num_blocks=message.num_blocks,
         layout=layout_from_pb(message.layout),
         lease_s=message.lease_ms / 1000,
+        kv_token=message.kv_token,
     )
 
 
@@ -319,16 +341,27 @@ def decode_request_to_pb(request: DecodeRequest) -> worker_pb2.DecodeRequest:
 
 
 def decode_request_from_pb(message: worker_pb2.DecodeRequest) -> DecodeRequest:
-    """ValueError if the request is inconsistent (a handle without its first token, or one
-    covering other than the whole prompt); KvLayoutMismatchError for a malformed layout."""
+    """FieldError if the request is inconsistent (a handle without its first token or its
+    token, for another request, or covering other than the whole prompt in as many
+    blocks as it takes); KvLayoutMismatchError for a malformed layout."""
     work = work_request_from_pb(message.request)
     if not message.HasField("kv_handle"):
         return DecodeRequest(work)
     if not message.HasField("first_token_id"):
-        raise ValueError("a KV handle needs first_token_id")
+        raise FieldError("first_token_id", "a KV handle needs first_token_id")
     handle = kv_handle_from_pb(message.kv_handle)
-    if handle.num_tokens != len(work.prompt_token_ids):
-        raise ValueError(f"KV handle covers {handle.num_tokens} tokens; the prompt has {len(work.prompt_token_ids)}")
+    num_prompt = len(work.prompt_token_ids)
+    if handle.request_id != work.request_id:
+        raise FieldError("kv_handle.request_id", "the KV handle is another request's")
+    if handle.num_tokens != num_prompt:
+        raise FieldError("kv_handle.num_tokens", f"KV handle covers {handle.num_tokens} tokens; "
+                                                 f"the prompt has {num_prompt}")
+    if handle.num_blocks != -(-num_prompt // handle.layout.block_size):
+        raise FieldError("kv_handle.num_blocks", f"{handle.num_blocks} blocks cannot hold a prompt of "
+                                                 f"{num_prompt} tokens in blocks of {handle.layout.block_size}")
+    if not handle.prefill_address:
+        raise FieldError("kv_handle.prefill_address", "the KV handle has no prefill address")
+    _check_kv_token(handle.kv_token, "kv_handle.kv_token")
     return DecodeRequest(work, message.first_token_id, handle)
 
 
@@ -352,12 +385,12 @@ def token_event_from_pb(message: worker_pb2.DecodeEvent) -> TokenEvent:
     )
 
 
-def release_kv_to_pb(request_id: str) -> worker_pb2.ReleaseKvRequest:
-    return worker_pb2.ReleaseKvRequest(request_id=request_id)
+def release_kv_to_pb(request: ReleaseKv) -> worker_pb2.ReleaseKvRequest:
+    return worker_pb2.ReleaseKvRequest(request_id=request.request_id, kv_token=request.kv_token)
 
 
-def release_kv_from_pb(message: worker_pb2.ReleaseKvRequest) -> str:
-    return message.request_id
+def release_kv_from_pb(message: worker_pb2.ReleaseKvRequest) -> ReleaseKv:
+    return ReleaseKv(message.request_id, message.kv_token)
 
 
 def released_to_pb(released: bool) -> worker_pb2.ReleaseKvResponse:
@@ -393,15 +426,16 @@ def open_kv_channel_from_pb(message: worker_pb2.OpenKvChannelRequest, default_ti
     no timeout given: `default_timeout_s`."""
     timeout_s = message.timeout_seconds or default_timeout_s
     if not 0.0 < timeout_s <= MAX_RENDEZVOUS_TIMEOUT_S:  # also NaN
-        raise ValueError(f"timeout_seconds must lie in (0, {MAX_RENDEZVOUS_TIMEOUT_S:g}], got {timeout_s}")
+        raise FieldError("timeout_seconds",
+                         f"timeout_seconds must lie in (0, {MAX_RENDEZVOUS_TIMEOUT_S:g}], got {timeout_s}")
     if not 0 < message.store_port < 65536:
-        raise ValueError(f"store_port must lie in [1, 65535], got {message.store_port}")
+        raise FieldError("store_port", f"store_port must lie in [1, 65535], got {message.store_port}")
     if not message.channel_id or len(message.channel_id) > MAX_CHANNEL_ID_LENGTH:
-        raise ValueError(f"channel_id must have 1 to {MAX_CHANNEL_ID_LENGTH} characters")
+        raise FieldError("channel_id", f"channel_id must have 1 to {MAX_CHANNEL_ID_LENGTH} characters")
     if not message.store_host:
-        raise ValueError("store_host is empty")
+        raise FieldError("store_host", "store_host is empty")
     if not MIN_CHANNEL_SECRET_BYTES <= len(message.secret) <= MAX_CHANNEL_SECRET_BYTES:
-        raise ValueError(f"secret must have {MIN_CHANNEL_SECRET_BYTES} to {MAX_CHANNEL_SECRET_BYTES} bytes")
+        raise FieldError("secret", f"secret must have {MIN_CHANNEL_SECRET_BYTES} to {MAX_CHANNEL_SECRET_BYTES} bytes")
     rendezvous = Rendezvous(message.channel_id, message.store_host, message.store_port, timeout_s, message.secret)
     return OpenKvChannel(rendezvous, layout_from_pb(message.layout), message.decode_worker_id)
 
@@ -417,12 +451,12 @@ def kv_channel_opened_from_pb(message: worker_pb2.OpenKvChannelResponse) -> KvCh
 def send_kv_to_pb(request: SendKv) -> worker_pb2.SendKvRequest:
     return worker_pb2.SendKvRequest(channel_id=request.channel_id, request_id=request.request_id, tag=request.tag,
                                     num_blocks=request.num_blocks, verify=request.verify,
-                                    block_ids=request.block_ids)
+                                    block_ids=request.block_ids, kv_token=request.kv_token)
 
 
 def send_kv_from_pb(message: worker_pb2.SendKvRequest) -> SendKv:
     return SendKv(message.channel_id, message.request_id, message.tag, message.num_blocks,
-                  list(message.block_ids), message.verify)
+                  list(message.block_ids), message.verify, message.kv_token)
 
 
 def send_kv_event_to_pb(event: SendKvAccepted | SendKvDone) -> worker_pb2.SendKvEvent:
@@ -444,56 +478,3 @@ def send_kv_event_from_pb(message: worker_pb2.SendKvEvent) -> SendKvAccepted | S
         done = message.done
         return SendKvDone(list(done.block_checksums), done.num_bytes, done.seconds)
     return None
-
-
-# ------------------------------------------------------------------ load and status
-_RECENT_RENAMED = {"window_s": "window_seconds", "mean_queue_time": "mean_queue_seconds"}
-
-
-def recent_stats_to_pb(recent: RecentStats) -> worker_pb2.RecentStats:
-    values = {_RECENT_RENAMED.get(f.name, f.name): getattr(recent, f.name) for f in fields(RecentStats)}
-    values["seconds_since_last_step"] = min(values["seconds_since_last_step"], 1e12)  # inf: no step yet
-    return worker_pb2.RecentStats(**values)
-
-
-def recent_stats_from_pb(message: worker_pb2.RecentStats) -> RecentStats:
-    return RecentStats(**{f.name: getattr(message, _RECENT_RENAMED.get(f.name, f.name)) for f in fields(RecentStats)})
-
-
-def worker_stats_to_pb(stats: WorkerStats) -> worker_pb2.WorkerStats:
-    values = {f.name: getattr(stats, f.name) for f in fields(WorkerStats) if f.name != "recent"}
-    message = worker_pb2.WorkerStats(**values)
-    if stats.recent is not None:
-        message.recent.CopyFrom(recent_stats_to_pb(stats.recent))
-    return message
-
-
-def worker_stats_from_pb(message: worker_pb2.WorkerStats) -> WorkerStats:
-    values = {f.name: getattr(message, f.name) for f in fields(WorkerStats) if f.name != "recent"}
-    recent = recent_stats_from_pb(message.recent) if message.HasField("recent") else None
-    return WorkerStats(**values, recent=recent)
-
-
-def deployment_status_to_pb(status: DeploymentStatus) -> worker_pb2.DeploymentStatus:
-    workers = []
-    for worker in status.workers:
-        message = worker_pb2.WorkerStatus(address=worker.address, role=worker.role, reachable=worker.reachable,
-                                          error=worker.error, in_rotation=worker.in_rotation)
-        if worker.stats is not None:
-            message.stats.CopyFrom(worker_stats_to_pb(worker.stats))
-        workers.append(message)
-    return worker_pb2.DeploymentStatus(model=status.model, workers=workers)
-
-
-def deployment_status_to_json(status: DeploymentStatus) -> dict:
-    """The status as protobuf's JSON mapping of DeploymentStatus (proto field names; 64-bit
-    counts as strings, fields at their default left out), as `baton status --json` prints it."""
-    return json_format.MessageToDict(deployment_status_to_pb(status), preserving_proto_field_name=True)
-
-
-def deployment_status_from_pb(message: worker_pb2.DeploymentStatus) -> DeploymentStatus:
-    return DeploymentStatus(message.model, tuple(
-        WorkerStatus(w.address, w.role, w.reachable, w.in_rotation, w.error,
-                     worker_stats_from_pb(w.stats) if w.HasField("stats") else None)
-        for w in message.workers
-    ))

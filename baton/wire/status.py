@@ -2,11 +2,15 @@
 carries in its trailing metadata (what grpcio-status and other gRPC clients read),
 with a google.rpc.BadRequest naming the fields at fault and a google.rpc.RetryInfo
 saying when to try again. Like convert.py, the only code that builds or reads these
-messages."""
+messages. And requests whose bytes do not parse, answered INVALID_ARGUMENT like any
+other bad request (`lenient_parser`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -52,3 +56,29 @@ def error_details_from_trailers(metadata) -> ErrorDetails:
                 retry_after_s = retry.retry_delay.ToNanoseconds() / 1e9
         return ErrorDetails(tuple(violations), retry_after_s)
     return ErrorDetails()
+
+
+class Undecodable:
+    """A request whose bytes do not parse as its message (garbage, a string field that is
+    not UTF-8). grpc fails such a call with UNKNOWN before any servicer sees it; served
+    through `lenient_parser`, it reaches the servicer as this, and reading it is a
+    ValueError, so the caller gets INVALID_ARGUMENT."""
+
+    __slots__ = ("message_name", "error")
+
+    def __init__(self, message_name: str, error: str) -> None:
+        self.message_name = message_name
+        self.error = error
+
+    def check(self) -> None:
+        raise ValueError(f"the request is not a valid {self.message_name}: {self.error or 'it does not parse'}")
+
+
+def lenient_parser(message_class) -> Callable[[bytes], object]:
+    """A grpc request deserializer that hands undecodable bytes on as an Undecodable."""
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as error:
+            return Undecodable(message_class.DESCRIPTOR.full_name, str(error))
+    return parse

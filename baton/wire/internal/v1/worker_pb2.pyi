@@ -22,10 +22,12 @@ class WorkRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request",)
+    __slots__ = ("request", "kv_token")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request: WorkRequest
-    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ...) -> None: ...
+    kv_token: str
+    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., kv_token: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "finish_reason", "kv_handle")
@@ -40,7 +42,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("prefill_worker_id", "prefill_address", "request_id", "num_tokens", "num_blocks", "layout", "lease_ms")
+    __slots__ = ("prefill_worker_id", "prefill_address", "request_id", "num_tokens", "num_blocks", "layout", "lease_ms", "kv_token")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +50,7 @@ class KvHandle(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     prefill_address: str
     request_id: str
@@ -55,7 +58,8 @@ class KvHandle(_message.Message):
     num_blocks: int
     layout: KvLayout
     lease_ms: int
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    kv_token: str
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ..., kv_token: _Optional[str] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
@@ -72,10 +76,12 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "kv_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    kv_token: str
+    def __init__(self, request_id: _Optional[str] = ..., kv_token: _Optional[str] = ...) -> None: ...
 
 class ReleaseKvResponse(_message.Message):
     __slots__ = ("released",)
@@ -110,20 +116,22 @@ class OpenKvChannelResponse(_message.Message):
     def __init__(self, prefill_worker_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class SendKvRequest(_message.Message):
-    __slots__ = ("channel_id", "request_id", "tag", "num_blocks", "verify", "block_ids")
+    __slots__ = ("channel_id", "request_id", "tag", "num_blocks", "verify", "block_ids", "kv_token")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     request_id: str
     tag: int
     num_blocks: int
     verify: bool
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, channel_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., verify: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_token: str
+    def __init__(self, channel_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., verify: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_token: _Optional[str] = ...) -> None: ...
 
 class SendKvEvent(_message.Message):
     __slots__ = ("accepted", "done")

@@ -1,0 +1,63 @@
+"""Worker stats and the deployment status, protobuf to records and back (convert.py's
+rule: the only code besides it and status.py that builds or reads protobuf)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from google.protobuf import json_format
+
+from baton.wire.internal.v1 import worker_pb2
+from baton.wire.records import DeploymentStatus, WorkerStats, WorkerStatus
+from engine.scheduler.stats import RecentStats
+
+_RECENT_RENAMED = {"window_s": "window_seconds", "mean_queue_time": "mean_queue_seconds"}
+
+
+def recent_stats_to_pb(recent: RecentStats) -> worker_pb2.RecentStats:
+    values = {_RECENT_RENAMED.get(f.name, f.name): getattr(recent, f.name) for f in fields(RecentStats)}
+    values["seconds_since_last_step"] = min(values["seconds_since_last_step"], 1e12)  # inf: no step yet
+    return worker_pb2.RecentStats(**values)
+
+
+def recent_stats_from_pb(message: worker_pb2.RecentStats) -> RecentStats:
+    return RecentStats(**{f.name: getattr(message, _RECENT_RENAMED.get(f.name, f.name)) for f in fields(RecentStats)})
+
+
+def worker_stats_to_pb(stats: WorkerStats) -> worker_pb2.WorkerStats:
+    values = {f.name: getattr(stats, f.name) for f in fields(WorkerStats) if f.name != "recent"}
+    message = worker_pb2.WorkerStats(**values)
+    if stats.recent is not None:
+        message.recent.CopyFrom(recent_stats_to_pb(stats.recent))
+    return message
+
+
+def worker_stats_from_pb(message: worker_pb2.WorkerStats) -> WorkerStats:
+    values = {f.name: getattr(message, f.name) for f in fields(WorkerStats) if f.name != "recent"}
+    recent = recent_stats_from_pb(message.recent) if message.HasField("recent") else None
+    return WorkerStats(**values, recent=recent)
+
+
+def deployment_status_to_pb(status: DeploymentStatus) -> worker_pb2.DeploymentStatus:
+    workers = []
+    for worker in status.workers:
+        message = worker_pb2.WorkerStatus(address=worker.address, role=worker.role, reachable=worker.reachable,
+                                          error=worker.error, in_rotation=worker.in_rotation)
+        if worker.stats is not None:
+            message.stats.CopyFrom(worker_stats_to_pb(worker.stats))
+        workers.append(message)
+    return worker_pb2.DeploymentStatus(model=status.model, workers=workers)
+
+
+def deployment_status_to_json(status: DeploymentStatus) -> dict:
+    """The status as protobuf's JSON mapping of DeploymentStatus (proto field names; 64-bit
+    counts as strings, fields at their default left out), as `baton status --json` prints it."""
+    return json_format.MessageToDict(deployment_status_to_pb(status), preserving_proto_field_name=True)
+
+
+def deployment_status_from_pb(message: worker_pb2.DeploymentStatus) -> DeploymentStatus:
+    return DeploymentStatus(message.model, tuple(
+        WorkerStatus(w.address, w.role, w.reachable, w.in_rotation, w.error,
+                     worker_stats_from_pb(w.stats) if w.HasField("stats") else None)
+        for w in message.workers
+    ))

@@ -1,0 +1,33 @@
+"""What the gateway accepts in one request, in one place. Beyond these a request is
+refused before it costs anything (INVALID_ARGUMENT naming the field, OUT_OF_RANGE for a
+prompt longer than the model's context, RESOURCE_EXHAUSTED from grpc for a message over
+MAX_REQUEST_BYTES). The ranges of the sampling values themselves (temperature >= 0,
+top_p in (0, 1], logprobs in 0..20, min_tokens <= max_tokens, finite floats, ...) are
+the engine's SamplingParams'; these bound what would only cost the server (vLLM and
+TGI refuse the same kinds of requests)."""
+
+from __future__ import annotations
+
+# A request's serialized size on the public port. A prompt of a 128k-token context is
+# at most about 640 KB as token ids, and rarely 1 MB as text; grpc refuses anything
+# larger with RESOURCE_EXHAUSTED before it is parsed (the internal ports allow 64 MB).
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+MAX_REQUEST_ID_LENGTH = 256  # printable characters: it goes into logs and traces
+
+# Characters of prompt text (or of all chat contents) per token of the model's context
+# that the gateway will tokenize at most: far past any real tokenizer's average, so no
+# prompt that could fit is refused, while a prompt far too long for the context is
+# refused before it costs seconds of tokenizing.
+MAX_CHARS_PER_TOKEN = 32
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_NUM_MESSAGES = 1024
+
+# Stop strings are matched against every new piece of text of the request.
+MAX_NUM_STOP = 16
+MAX_STOP_LENGTH = 256  # characters
+MAX_NUM_STOP_TOKEN_IDS = 256
+
+# Priorities are offsets in scheduling order; beyond this they order nothing more.
+MAX_ABS_PRIORITY = 1_000_000
