@@ -179,8 +179,8 @@ def test_sigterm_lets_streams_finish_or_move_and_exits_0(cluster, undisturbed, r
 
 def test_300_streams_cancelled_at_random_moments_leave_nothing_behind(cluster):
     """Streams cancelled at random moments (before their prefill, during it, during the
-    transfer, mid-decode): soon after the last, no worker holds a block, a request or a
-    lease, and the system still serves."""
+    transfer, mid-decode): within 2 s of the last, no worker holds a block, a request or
+    a lease, and the system still serves."""
     rng = random.Random(13)
 
     async def storm() -> float:
@@ -200,7 +200,7 @@ def test_300_streams_cancelled_at_random_moments_leave_nothing_behind(cluster):
     wait_idle(cluster, timeout_s=30)
     idle_after = time.monotonic() - last_cancel
     print(f"\nidle {idle_after:.2f} s after the last of 300 cancels")
-    assert idle_after < 5.0, f"took {idle_after:.1f} s to free everything"
+    assert idle_after < 2.0, f"took {idle_after:.1f} s to free everything"
     streams = Streams()
     asyncio.run(streams.run(cluster.gateway))
     assert all(len(t) == MAX_TOKENS for t in streams.tokens)
