@@ -140,10 +140,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.admission.admit(request_id)  # before tokenizing: an overloaded gateway refuses at once
         self._in_flight.add(request_id)  # now, so that a twin arriving while this one tokenizes is refused
         try:
+            known_length = request.prompt_kind == "token_ids"
+            if known_length:  # refused now if it must be, not after waiting for the tokenizer thread
+                self.admission.queue_tokens(request_id, len(request.prompt))
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_executor, preparer.prepare, request, request_id, span
             )
-            self.admission.queue_tokens(request_id, len(prepared.prompt_token_ids))
+            if not known_length:
+                self.admission.queue_tokens(request_id, len(prepared.prompt_token_ids))
         except BaseException:
             self._in_flight.discard(request_id)
             self.admission.release(request_id)
