@@ -24,7 +24,7 @@ from kvtransfer import KvLayoutMismatchError
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"]
 
 
 class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
@@ -219,4 +219,4 @@ def _token_event(output: RequestOutput) -> TokenEvent:
 def serve(settings: DecodeWorkerSettings) -> int:
     """Run a decode worker in this process until SIGTERM; the exit code."""
     service = DecodeWorkerService(settings)
-    return serve_worker(settings, service, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, SERVICE_NAME)
+    return serve_worker(settings, service, SERVICE)

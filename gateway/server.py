@@ -11,15 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
-
 from baton.runtime.metrics import GatewayMetrics, serve_metrics
 from baton.runtime.security import ApiKeyInterceptor
 from baton.runtime.server import GrpcServer, install_uvloop
 from baton.runtime.settings import GatewaySettings
 from baton.runtime.tracing import configure_tracing, shutdown_tracing
-from baton.wire.status import lenient_parser
-from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.wire.internal.v1 import worker_pb2
 from baton.wire.v1 import generation_pb2
 from engine.tokenizer import load_tokenizer
 from gateway.admin import GatewayAdminService
@@ -30,8 +27,10 @@ from gateway.workers import POLL_INTERVAL_S, RoutingPolicy, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-ADMIN_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name
+GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+SERVICE_NAME = GENERATION.full_name
+ADMIN = worker_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"]
+ADMIN_SERVICE_NAME = ADMIN.full_name
 
 
 async def run_gateway(settings: GatewaySettings) -> None:
@@ -42,8 +41,8 @@ async def run_gateway(settings: GatewaySettings) -> None:
                                 admission=GatewayAdmission(pool, GatewayLimits.from_settings(settings)))
     admin = GatewayAdminService(pool)
     server, admin_server = _servers(settings)
-    add_generation_service(service, server.server)
-    worker_pb2_grpc.add_GatewayAdminServicer_to_server(admin, admin_server.server)
+    server.add_service(service, GENERATION)
+    admin_server.add_service(admin, ADMIN)
     await server.start()
     if admin_server is not server:
         await admin_server.start()
@@ -97,26 +96,6 @@ def _servers(settings: GatewaySettings) -> tuple[GrpcServer, GrpcServer]:
     mutual = tls is not None and tls.is_mutual
     return server, GrpcServer(settings.admin_listen, [ADMIN_SERVICE_NAME], credentials=internal,
                               interceptors=[] if mutual else interceptors)
-
-
-def add_generation_service(service: GenerationService, server: grpc.aio.Server) -> None:
-    """generation_pb2_grpc.add_GenerationServicer_to_server, except that a request whose
-    bytes do not parse (garbage, a string that is not UTF-8) reaches the servicer to be
-    answered INVALID_ARGUMENT, where grpc's own deserializer failed the call with UNKNOWN."""
-    parse_request = lenient_parser(generation_pb2.GenerateRequest)
-    handlers = {
-        "Generate": grpc.unary_unary_rpc_method_handler(
-            service.Generate, request_deserializer=parse_request,
-            response_serializer=generation_pb2.GenerateResponse.SerializeToString),
-        "GenerateStream": grpc.unary_stream_rpc_method_handler(
-            service.GenerateStream, request_deserializer=parse_request,
-            response_serializer=generation_pb2.GenerateStreamResponse.SerializeToString),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            service.GetModelInfo, request_deserializer=generation_pb2.GetModelInfoRequest.FromString,
-            response_serializer=generation_pb2.ModelInfo.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 async def _follow_decode_workers(pool: WorkerPool, server: GrpcServer) -> None:

@@ -29,7 +29,7 @@ from prefill_worker.kv_sender import (
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"]
 # Why a send was refused, as the status its caller gets.
 _REFUSALS = {
     NoChannel: grpc.StatusCode.FAILED_PRECONDITION,
@@ -189,4 +189,4 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
 def serve(settings: PrefillWorkerSettings) -> int:
     """Run a prefill worker in this process until SIGTERM; the exit code."""
     service = PrefillWorkerService(settings)
-    return serve_worker(settings, service, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, SERVICE_NAME)
+    return serve_worker(settings, service, SERVICE)

@@ -306,6 +306,25 @@ def test_bad_input_at_the_workers_names_its_field(system, channel, case):
     wait_for_idle(system)
 
 
+@pytest.mark.parametrize("method", ["/baton.internal.v1.PrefillWorker/Prefill",
+                                    "/baton.internal.v1.DecodeWorker/Decode",
+                                    "/baton.internal.v1.PrefillWorker/ReleaseKv"])
+def test_undecodable_bytes_at_the_workers_are_invalid_argument(system, method):
+    """As at the gateway: grpc's own deserializer failed these calls with UNKNOWN."""
+    role = "prefill" if "Prefill" in method else "decode"
+    with grpc.insecure_channel(system.worker(role).address) as worker:
+        kind = worker.unary_stream if method.endswith("Decode") else worker.unary_unary
+        send = kind(method, request_serializer=None, response_deserializer=None)
+        bad_id = bytes([1 << 3 | 2, 7]) + b"caf\xc3\x28 \xff"  # field 1, a string: request_id
+        if not method.endswith("ReleaseKv"):  # field 1 is the WorkRequest, whose field 1 is request_id
+            bad_id = bytes([1 << 3 | 2, len(bad_id)]) + bad_id
+        for payload in (b"\xff\xfe\xfd\xfc garbage", bad_id):
+            got_code, _, details = refusal(lambda: list(send(payload, timeout=30)) if method.endswith("Decode")
+                                           else send(payload, timeout=30))
+            assert got_code == INVALID and "not a valid" in details, details
+    wait_for_idle(system)
+
+
 def test_only_the_kv_token_holder_may_release_or_pull_held_kv(system, channel):
     """A stranger who knows a request id can no longer drop its lease (ReleaseKv) or take
     it over (SendKv, a second Prefill): each is refused as for an unknown id and the lease

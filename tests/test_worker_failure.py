@@ -13,8 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.runtime.settings import DecodeWorkerSettings
 from baton.runtime.worker import run_worker
-from baton.wire.internal.v1 import worker_pb2_grpc
-from decode_worker.server import SERVICE_NAME, DecodeWorkerService
+from decode_worker.server import SERVICE, DecodeWorkerService
 from engine import SamplingParams
 from engine.async_engine import EngineDeadError
 from tests.tiny_models import make_tiny_model
@@ -35,8 +34,7 @@ def test_a_worker_whose_engine_fails_turns_not_serving_and_exits_1(tmp_path):
             return reply.status
 
     async def scenario() -> tuple[int, list[int]]:
-        worker = asyncio.create_task(run_worker(settings, service, worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
-                                                SERVICE_NAME))
+        worker = asyncio.create_task(run_worker(settings, service, SERVICE))
         for _ in range(600):
             if service.engine is not None and service.engine.is_alive and service.address != settings.listen:
                 break
@@ -66,8 +64,7 @@ def test_a_worker_whose_engine_fails_turns_not_serving_and_exits_1(tmp_path):
 
 async def _start(settings: DecodeWorkerSettings) -> tuple[DecodeWorkerService, asyncio.Task]:
     service = DecodeWorkerService(settings)
-    task = asyncio.create_task(run_worker(settings, service, worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
-                                          SERVICE_NAME))
+    task = asyncio.create_task(run_worker(settings, service, SERVICE))
     for _ in range(1200):
         if service.engine is not None and service.engine.is_alive and service.address != settings.listen:
             return service, task

@@ -10,11 +10,13 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from baton.runtime.security import TlsConfig
+from baton.wire.status import lenient_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,14 @@ class GrpcServer:
             raise OSError(f"could not listen on {address}")
         host = address.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
+
+    def add_service(self, servicer, service: ServiceDescriptor) -> None:
+        """Serve `service` (its descriptor, from the generated module) with `servicer`, as
+        the generated add_*Servicer_to_server does, except that a request whose bytes do
+        not parse is answered INVALID_ARGUMENT, not UNKNOWN (baton.wire.status)."""
+        handlers = lenient_handlers(servicer, service)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+        self.server.add_registered_method_handlers(service.full_name, handlers)
 
     async def start(self) -> None:
         await self.set_serving(False)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 
 from baton.runtime import tracing
 from baton.runtime.admission import AdmissionLimits, AdmissionQueue, Overloaded
@@ -257,15 +257,14 @@ class WorkerBase:
             tracing.set_timings(span, output.timings)
 
 
-async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service: Callable,
-                     service_name: str) -> int:
+async def run_worker(settings: WorkerSettings, service: WorkerBase, descriptor: ServiceDescriptor) -> int:
     """Serve one worker until SIGTERM: listen first (health NOT_SERVING), then load and
     warm the model off the event loop, then turn SERVING. Returns the process's exit
     code: 0 after SIGTERM, 1 if the engine failed."""
     # Workers are internal: mTLS with a CA (security.py), plaintext only with no TLS at all.
     credentials = None if settings.tls is None else settings.tls.server_credentials(internal=True)
-    server = GrpcServer(settings.listen, [service_name], credentials=credentials)
-    add_service(service, server.server)
+    server = GrpcServer(settings.listen, [descriptor.full_name], credentials=credentials)
+    server.add_service(service, descriptor)
     await server.start()
     address = settings.advertise or server.address
     logger.info("%s worker %s listening on %s; loading %s", settings.role,
@@ -284,13 +283,13 @@ async def run_worker(settings: WorkerSettings, service: WorkerBase, add_service:
     return 1 if service.failed.is_set() else 0
 
 
-def serve_worker(settings: WorkerSettings, service: WorkerBase, add_service: Callable, service_name: str) -> int:
+def serve_worker(settings: WorkerSettings, service: WorkerBase, descriptor: ServiceDescriptor) -> int:
     """A worker process's entry point: set up the process (torch threads, huge pages for
     the cache and weights, uvloop, tracing), then serve until SIGTERM; the exit code."""
     configure_process(settings.threads)
     install_uvloop()
     tracing.configure_tracing(f"{settings.role}-worker", settings.worker_id)
     try:
-        return asyncio.run(run_worker(settings, service, add_service, service_name))
+        return asyncio.run(run_worker(settings, service, descriptor))
     finally:
         tracing.shutdown_tracing()

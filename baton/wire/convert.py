@@ -31,7 +31,6 @@ from baton.wire.records import (
     TokenEvent,
     WorkRequest,
 )
-from baton.wire.status import Undecodable
 from baton.wire.v1 import generation_pb2 as pb
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParamError, SamplingParams
@@ -141,11 +140,8 @@ def logprobs_from_pb(messages: Iterable[pb.TokenLogprob]) -> list[TokenLogprobs]
 
 
 # ------------------------------------------------------------------ public API
-def generate_request_from_pb(message: pb.GenerateRequest | Undecodable) -> GenerateRequest:
-    """A client's request, read; FieldError if its sampling is out of range, ValueError if
-    it did not parse."""
-    if isinstance(message, Undecodable):
-        message.check()
+def generate_request_from_pb(message: pb.GenerateRequest) -> GenerateRequest:
+    """A client's request, read; FieldError if its sampling is out of range."""
     kind = message.WhichOneof("prompt")
     prompt: str | tuple = ()
     if kind == "text":

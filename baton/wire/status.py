@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -60,9 +62,7 @@ def error_details_from_trailers(metadata) -> ErrorDetails:
 
 class Undecodable:
     """A request whose bytes do not parse as its message (garbage, a string field that is
-    not UTF-8). grpc fails such a call with UNKNOWN before any servicer sees it; served
-    through `lenient_parser`, it reaches the servicer as this, and reading it is a
-    ValueError, so the caller gets INVALID_ARGUMENT."""
+    not UTF-8): what `lenient_parser` hands on instead of failing."""
 
     __slots__ = ("message_name", "error")
 
@@ -70,8 +70,8 @@ class Undecodable:
         self.message_name = message_name
         self.error = error
 
-    def check(self) -> None:
-        raise ValueError(f"the request is not a valid {self.message_name}: {self.error or 'it does not parse'}")
+    def __str__(self) -> str:
+        return f"the request is not a valid {self.message_name}: {self.error or 'it does not parse'}"
 
 
 def lenient_parser(message_class) -> Callable[[bytes], object]:
@@ -82,3 +82,42 @@ def lenient_parser(message_class) -> Callable[[bytes], object]:
         except DecodeError as error:
             return Undecodable(message_class.DESCRIPTOR.full_name, str(error))
     return parse
+
+
+def lenient_handlers(servicer, service: ServiceDescriptor) -> dict[str, grpc.RpcMethodHandler]:
+    """grpc method handlers for every method of `service`, served by `servicer`'s method of
+    the same name as grpc's generated code would, except that a request whose bytes do not
+    parse (garbage, a string that is not UTF-8) is answered INVALID_ARGUMENT with what is
+    wrong: grpc's own deserializer fails such a call with UNKNOWN. (Unary and
+    server-streaming methods: Baton's services have no other kind.)"""
+    handlers = {}
+    for method in service.methods:
+        if method.client_streaming:
+            raise ValueError(f"{method.full_name} streams requests: not supported")
+        parse = lenient_parser(message_factory.GetMessageClass(method.input_type))
+        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        behavior = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _refusing_undecodable_stream(behavior), parse, serialize)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _refusing_undecodable(behavior), parse, serialize)
+    return handlers
+
+
+def _refusing_undecodable(behavior):
+    async def unary(request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+        return await behavior(request, context)
+    return unary
+
+
+def _refusing_undecodable_stream(behavior):
+    async def stream(request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+        async for response in behavior(request, context):
+            yield response
+    return stream
