@@ -207,8 +207,14 @@ class KvReceiver:
                 bad = sum(a != b for a, b in zip(mine, done.block_checksums))
                 raise KvTransferError(f"checksum mismatch in {bad} of {len(mine)} blocks")
             return ReceiveResult(True, verified=True, num_bytes=stats.num_bytes)
-        except BaseException:
+        except BaseException as error:
             call.cancel()
+            if isinstance(error, asyncio.CancelledError):
+                # The sender may have accepted and begun sending with no receive posted: its
+                # send would hold the channel, and the next pull on it, until the channel's
+                # timeout (30 s of held blocks on both sides). Closing our end fails that
+                # send at once, and the next pull opens a new channel.
+                channel.drop_transport()
             raise
 
     async def _open(self, client: PrefillWorkerClient, channel: _Channel, trace_metadata) -> None:
