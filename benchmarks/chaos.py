@@ -68,16 +68,13 @@ def request(i: int, max_tokens: int, vocab: int = 500) -> pb.GenerateRequest:
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
 
-def wait_idle(deployment: Deployment, timeout_s: float) -> bool:
+def is_idle_within(deployment: Deployment, timeout_s: float) -> bool:
     """Whether every worker gets to hold no block, request or handoff within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = [deployment.stats(p) for p in deployment.processes if p.role != "gateway"]
-        if all(s.num_kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0
-               and s.num_kv_handoffs_pending == 0 for s in stats):
-            return True
-        time.sleep(0.1)
-    return False
+    try:
+        deployment.wait_idle(timeout_s)
+    except TimeoutError:
+        return False
+    return True
 
 
 def rss_bytes(pid: int) -> int:
@@ -89,39 +86,55 @@ def rss_bytes(pid: int) -> int:
 
 
 # --------------------------------------------------------------------- recovery
-async def run_streams(gateway: str, num_streams: int, max_tokens: int, disturb=None, when_tokens: int = 0):
-    """Streams' tokens and token times; `disturb()` (in a thread) once each has
-    `when_tokens` tokens; returns (tokens, times, what disturb returned)."""
-    tokens = [[] for _ in range(num_streams)]
-    times = [[] for _ in range(num_streams)]
-    async with grpc.aio.insecure_channel(gateway) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+class Streams:
+    """Concurrent streams through a gateway, one a request: each one's tokens and their
+    arrival times (time.monotonic()). tests/test_chaos.py drives its streams with it too."""
 
-        async def one(i: int) -> None:
-            async for message in stub.GenerateStream(request(i, max_tokens), timeout=300):
-                tokens[i].extend(message.token_ids)
-                times[i].extend([time.monotonic()] * len(message.token_ids))
+    def __init__(self, requests: list[pb.GenerateRequest], timeout_s: float) -> None:
+        self.requests = requests
+        self.timeout_s = timeout_s
+        self.tokens: list[list[int]] = [[] for _ in requests]
+        self.times: list[list[float]] = [[] for _ in requests]
 
-        streams = asyncio.gather(*(one(i) for i in range(num_streams)))
-        struck = None
-        if disturb is not None:
-            while min(len(t) for t in tokens) < when_tokens and not streams.done():
-                await asyncio.sleep(0.005)
-            struck = await asyncio.to_thread(disturb)
-        await streams
-    return tokens, times, struck
+    async def run(self, gateway: str, disturb=None, when_tokens: int = 0) -> float | None:
+        """Run them all; once every stream has `when_tokens` tokens (0: at once), call
+        `disturb()` in a thread. Returns what it returns (when it struck, time.monotonic())."""
+        async with grpc.aio.insecure_channel(gateway) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
 
+            async def one(i: int) -> None:
+                async for message in stub.GenerateStream(self.requests[i], timeout=self.timeout_s):
+                    self.tokens[i].extend(message.token_ids)
+                    self.times[i].extend([time.monotonic()] * len(message.token_ids))
 
-def longest_gap_after(times: list[list[float]], since: float) -> float:
-    gaps = [0.0]
-    for stream in times:
-        after = [since] + [t for t in stream if t >= since]
-        gaps.extend(b - a for a, b in zip(after, after[1:]))
-    return max(gaps)
+            streams = asyncio.gather(*(one(i) for i in range(len(self.requests))))
+            struck = None
+            if disturb is not None:
+                while min(len(t) for t in self.tokens) < when_tokens:
+                    if streams.done():
+                        await streams  # a stream's error, where one failed
+                        raise RuntimeError("the streams ended before the disturbance")
+                    await asyncio.sleep(0.005)
+                struck = await asyncio.to_thread(disturb)
+            await streams
+            return struck
+
+    def longest_gap_after(self, since: float) -> float:
+        """The longest wait for a token after `since` (a victim's loss): from `since` to a
+        stream's first token after it, or between two of its tokens."""
+        gaps = [0.0]
+        for times in self.times:
+            after = [since] + [t for t in times if t >= since]
+            gaps.extend(b - a for a, b in zip(after, after[1:]))
+        return max(gaps)
 
 
 def recovery_section(args, deployment: Deployment) -> dict:
-    expected, _, _ = asyncio.run(run_streams(deployment.gateway, args.streams, args.max_tokens))
+    def streams() -> Streams:
+        return Streams([request(i, args.max_tokens) for i in range(args.streams)], timeout_s=300)
+
+    undisturbed = streams()
+    asyncio.run(undisturbed.run(deployment.gateway))
     result = {}
     for role, signum in VICTIMS:
         name = f"{role}-{signal.Signals(signum).name}"
@@ -138,15 +151,16 @@ def recovery_section(args, deployment: Deployment) -> dict:
                 os.kill(target.popen.pid, signum)
                 return time.monotonic()
 
-            tokens, times, struck = asyncio.run(run_streams(
-                deployment.gateway, args.streams, args.max_tokens, disturb, 5 if role == "decode" else 0))
-            rounds.append({"recovery_s": longest_gap_after(times, struck), "tokens_equal": tokens == expected})
+            disturbed = streams()
+            struck = asyncio.run(disturbed.run(deployment.gateway, disturb, 5 if role == "decode" else 0))
+            rounds.append({"recovery_s": disturbed.longest_gap_after(struck),
+                           "tokens_equal": disturbed.tokens == undisturbed.tokens})
             if signum == signal.SIGSTOP:
                 os.kill(victim[0].popen.pid, signal.SIGCONT)
                 wait_in_rotation(deployment.gateway, deployment, 120)
             else:
                 deployment.restart(victim[0])
-            rounds[-1]["idle_after"] = wait_idle(deployment, 30)
+            rounds[-1]["idle_after"] = is_idle_within(deployment, 30)
             print(f"  {name}: recovery {rounds[-1]['recovery_s']:.2f} s, tokens equal: "
                   f"{rounds[-1]['tokens_equal']}", flush=True)
         recoveries = sorted(r["recovery_s"] for r in rounds)
@@ -222,7 +236,7 @@ def soak_section(args, deployment: Deployment) -> dict:
         await asyncio.gather(soak_load(deployment.gateway, args, stop_at, outcomes), restarter())
 
     asyncio.run(both())
-    idle = wait_idle(deployment, 30)
+    idle = is_idle_within(deployment, 30)
     rss_end = {p.address: rss_bytes(p.popen.pid) for p in deployment.processes}
     restarted = {r["address"] for r in restarts}
     growth = {p.address: (rss_end[p.address] / rss_start[p.address] - 1) if rss_start[p.address] else None

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 
 from baton.runtime import tracing
 from baton.runtime.settings import DecodeWorkerSettings
 from baton.runtime.tasks import BackgroundTasks
-from baton.runtime.worker import WorkerBase, abort_invalid, serve_worker
+from baton.runtime.worker import WorkerBase, abort_refused, serve_worker
 from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
-from baton.wire.records import DecodeRequest, KvHandle, ReleaseKv, TokenEvent
+from baton.wire.records import DecodeRequest, FieldError, KvHandle, ReleaseKv, TokenEvent
 from decode_worker.kv_receiver import KvReceiver, ReceiveResult
 from engine.async_engine import EngineDeadError
 from engine.outputs import KvReceive, RequestOutput
@@ -50,6 +51,10 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             verify=self.settings.verify_kv,
             tls=self.settings.tls,
         )
+        allowlist = self.settings.prefill_allowlist
+        logger.info("decode worker %s pulls KV from %s", self.worker_id,
+                    "any address a handle names (--prefill-workers unset)" if allowlist.is_open
+                    else ", ".join(sorted(allowlist.addresses)))
 
     async def stop(self) -> None:
         await super().stop()
@@ -84,9 +89,9 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         except KvLayoutMismatchError as error:
             self._forget(request_id)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
-        except ValueError as error:
+        except ValueError as error:  # read or refused by the engine (InvalidRequestError names the field)
             self._forget(request_id)
-            await abort_invalid(context, error)
+            await abort_refused(context, error)
         except EngineDeadError:
             self._forget(request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
@@ -125,6 +130,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             return await self.engine.add_request(work.request_id, work.prompt_token_ids, work.params,
                                                  priority=work.priority, trace=traced,
                                                  num_generated_tokens=work.num_generated_tokens)
+        handle = self._check_prefill_worker(handle)
         handle.layout.check_matches(self.layout)
         self._handles[work.request_id] = handle
         if span is not None:
@@ -133,6 +139,18 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                                                        request.first_token_id, work.params,
                                                        priority=work.priority, trace=traced,
                                                        num_generated_tokens=work.num_generated_tokens)
+
+    def _check_prefill_worker(self, handle: KvHandle) -> KvHandle:
+        """The handle, to be pulled from its listed address; FieldError if its prefill worker
+        is not one of --prefill-workers, so that a forged handle cannot make this worker
+        dial an address of the caller's choosing."""
+        address = self.settings.prefill_allowlist.dial_address(handle.prefill_address)
+        if address is None:  # forged, or --prefill-workers misses what a prefill worker advertises
+            logger.warning("refused a KV handle naming prefill worker %r: not in --prefill-workers",
+                           handle.prefill_address[:200])
+            raise FieldError("kv_handle.prefill_address",
+                             "the KV handle's prefill worker is not one of this decode worker's --prefill-workers")
+        return replace(handle, prefill_address=address)
 
     def _forget(self, request_id: str) -> None:
         self.admission.release(request_id)

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from engine.engine import LLMEngine
 from engine.outputs import KvReceive, RequestOutput, StepOutput
+from engine.request import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ class AsyncEngine:
         trace: bool = False,
         num_generated_tokens: int = 0,
     ) -> RequestStream:
-        """Queue a request; raises ValueError on bad input (nothing is then queued)."""
+        """Queue a request; raises ValueError on bad input (nothing is then queued), an
+        InvalidRequestError naming the attribute at fault for a request the engine could never run."""
         return await self._add(
             request_id,
             lambda engine: engine.add_request(
@@ -198,7 +200,7 @@ class AsyncEngine:
 
     async def _add(self, request_id: str, add: Callable[[LLMEngine], Any]) -> RequestStream:
         if request_id in self._streams:
-            raise ValueError(f"duplicate request id {request_id!r}")
+            raise InvalidRequestError("request_id", f"duplicate request id {request_id!r}")
         # Registered before the command runs: the first output may follow it immediately.
         stream = RequestStream(request_id)
         self._streams[request_id] = stream

@@ -25,6 +25,8 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
            "float16": "float16", "fp16": "float16", "half": "float16",
            "float64": "float64", "fp64": "float64"}
 _DTYPE_NAMES = "auto, float32, bfloat16, float16 or float64"
+# What a model (and its KV cache) can hold, as torch names the dtypes.
+DTYPES = frozenset(_DTYPES.values())
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str = DEFAULT_DEVICE) -> torch.dtype:

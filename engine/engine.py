@@ -17,7 +17,7 @@ from engine.model.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine.preemption import PreemptionCostModel
-from engine.request import Request, RequestStatus
+from engine.request import InvalidRequestError, Request, RequestStatus
 from engine.sampler import skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerStats
@@ -108,7 +108,9 @@ class LLMEngine:
         trace: bool = False,
         num_generated_tokens: int = 0,
     ) -> Request:
-        """Queue a request; it joins the batch at the next step. Raises ValueError on bad input.
+        """Queue a request; it joins the batch at the next step. Raises ValueError on bad input:
+        InvalidRequestError naming the attribute at fault (PromptTooLongError for a prompt that
+        reaches max_model_len) for a request this engine could never run.
 
         With `prefill_only`, the request stops after its first sampled token
         (unless that token ends it) and holds its KV for a handoff: its output
@@ -146,7 +148,9 @@ class LLMEngine:
         had been prefilled here (a seeded request's generator skips the draw
         the other engine made; `num_generated_tokens` as in add_request).
         """
-        self._check_token_ids([first_token_id])
+        if not 0 <= first_token_id < self.vocab_size:
+            raise InvalidRequestError("first_token_id",
+                                      f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
         request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority, trace,
                                     num_generated_tokens + 1)
         request.all_token_ids.append(first_token_id)
@@ -163,10 +167,12 @@ class LLMEngine:
         """Free the KV a prefill_only request holds (after the handoff, or when given up)."""
         return self.scheduler.release_held(request_id) is not None
 
-    def _check_token_ids(self, token_ids: Sequence[int]) -> None:
+    def _check_prompt_token_ids(self, token_ids: Sequence[int]) -> None:
         vocab_size = self.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-            raise ValueError(f"token ids must lie in [0, {vocab_size})")
+            index = next(i for i, token_id in enumerate(token_ids) if not 0 <= token_id < vocab_size)
+            raise InvalidRequestError("prompt_token_ids",
+                                      f"token id {token_ids[index]} is outside the vocabulary [0, {vocab_size})", index)
 
     def _new_request(
         self,
@@ -182,8 +188,8 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        self._check_token_ids(prompt_token_ids)
+            raise InvalidRequestError("prompt_token_ids", "prompt is empty")
+        self._check_prompt_token_ids(prompt_token_ids)
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
         request = Request(

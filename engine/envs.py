@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Collection
 
 
-def configure_process(num_threads: int | None = None) -> None:
+def configure_process(num_threads: int | None = None, cpus: Collection[int] = ()) -> None:
     """Call once at a process's entry point, before the model loads.
 
-    Sets THP_MEM_ALLOC_ENABLE=1 unless the environment already sets it, and,
-    with `num_threads`, torch's intra-op thread count.
+    Sets THP_MEM_ALLOC_ENABLE=1 unless the environment already sets it; with `cpus`,
+    binds the process (every thread it has, and so every thread it starts later:
+    torch's, OpenMP's, gRPC's) to those cores; with `num_threads`, torch's intra-op
+    thread count.
     """
     if num_threads is not None and num_threads <= 0:
         raise ValueError("num_threads must be positive")
+    if cpus:
+        bind_to_cpus(cpus)
     # Back torch's large CPU allocations (KV cache, weights) with transparent huge
     # pages where the kernel allows it on request: decode steps stream the weights
     # and hop between scattered KV blocks, and 2 MB pages cut their TLB misses
@@ -29,6 +34,21 @@ def configure_process(num_threads: int | None = None) -> None:
         import torch
 
         torch.set_num_threads(num_threads)
+
+
+def bind_to_cpus(cpus: Collection[int]) -> None:
+    """Run this process's threads, those it has and those it starts, on `cpus` only (Linux).
+
+    Two workers on one host that share its cores slow each other beyond their share:
+    an OpenMP parallel region waits at its barrier for whichever of its threads the
+    other worker's threads displaced. Disjoint cores make each worker behave as if it
+    had a host of its own (vLLM's CPU backend binds its threads the same way).
+    """
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def native_arch() -> str:

@@ -16,6 +16,27 @@ if TYPE_CHECKING:
     from engine.timeline import TimelineEvent
 
 
+class InvalidRequestError(ValueError):
+    """A request this engine can never run, for what one of its attributes holds. `name`
+    is that attribute as the request record spells it ("prompt_token_ids", "request_id",
+    "sampling_params.max_tokens", or add_prefilled_request's "first_token_id"), and
+    `index` the position at fault in a list, if one is; so that a server can tell its
+    caller which field of its request is at fault (SamplingParamError does the same for
+    sampling values)."""
+
+    def __init__(self, name: str, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.index = index
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt reaches the engine's max_model_len: no token could follow it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("prompt_token_ids", message)
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0  # queued, holds no blocks (new, or preempted by recompute)
     RUNNING = 1  # holds device blocks, scheduled every step it has work
@@ -108,7 +129,8 @@ class Request:
         prefill_only: bool = False,
     ) -> None:
         if not prompt_token_ids:
-            raise ValueError(f"request {request_id}: prompt must contain at least one token")
+            raise InvalidRequestError("prompt_token_ids",
+                                      f"request {request_id}: prompt must contain at least one token")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)

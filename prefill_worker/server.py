@@ -10,7 +10,7 @@ import grpc
 
 from baton.runtime import tracing
 from baton.runtime.settings import PrefillWorkerSettings
-from baton.runtime.worker import WorkerBase, abort_invalid, serve_worker
+from baton.runtime.worker import WorkerBase, abort_invalid, abort_refused, serve_worker
 from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import KvHandle, PrefillResult, SendKvDone, WorkRequest
@@ -102,8 +102,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
                                               priority=work.priority, prefill_only=True,
                                               num_generated_tokens=work.num_generated_tokens,
                                               trace=tracing.recording(span))
-        except ValueError as error:
-            await abort_invalid(context, error)
+        except ValueError as error:  # the engine refused it (InvalidRequestError names the field)
+            await abort_refused(context, error)
         except EngineDeadError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
         try:

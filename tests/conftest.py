@@ -1,12 +1,15 @@
-"""Shared fixtures: thread count for 2-core CI, and the real SmolLM2 model loaded once."""
+"""Shared fixtures: thread count for 2-core CI, the real SmolLM2 model loaded once, and a
+Generation stub on the gateway of a module's deployment (its `system` fixture)."""
 
 from __future__ import annotations
 
 import os
 
+import grpc
 import pytest
 import torch
 
+from baton.wire.v1 import generation_pb2_grpc
 from engine.envs import configure_process
 
 # The test process's entry point: configure it as a serving process is.
@@ -36,3 +39,11 @@ def smollm2_hf():
         source.directory, gguf_file=source.gguf_file, dtype=torch.float32
     ).eval()
     return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def stub(system):
+    """A blocking Generation stub on the module's deployment (the module defines `system`)."""
+    channel = grpc.insecure_channel(system.gateway)
+    yield generation_pb2_grpc.GenerationStub(channel)
+    channel.close()

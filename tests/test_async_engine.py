@@ -15,6 +15,7 @@ import torch
 
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine
+from engine.request import InvalidRequestError, PromptTooLongError
 from tests.test_engine import make_engine
 from tests.tiny_models import make_tiny_model
 
@@ -94,3 +95,34 @@ def test_a_held_request_ends_its_stream_and_its_id_can_be_used_again(tiny):
             await engine.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_refused_request_raises_the_engines_error_and_leaves_nothing(tiny):
+    """The engine thread's refusal reaches the caller as raised, naming the attribute at
+    fault (which the workers answer with), and no stream, request or block stays."""
+    _, model_dir = tiny
+
+    async def scenario() -> list[tuple[type, str]]:
+        engine = AsyncEngine(make_engine(model_dir))  # a 512-token context; 64 blocks of 4 tokens
+        engine.start()
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        refused = []
+        try:
+            stream = await engine.add_request("running", [5, 6], params)
+            for add in (lambda: engine.add_request("long", [5] * 512, params),
+                        lambda: engine.add_prefilled_request("big", [5] * 300, 7, params),
+                        lambda: engine.add_request("running", [5, 6], params)):
+                with pytest.raises(InvalidRequestError) as error:
+                    await add()
+                refused.append((type(error.value), error.value.name))
+            async for _ in stream:
+                pass
+            assert await settle(engine) == (0, 0)
+            assert not engine._streams
+        finally:
+            await engine.stop()
+        return refused
+
+    assert asyncio.run(scenario()) == [(PromptTooLongError, "prompt_token_ids"),
+                                       (InvalidRequestError, "prompt_token_ids"),
+                                       (InvalidRequestError, "request_id")]

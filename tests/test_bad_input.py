@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import secrets
+import socket
 import threading
 import time
 
@@ -15,14 +16,14 @@ import grpc
 import pytest
 import torch
 
-from baton.cli.local import start_deployment
+from baton.cli.local import free_port, start_deployment
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.status import error_details_from_trailers
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
 from gateway.limits import MAX_REQUEST_BYTES
-from tests.test_serving import VOCAB_SIZE, greedy_request, wait_for_idle
+from tests.test_serving import VOCAB_SIZE, greedy_request
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,18 +31,30 @@ pytestmark = pytest.mark.timeout(600)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
 NAN, INF = float("nan"), float("inf")
+# Each worker's KV cache: 100 blocks of 4 tokens, less than the 512-token context, so
+# that a request can fit the context and still never fit the cache.
+NUM_KV_BLOCKS = 100
 
 
 @pytest.fixture(scope="module")
-def system(tmp_path_factory):
+def silent_address() -> str:
+    """Where test_a_handle_to_a_silent_peer_... serves its peer (the decode worker lists it)."""
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory, silent_address):
     """Gateway, prefill and decode worker serving a tiny random Llama with SmolLM2's
     tokenizer (512-token context, chat template); every prompt is handed off."""
     directory = tmp_path_factory.mktemp("tiny-bad-input")
     _, path = make_tiny_model(directory, "llama", 4, 2, 16, True, dtype=torch.float64, vocab_size=VOCAB_SIZE)
     load_tokenizer("smollm2-135m").save_pretrained(directory)
+    prefill_address = f"127.0.0.1:{free_port()}"
     deployment = start_deployment(
         path, tmp_path_factory.mktemp("logs"),
-        worker_args=["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "200"],
+        prefill_address=prefill_address,
+        worker_args=["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", str(NUM_KV_BLOCKS)],
+        decode_args=["--prefill-workers", f"{prefill_address},{silent_address}"],  # no other peer
         gateway_args=["--max-prefill-queue-tokens", "0"],
     )
     yield deployment
@@ -170,9 +183,9 @@ def test_bad_input_at_the_gateway_names_its_field(system, channel, case):
 
 def test_after_every_bad_request_nothing_is_held_and_requests_are_served(system, channel):
     """Runs after the table (pytest keeps the file's order)."""
-    wait_for_idle(system)
+    system.wait_idle()
     serves_normally(channel)
-    wait_for_idle(system)
+    system.wait_idle()
 
 
 def _preparer(tokenizer):
@@ -227,10 +240,13 @@ def test_a_broken_chat_template_is_invalid_argument_naming_the_messages():
 # ------------------------------------------------------------------ the internal RPCs
 LAYOUT = worker_pb2.KvLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=16, dtype="float64")
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]  # 2 blocks of 4
+OVER_CONTEXT = [20] * 600  # the context is 512 tokens
+OVER_CACHE = [20] * 452  # within the context, but 113 blocks: the cache has 100
+FITS_CACHE = [20] * 300  # 75 blocks; with 200 tokens more, 125
 
 
-def work(request_id: str, **sampling) -> worker_pb2.WorkRequest:
-    return worker_pb2.WorkRequest(request_id=request_id, prompt_token_ids=PROMPT,
+def work(request_id: str, prompt: list[int] = PROMPT, **sampling) -> worker_pb2.WorkRequest:
+    return worker_pb2.WorkRequest(request_id=request_id, prompt_token_ids=prompt,
                                   sampling=pb.SamplingParams(**{"temperature": 0.0, "max_tokens": 4,
                                                                 "ignore_eos": True, **sampling}))
 
@@ -287,6 +303,37 @@ def internal_cases(prefill_address: str) -> dict:
         "decode: infinite repetition_penalty": (
             "Decode", decode(request=work("i-11", repetition_penalty=INF)), INVALID,
             "request.sampling.repetition_penalty"),
+        # Refused by the engine, past the gateway's checks: the field is the engine's too.
+        "prefill: a prompt over the context": (
+            "Prefill", worker_pb2.PrefillRequest(request=work("e-1", OVER_CONTEXT), kv_token="t" * 32),
+            OUT_OF_RANGE, "request.prompt_token_ids"),
+        "prefill: KV that outgrows the cache": (
+            "Prefill", worker_pb2.PrefillRequest(request=work("e-2", FITS_CACHE, max_tokens=200), kv_token="t" * 32),
+            INVALID, "request.sampling.max_tokens"),
+        "prefill: a prompt over the cache": (
+            "Prefill", worker_pb2.PrefillRequest(request=work("e-3", OVER_CACHE, max_tokens=1), kv_token="t" * 32),
+            INVALID, "request.prompt_token_ids"),
+        "prefill: a token past the vocabulary": (
+            "Prefill", worker_pb2.PrefillRequest(request=work("e-4", [5, VOCAB_SIZE, 6]), kv_token="t" * 32),
+            INVALID, "request.prompt_token_ids[1]"),
+        "prefill: an empty prompt": (
+            "Prefill", worker_pb2.PrefillRequest(request=work("e-5", []), kv_token="t" * 32),
+            INVALID, "request.prompt_token_ids"),
+        "decode: a prompt over the context": (
+            "Decode", decode(request=work("e-6", OVER_CONTEXT)), OUT_OF_RANGE, "request.prompt_token_ids"),
+        "decode: a handed-off prompt over the context": (
+            "Decode", decode(request=work("e-7", OVER_CONTEXT), first_token_id=3,
+                             kv_handle=handle("e-7", prefill_address, num_tokens=len(OVER_CONTEXT),
+                                              num_blocks=len(OVER_CONTEXT) // 4)),
+            OUT_OF_RANGE, "request.prompt_token_ids"),
+        "decode: handed-off KV that outgrows the cache": (
+            "Decode", decode(request=work("e-8", FITS_CACHE, max_tokens=200), first_token_id=3,
+                             kv_handle=handle("e-8", prefill_address, num_tokens=len(FITS_CACHE),
+                                              num_blocks=len(FITS_CACHE) // 4)),
+            INVALID, "request.sampling.max_tokens"),
+        "decode: a first token past the vocabulary": (
+            "Decode", decode(request=work("e-9"), first_token_id=VOCAB_SIZE, kv_handle=handle("e-9", prefill_address)),
+            INVALID, "first_token_id"),
     }
 
 
@@ -303,7 +350,32 @@ def test_bad_input_at_the_workers_names_its_field(system, channel, case):
         call = lambda: list(decode.Decode(request, timeout=30))  # noqa: E731
     got_code, got_field, details = refusal(call)
     assert (got_code, got_field) == (code, field), details
-    wait_for_idle(system)
+    system.wait_idle()
+
+
+def test_after_the_workers_refusals_nothing_is_held_and_they_serve(system, channel):
+    """Runs after the table: no refused request left a KV block used, and a request sent
+    straight to the workers is prefilled, handed off and decoded as usual."""
+    assert all(s.num_kv_blocks_used == 0 for s in system.wait_idle().values())
+    prefill, decode = stubs(system)
+    held = prefill.Prefill(worker_pb2.PrefillRequest(request=work("after"), kv_token=secrets.token_hex(16)),
+                           timeout=60)
+    request = worker_pb2.DecodeRequest(request=work("after"), first_token_id=held.first_token_id,
+                                       kv_handle=held.kv_handle)
+    assert len([t for event in decode.Decode(request, timeout=60) for t in event.token_ids]) == 3
+    assert all(s.num_kv_blocks_used == 0 for s in system.wait_idle().values())
+    serves_normally(channel)
+
+
+def test_the_gateway_answers_a_request_over_the_cache_as_the_workers_do(system, channel):
+    """The gateway cannot know that a request within the context never fits a worker's
+    cache: the prefill worker's INVALID_ARGUMENT reaches the client. (RESOURCE_EXHAUSTED
+    would have sent it on to the decode worker, and told the client to retry what never
+    runs.)"""
+    for method in ("Generate", "GenerateStream"):
+        code, _, details = refusal(call_gateway(channel, greedy_request(FITS_CACHE, 200), method))
+        assert code == INVALID and "KV blocks" in details, details
+    system.wait_idle()
 
 
 @pytest.mark.parametrize("method", ["/baton.internal.v1.PrefillWorker/Prefill",
@@ -322,7 +394,7 @@ def test_undecodable_bytes_at_the_workers_are_invalid_argument(system, method):
             got_code, _, details = refusal(lambda: list(send(payload, timeout=30)) if method.endswith("Decode")
                                            else send(payload, timeout=30))
             assert got_code == INVALID and "not a valid" in details, details
-    wait_for_idle(system)
+    system.wait_idle()
 
 
 def test_only_the_kv_token_holder_may_release_or_pull_held_kv(system, channel):
@@ -353,20 +425,20 @@ def test_only_the_kv_token_holder_may_release_or_pull_held_kv(system, channel):
     transfers = system.stats("decode").num_transfers
     tokens = [t for event in decode.Decode(request, timeout=60) for t in event.token_ids]
     assert len(tokens) == 3 and system.stats("decode").num_transfers == transfers + 1
-    wait_for_idle(system)
+    system.wait_idle()
 
     # And releases what it holds.
     token = secrets.token_hex(16)
     prefill.Prefill(worker_pb2.PrefillRequest(request=work("owned-2"), kv_token=token), timeout=60)
     assert prefill.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id="owned-2", kv_token=token), timeout=10).released
-    wait_for_idle(system)
+    system.wait_idle()
     serves_normally(channel)
 
 
 @contextlib.contextmanager
-def silent_peer():
-    """A gRPC server that takes OpenKvChannel calls and never answers them (a prefill worker
-    hung, or a forged handle's address); yields its address."""
+def silent_peer(address: str):
+    """A gRPC server on `address` that takes OpenKvChannel calls and never answers them (a
+    prefill worker hung)."""
     hang = threading.Event()
 
     def never_answer(request, context):
@@ -376,23 +448,23 @@ def silent_peer():
     handler = grpc.method_handlers_generic_handler(
         "baton.internal.v1.PrefillWorker", {"OpenKvChannel": grpc.unary_unary_rpc_method_handler(never_answer)})
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(4), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
+    assert server.add_insecure_port(address), f"{address} is taken"
     server.start()
     try:
-        yield f"127.0.0.1:{port}"
+        yield
     finally:
         hang.set()
         server.stop(0)
 
 
-def test_a_handle_to_a_silent_peer_frees_the_blocks_when_the_call_ends(system, channel):
+def test_a_handle_to_a_silent_peer_frees_the_blocks_when_the_call_ends(system, channel, silent_address):
     """A KV handle whose prefill worker takes the call and never answers kept the decode
     worker's blocks for up to twice the 30 s transfer timeout after the caller had gone.
     The pull is now cancelled with its Decode call."""
     _, decode = stubs(system)
-    with silent_peer() as address:
+    with silent_peer(silent_address):
         request = worker_pb2.DecodeRequest(request=work("silent"), first_token_id=3,
-                                           kv_handle=handle("silent", address))
+                                           kv_handle=handle("silent", silent_address))
         call = decode.Decode(request, timeout=60)
         deadline = time.monotonic() + 10
         while system.stats("decode").num_kv_blocks_used == 0:  # admitted, pulling
@@ -401,6 +473,24 @@ def test_a_handle_to_a_silent_peer_frees_the_blocks_when_the_call_ends(system, c
         time.sleep(0.5)  # the pull is waiting on the peer
         assert system.stats("decode").num_kv_blocks_used > 0
         call.cancel()
-        wait_for_idle(system, timeout_s=5)
+        system.wait_idle(timeout_s=5)
     serves_normally(channel)
-    wait_for_idle(system)
+    system.wait_idle()
+
+
+def test_a_handle_naming_an_unlisted_prefill_worker_is_refused_and_nothing_is_dialled(system):
+    """A forged KV handle made the decode worker dial any host:port it named (request
+    forgery). With --prefill-workers (every local deployment's) a handle naming another
+    address is refused, naming the field, before any block is allocated or anything dialled."""
+    _, decode = stubs(system)
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # where a forger would have it connect
+        port = listener.getsockname()[1]
+        for address in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"ipv4:127.0.0.1:{port}", "?"):
+            request = worker_pb2.DecodeRequest(request=work("unlisted"), first_token_id=3,
+                                               kv_handle=handle("unlisted", address))
+            got_code, got_field, details = refusal(lambda: list(decode.Decode(request, timeout=30)))
+            assert (got_code, got_field) == (INVALID, "kv_handle.prefill_address"), (address, details)
+            assert system.stats("decode").num_kv_blocks_used == 0
+        listener.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nobody connected

@@ -25,6 +25,7 @@ import torch
 from baton.cli.local import Deployment, Process, free_port, start_deployment, wait_serving
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
+from benchmarks.chaos import Streams
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -61,63 +62,18 @@ def request(i: int, max_tokens: int = MAX_TOKENS, request_id: str = "") -> pb.Ge
                               request_id=request_id)
 
 
-class Streams:
+def chaos_streams() -> Streams:
     """NUM_STREAMS concurrent streams through the gateway: each one's tokens and their
     arrival times."""
-
-    def __init__(self) -> None:
-        self.tokens: list[list[int]] = [[] for _ in range(NUM_STREAMS)]
-        self.times: list[list[float]] = [[] for _ in range(NUM_STREAMS)]
-
-    async def run(self, gateway: str, disturb=None, when_tokens: int = 5) -> float | None:
-        """Run them all; once every stream has `when_tokens` tokens (0: at once), call
-        `disturb()` in a thread. Returns what it returns (when it struck, time.monotonic())."""
-        async with grpc.aio.insecure_channel(gateway) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-
-            async def one(i: int) -> None:
-                async for message in stub.GenerateStream(request(i), timeout=120):
-                    self.tokens[i].extend(message.token_ids)
-                    self.times[i].extend([time.monotonic()] * len(message.token_ids))
-
-            streams = asyncio.gather(*(one(i) for i in range(NUM_STREAMS)))
-            disturbed_at = None
-            if disturb is not None:
-                while min(len(t) for t in self.tokens) < when_tokens:
-                    assert not streams.done(), "the streams ended before the disturbance"
-                    await asyncio.sleep(0.005)
-                disturbed_at = await asyncio.to_thread(disturb)
-            await streams
-            return disturbed_at
-
-    def recovery_s(self, since: float) -> float:
-        """The longest wait for a token after `since` (the victim's loss): from `since` to
-        a stream's first token after it, or between two of its tokens."""
-        waits = [0.0]
-        for times in self.times:
-            after = [since] + [t for t in times if t >= since]
-            waits.extend(b - a for a, b in zip(after, after[1:]))
-        return max(waits)
+    return Streams([request(i) for i in range(NUM_STREAMS)], timeout_s=120)
 
 
 @pytest.fixture(scope="module")
 def undisturbed(cluster) -> list[list[int]]:
-    streams = Streams()
+    streams = chaos_streams()
     asyncio.run(streams.run(cluster.gateway))
     assert all(len(t) == MAX_TOKENS for t in streams.tokens)
     return streams.tokens
-
-
-def wait_idle(deployment: Deployment, timeout_s: float = 30.0) -> float:
-    """Seconds until no worker holds a KV block, runs or waits a request, or has a handoff pending."""
-    start = time.monotonic()
-    while True:
-        stats = [deployment.stats(process) for process in deployment.processes if process.role != "gateway"]
-        if all(s.num_kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0
-               and s.num_kv_handoffs_pending == 0 for s in stats):
-            return time.monotonic() - start
-        assert time.monotonic() - start < timeout_s, f"workers still hold work: {stats}\n{deployment.logs()}"
-        time.sleep(0.05)
 
 
 def busiest_decode(deployment: Deployment) -> Process:
@@ -143,9 +99,9 @@ def test_streams_survive_a_worker_killed_or_frozen(cluster, undisturbed, role, s
         os.kill(victim.popen.pid, signum)
         return time.monotonic()
 
-    streams = Streams()
+    streams = chaos_streams()
     disturbed_at = asyncio.run(streams.run(cluster.gateway, disturb, when_tokens=5 if role == "decode" else 0))
-    recovery = streams.recovery_s(disturbed_at)
+    recovery = streams.longest_gap_after(disturbed_at)
     print(f"\n{role} {signal.Signals(signum).name}: recovery {recovery:.2f} s")
     assert streams.tokens == undisturbed, cluster.logs()
     if signum == signal.SIGSTOP:
@@ -154,7 +110,7 @@ def test_streams_survive_a_worker_killed_or_frozen(cluster, undisturbed, role, s
         wait_in_rotation(cluster.gateway, cluster, 60)
     else:
         cluster.restart(victim)
-    wait_idle(cluster)
+    cluster.wait_idle()
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill", "gateway"])
@@ -167,14 +123,14 @@ def test_sigterm_lets_streams_finish_or_move_and_exits_0(cluster, undisturbed, r
         victim.popen.send_signal(signal.SIGTERM)
         return time.monotonic()
 
-    streams = Streams()
+    streams = chaos_streams()
     struck = asyncio.run(streams.run(cluster.gateway, disturb, when_tokens=5 if role != "prefill" else 0))
     done = time.monotonic()
     assert streams.tokens == undisturbed, cluster.logs()
     assert victim.popen.wait(timeout=60) == 0, cluster.logs()
     print(f"\n{role} SIGTERM: streams done {done - struck:.2f} s after, exit 0 {time.monotonic() - struck:.2f} s after")
     cluster.restart(victim)
-    wait_idle(cluster)
+    cluster.wait_idle()
 
 
 def test_300_streams_cancelled_at_random_moments_leave_nothing_behind(cluster):
@@ -197,11 +153,11 @@ def test_300_streams_cancelled_at_random_moments_leave_nothing_behind(cluster):
         return time.monotonic()
 
     last_cancel = asyncio.run(storm())
-    wait_idle(cluster, timeout_s=30)
+    cluster.wait_idle(timeout_s=30)
     idle_after = time.monotonic() - last_cancel
     print(f"\nidle {idle_after:.2f} s after the last of 300 cancels")
     assert idle_after < 2.0, f"took {idle_after:.1f} s to free everything"
-    streams = Streams()
+    streams = chaos_streams()
     asyncio.run(streams.run(cluster.gateway))
     assert all(len(t) == MAX_TOKENS for t in streams.tokens)
 
@@ -232,4 +188,4 @@ def test_two_gateways_front_the_same_workers(cluster, undisturbed, tmp_path):
     second.popen.send_signal(signal.SIGTERM)
     assert second.popen.wait(timeout=60) == 0
     cluster.processes.remove(second)
-    wait_idle(cluster)
+    cluster.wait_idle()

@@ -10,6 +10,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, engine_config
 from engine.engine import LLMEngine
+from engine.request import InvalidRequestError, PromptTooLongError
 from tests.tiny_models import hf_greedy, make_tiny_model
 
 
@@ -198,6 +199,40 @@ def test_generate_accepts_single_prompt_and_per_prompt_params(tiny):
         llm.generate([[4, 10_000]], SamplingParams())  # token id outside the vocabulary
     with pytest.raises(ValueError):
         llm.generate("text", SamplingParams())  # this tiny model has no tokenizer
+
+
+def test_a_request_that_could_never_run_is_refused_naming_its_attribute(tiny):
+    """The refusal names the request attribute at fault (the workers answer with its field),
+    and a prompt that reaches the context is told apart; nothing refused is queued."""
+    _, model_dir = tiny
+    engine = make_engine(model_dir)  # a 512-token context; 64 blocks of 4 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request([5, 6], params, request_id="taken")
+    cases = {
+        "prompt at the context": (lambda: engine.add_request([5] * 512, params),
+                                  PromptTooLongError, "prompt_token_ids", None),
+        "prompt over the cache": (lambda: engine.add_request([5] * 257, replace(params, max_tokens=1)),
+                                  InvalidRequestError, "prompt_token_ids", None),
+        "peak KV over the cache": (lambda: engine.add_request([5] * 200, replace(params, max_tokens=100)),
+                                   InvalidRequestError, "sampling_params.max_tokens", None),
+        "token past the vocabulary": (lambda: engine.add_request([5, 10_000, 6], params),
+                                      InvalidRequestError, "prompt_token_ids", 1),
+        "empty prompt": (lambda: engine.add_request([], params), InvalidRequestError, "prompt_token_ids", None),
+        "first token past the vocabulary": (lambda: engine.add_prefilled_request([5, 6], 10_000, params),
+                                            InvalidRequestError, "first_token_id", None),
+        "duplicate id": (lambda: engine.add_request([7], params, request_id="taken"),
+                         InvalidRequestError, "request_id", None),
+    }
+    for case, (add, error_type, name, index) in cases.items():
+        with pytest.raises(InvalidRequestError) as refused:
+            add()
+        assert (type(refused.value), refused.value.name, refused.value.index) == (error_type, name, index), case
+    # Just under both limits: admitted.
+    engine.add_request([5] * 256, replace(params, max_tokens=1), request_id="whole-cache")
+    engine.add_request([5] * 200, replace(params, max_tokens=57), request_id="peak-fits")
+    assert sorted(engine.scheduler.requests) == ["peak-fits", "taken", "whole-cache"]
+    run(engine)
+    assert engine.kv_manager.num_used_blocks == 0
 
 
 def test_priority_requests_get_served_first(tiny):

@@ -19,9 +19,8 @@ from baton.wire.records import DecodeRequest, WorkRequest
 from baton.wire.status import error_details_from_trailers
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from tests.test_serving import VOCAB_SIZE, greedy_request, wait_for_idle
+from tests.test_serving import VOCAB_SIZE, greedy_request
 from tests.tiny_models import make_tiny_model
-from baton.wire.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -49,13 +48,6 @@ def system(tmp_path_factory):
     assert codes == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
 
 
-@pytest.fixture(scope="module")
-def stub(system):
-    channel = grpc.insecure_channel(system.gateway)
-    yield generation_pb2_grpc.GenerationStub(channel)
-    channel.close()
-
-
 def generate(stub, index: int) -> tuple[str, float, object]:
     """One request of the burst: ("ok" | status name, seconds to the outcome, details)."""
     sent = time.perf_counter()
@@ -69,7 +61,7 @@ def generate(stub, index: int) -> tuple[str, float, object]:
 
 
 def test_a_burst_over_the_limits_is_served_in_part_and_refused_at_once(system, stub):
-    wait_for_idle(system)
+    system.wait_idle()
     num_requests = 40
     with concurrent.futures.ThreadPoolExecutor(num_requests) as pool:
         outcomes = list(pool.map(lambda i: generate(stub, i), range(num_requests)))
@@ -83,18 +75,18 @@ def test_a_burst_over_the_limits_is_served_in_part_and_refused_at_once(system, s
         assert seconds < 1.0  # refused at once, not queued (the benchmark measures the 50 ms)
         assert details.retry_after_s is not None and details.retry_after_s > 0
     # Nothing held anywhere afterwards: no blocks, no queued or pending handoffs, no lease.
-    stats = wait_for_idle(system)
-    assert stats["prefill"].num_leases_expired == 0
-    assert stats["decode"].num_transfer_failures == 0
+    stats = system.wait_idle()
+    assert stats["prefill-0"].num_leases_expired == 0
+    assert stats["decode-0"].num_transfer_failures == 0
     # And it serves as before.
     assert generate(stub, 999)[0] == "ok"
-    wait_for_idle(system)
+    system.wait_idle()
 
 
 def test_a_decode_worker_refuses_calls_beyond_its_own_queue(system):
     """Called directly (as a second gateway would), the decode worker takes max_num_seqs +
     max_queued_requests calls and refuses the next with RESOURCE_EXHAUSTED and a RetryInfo."""
-    wait_for_idle(system)
+    system.wait_idle()
     params = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
 
     async def consume(client: DecodeWorkerClient, request_id: str) -> None:
@@ -126,7 +118,7 @@ def test_a_decode_worker_refuses_calls_beyond_its_own_queue(system):
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
     assert "requests in flight" in error.details()
     assert error_details_from_trailers(error.trailing_metadata()).retry_after_s > 0
-    wait_for_idle(system)
+    system.wait_idle()
 
 
 def test_the_overload_benchmark_at_tiny_scale(system):
@@ -138,7 +130,7 @@ def test_the_overload_benchmark_at_tiny_scale(system):
     args = overload.parse_args(["--seconds", "2", "--capacity-seconds", "1", "--burst", "12",
                                 "--unloaded-requests", "3", "--deadline", "8"])
     mixed, long = overload.workloads(args, VOCAB_SIZE, max_context=512)
-    wait_for_idle(system)
+    system.wait_idle()
     report = asyncio.run(overload.measure(args, system, mixed, long))
     assert report["capacity"]["mixed"]["requests_per_s"] > 0 and report["capacity"]["long"]["requests_per_s"] > 0
     over, burst = report["overload"], report["burst"]
@@ -150,4 +142,4 @@ def test_the_overload_benchmark_at_tiny_scale(system):
     assert all(figures["start_mb"] > 0 for figures in report["rss"].values())
     assert len(overload.checks(report)) == 7
     overload.print_report({**report, "checks": overload.checks(report)})
-    wait_for_idle(system)
+    system.wait_idle()

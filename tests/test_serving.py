@@ -55,13 +55,6 @@ def system(tiny_chat_model, tmp_path_factory):
     assert codes == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
 
 
-@pytest.fixture(scope="module")
-def stub(system):
-    channel = grpc.insecure_channel(system.gateway)
-    yield generation_pb2_grpc.GenerationStub(channel)
-    channel.close()
-
-
 def greedy_request(prompt: list[int], max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,
@@ -131,21 +124,9 @@ def test_32_concurrent_streams_of_mixed_lengths(system, stub, tiny_chat_model):
     assert prefill.num_transferred_bytes == decode.num_transferred_bytes > 0
 
 
-def wait_for_idle(system, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = {role: system.stats(role) for role in ("prefill", "decode")}
-        if all(s.num_kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0
-               and s.num_kv_handoffs_pending == 0 for s in stats.values()):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"workers still hold KV: {stats}")
-        time.sleep(0.1)
-
-
 def test_cancelling_a_stream_frees_blocks_on_both_workers(system, stub, tiny_chat_model):
     model, _, _ = tiny_chat_model
-    wait_for_idle(system)
+    system.wait_idle()
     before = system.stats("decode").num_finished
     prompt = list(range(100, 160))
     call = stub.GenerateStream(greedy_request(prompt, 4000, "to-cancel"), timeout=120)
@@ -156,19 +137,19 @@ def test_cancelling_a_stream_frees_blocks_on_both_workers(system, stub, tiny_cha
             break
     assert system.stats("decode").num_kv_blocks_used > 0  # it is decoding right now
     call.cancel()
-    stats = wait_for_idle(system)
-    assert stats["decode"].num_finished > before
+    stats = system.wait_idle()
+    assert stats["decode-0"].num_finished > before
     # And the system keeps serving, with the right answer.
     tokens, _, _ = stream_all(stub, greedy_request(prompt, 8))
     assert tokens == hf_greedy(model, prompt, 8)
-    wait_for_idle(system)
+    system.wait_idle()
 
 
 def test_cancels_at_the_first_token_or_during_prefill_leave_no_lease(system, stub):
     """Clients gone at the first token or during the prefill call, end to end: within 5 s
     nothing is held on either worker, far sooner than the 30 s lease would free it.
     (tests/test_gateway_routing.py pins the two moments the race here may miss.)"""
-    wait_for_idle(system)
+    system.wait_idle()
     prompt = list(range(100, 220))
     for index in range(12):
         call = stub.GenerateStream(greedy_request(prompt, 50, f"early-cancel-{index}"), timeout=60)
@@ -177,14 +158,14 @@ def test_cancels_at_the_first_token_or_during_prefill_leave_no_lease(system, stu
         else:
             time.sleep(0.005 * index)  # somewhere in the prefill call
         call.cancel()
-    wait_for_idle(system, timeout_s=5)
+    system.wait_idle(timeout_s=5)
 
 
 def test_deadline_exceeded_frees_everything(system, stub):
     with pytest.raises(grpc.RpcError) as error:
         list(stub.GenerateStream(greedy_request(list(range(5, 40)), 4000), timeout=0.25))
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for_idle(system)
+    system.wait_idle()
 
 
 def test_stop_strings_cut_the_text_and_end_the_request(system, stub, tiny_chat_model):
@@ -200,7 +181,7 @@ def test_stop_strings_cut_the_text_and_end_the_request(system, stub, tiny_chat_m
     assert response.finish_reason == pb.FINISH_REASON_STOP
     assert response.stop_string == stop
     assert response.text == full_text[: full_text.index(stop)]
-    wait_for_idle(system)
+    system.wait_idle()
 
 
 def test_model_info(system, stub):
@@ -258,7 +239,7 @@ def test_gateway_prefills_on_the_decode_worker_when_the_prefill_queue_is_long(sy
         assert tokens == hf_greedy(model, prompt, 6)
     handed_off = system.stats("decode").num_transfers - transfers_before
     assert 1 <= handed_off < len(cases), handed_off  # the first went remote, a later one local
-    wait_for_idle(system)
+    system.wait_idle()
 
 
 CLIENT_SCRIPT = r"""
@@ -357,7 +338,7 @@ def test_a_stop_token_sampled_on_the_decode_worker_is_reported(system, stub, tin
     with extra_gateway(path, tmp_path, "--decode-workers", system.worker("decode").address) as colocated:
         check_stop_token(colocated, prompt, expected, stop_token)
     assert system.stats("decode").num_transfers == transfers_before + 2
-    wait_for_idle(system)
+    system.wait_idle()
 
 
 # What a process logs when something went wrong: our logging at WARNING and above, and
@@ -372,7 +353,7 @@ def test_an_idle_internal_channel_survives_with_no_error_logged(system, stub, ti
     them as abuse closes the channel with GOAWAY "too_many_pings" after about 30 s."""
     model, _, _ = tiny_chat_model
     prompt = list(range(500, 520))
-    wait_for_idle(system)
+    system.wait_idle()
     transfers = system.stats("decode").num_transfers
     assert stream_all(stub, greedy_request(prompt, 4))[0] == hf_greedy(model, prompt, 4)
     assert system.stats("decode").num_transfers == transfers + 1  # the channel is open
@@ -417,7 +398,7 @@ def test_messages_a_chat_template_rejects_are_invalid_argument(system, tiny_chat
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
         )
         assert len(stub.Generate(good, timeout=60).token_ids) == 3
-    wait_for_idle(system)
+    system.wait_idle()
 
 
 @pytest.mark.parametrize(
@@ -450,5 +431,29 @@ def test_a_malformed_kv_channel_rendezvous_is_invalid_argument(system, stub, fie
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
     assert fragment in error.value.details()
     assert system.stats("prefill").worker_id == stats.worker_id
+    tokens, _, _ = stream_all(stub, greedy_request(list(range(5, 20)), 3))
+    assert len(tokens) == 3
+
+
+def test_a_local_decode_worker_pulls_kv_from_its_prefill_worker_only(system, stub):
+    """start_deployment (and so `baton up`) gives each decode worker its prefill worker's
+    address as --prefill-workers: a Decode whose KV handle names another address is
+    refused, naming the field, and nothing is dialled (tests/test_bad_input.py)."""
+    from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+    from baton.wire.status import error_details_from_trailers
+
+    layout = worker_pb2.KvLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=16, dtype="float64")
+    handle = worker_pb2.KvHandle(prefill_worker_id="p", prefill_address="127.0.0.1:1", request_id="elsewhere",
+                                 num_tokens=8, num_blocks=2, layout=layout, lease_ms=30_000, kv_token="t" * 32)
+    work = worker_pb2.WorkRequest(request_id="elsewhere", prompt_token_ids=list(range(11, 19)),
+                                  sampling=pb.SamplingParams(temperature=0.0, max_tokens=4))
+    request = worker_pb2.DecodeRequest(request=work, first_token_id=3, kv_handle=handle)
+    with grpc.insecure_channel(system.worker("decode").address) as channel:
+        with pytest.raises(grpc.RpcError) as error:
+            list(worker_pb2_grpc.DecodeWorkerStub(channel).Decode(request, timeout=30))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    violations = error_details_from_trailers(error.value.trailing_metadata()).field_violations
+    assert [field for field, _ in violations] == ["kv_handle.prefill_address"]
+    system.wait_idle()
     tokens, _, _ = stream_all(stub, greedy_request(list(range(5, 20)), 3))
     assert len(tokens) == 3

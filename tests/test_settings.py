@@ -4,19 +4,23 @@ defaults, --help that shows them, and one-line errors for bad values."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
 import pytest
 
 from baton.cli.main import build_parser
+from baton.runtime.addresses import AddressAllowlist
 from baton.runtime.settings import (
     DecodeWorkerSettings,
     GatewaySettings,
     PrefillWorkerSettings,
     SettingsError,
     add_flags,
+    format_cpu_list,
     from_args,
+    parse_cpu_list,
     parse_size,
 )
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
@@ -63,11 +67,70 @@ def test_an_explicit_block_count_sizes_the_cache_alone():
     ({}, ["--preemption-mode", "sometimes"], "preemption_mode must be"),
     ({}, ["--dtype", "int3"], "unsupported dtype"),
     ({}, ["--lease-s", "0"], "lease_s must be positive"),
+    ({"BATON_PREFILL_WORKERS": "10.0.0.2"}, [], "--prefill-workers: '10.0.0.2' is not host:port"),
+    ({}, ["--prefill-workers", "::1:50061"], "an IPv6 address goes in brackets"),
+    ({}, ["--prefill-workers", "a:1,b:99999"], "'b:99999': the port must be a number in 1-65535"),
+    ({"BATON_CPUS": "3-1"}, [], "BATON_CPUS='3-1': not a CPU list"),
+    ({"BATON_CPUS": "0,x"}, [], "BATON_CPUS='0,x': not a CPU list"),
+    ({}, ["--cpus", "100000"], "cpus 100000 are not available to this process"),
 ])
 def test_bad_values_are_one_line_errors(env, argv, message):
     with pytest.raises(SettingsError) as error:
         parse(DecodeWorkerSettings, argv, env)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_decode_worker_lists_the_prefill_workers_it_pulls_from():
+    """--prefill-workers (BATON_PREFILL_WORKERS, as the gateway's): empty, any address a KV
+    handle names is dialled (open); else only a listed one, compared as normalized host:port
+    and dialled as listed."""
+    assert parse(DecodeWorkerSettings, []).prefill_allowlist.is_open
+    assert AddressAllowlist().dial_address("anything, unchecked") == "anything, unchecked"
+    settings = parse(DecodeWorkerSettings,
+                     ["--prefill-workers", " Prefill-0.Baton:50061, [0:0::1]:050062,,10.0.0.2:7 "])
+    assert settings.prefill_workers == ("Prefill-0.Baton:50061", "[0:0::1]:050062", "10.0.0.2:7")
+    allowlist = settings.prefill_allowlist
+    assert allowlist.addresses == {"prefill-0.baton:50061", "[::1]:50062", "10.0.0.2:7"}
+    assert allowlist.dial_address(" PREFILL-0.baton:50061") == "prefill-0.baton:50061"
+    assert allowlist.dial_address("[::0001]:50062") == "[::1]:50062"
+    for other in ("prefill-1.baton:50061", "prefill-0.baton:50062", "localhost:50062", "127.0.0.1:50062",
+                  "10.0.0.2:7/x", "dns:///10.0.0.2:7", "ipv4:10.0.0.2:7", "10.0.0.2", "", "[::1]"):
+        assert allowlist.dial_address(other) is None, other
+    from_env = parse(DecodeWorkerSettings, [], {"BATON_PREFILL_WORKERS": "a:1,b:2"})
+    assert from_env.prefill_allowlist.addresses == {"a:1", "b:2"}
+    assert not hasattr(parse(PrefillWorkerSettings, []), "prefill_workers")
+
+
+def test_a_worker_runs_on_the_cores_it_is_given():
+    """--cpus (a Linux CPU list) binds the worker's threads, a thread per core unless
+    --threads says otherwise; without it, half the cores and no binding."""
+    assert parse_cpu_list(" 0-3, 8,2 ") == (0, 1, 2, 3, 8) and format_cpu_list((8, 0, 1, 2, 3)) == "0-3,8"
+    assert format_cpu_list([5]) == "5" and parse_cpu_list(format_cpu_list([0, 2, 3, 4, 9])) == (0, 2, 3, 4, 9)
+    first = min(os.sched_getaffinity(0))
+    bound = parse(DecodeWorkerSettings, ["--cpus", str(first)])
+    assert bound.cpus == (first,) and bound.num_threads == 1
+    assert parse(DecodeWorkerSettings, ["--cpus", str(first), "--threads", "3"]).num_threads == 3
+    unbound = parse(PrefillWorkerSettings, [])
+    assert unbound.cpus == () and unbound.num_threads == max(1, (os.cpu_count() or 2) // 2)
+    # In a process of its own: binding covers the threads it already has, and those it starts later.
+    script = ("import os, threading; from engine.envs import configure_process\n"
+              "early = threading.Thread(target=lambda: __import__('time').sleep(1)); early.start()\n"
+              f"configure_process(1, [{first}])\n"
+              "tasks = [int(t) for t in os.listdir('/proc/self/task')]\n"
+              "late = []; t = threading.Thread(target=lambda: late.append(os.sched_getaffinity(0))); t.start(); t.join()\n"
+              "print(sorted({tuple(sorted(os.sched_getaffinity(t))) for t in tasks}), sorted(late[0]))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == [f"[({first},)]", f"[{first}]"], out
+
+
+def test_a_local_deployment_splits_the_cores_between_its_roles():
+    from baton.cli.local import split_cpus
+
+    assert split_cpus([0, 1], prefill=True) == ([0], [1])
+    assert split_cpus([0, 1, 2, 3, 4], prefill=True) == ([0, 1], [2, 3, 4])
+    assert split_cpus([0, 1], prefill=False) == ([], [0, 1])
+    with pytest.raises(ValueError):
+        split_cpus([0], prefill=True)
 
 
 def test_sizes():

@@ -57,6 +57,9 @@ class UpSettings:
                                           shown=KV_CACHE_MEMORY_SHOWN)
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
     colocated: bool = setting(False, "no prefill worker: the decode worker prefills")
+    split_cores: bool = setting(False, "bind the prefill worker to half the cores and the decode worker to "
+                                       "the other half, as if each had a host of its own (--threads is then "
+                                       "one per core)", shown="off: both may use every core")
     log_level: str = setting("INFO", "logging level")
     # Security: passed to every role (the API key to the gateway only).
     admin_port: int | None = setting(None, "serve GatewayAdmin (baton status) on this port of its own",
@@ -136,6 +139,7 @@ def up(settings: UpSettings) -> int:
             worker_args=args.worker,
             gateway_args=args.gateway,
             threads=threads,
+            split_cores=settings.split_cores,
             timeout_s=STARTUP_TIMEOUT_S,
             env=args.env,
             admin_address=None if settings.admin_port is None else f"127.0.0.1:{settings.admin_port}",

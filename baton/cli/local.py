@@ -3,6 +3,7 @@ on loopback. `baton up`, the end-to-end tests and the serving benchmark start it
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.runtime.clients import GatewayAdminClient, worker_stats
 from baton.runtime.security import TlsConfig
 from baton.runtime.server import open_blocking_channel
-from baton.runtime.settings import child_environment
+from baton.runtime.settings import child_environment, format_cpu_list
 from baton.wire.records import WorkerStats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +79,21 @@ class Deployment:
         with self.channel(process.address) as channel:
             return worker_stats(channel, process.role, timeout=10)
 
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, WorkerStats]:
+        """Wait until no worker uses a KV block, runs or queues a request, or has a KV
+        handoff pending (blocks held under a lease, or arriving); returns every worker's
+        stats then, by worker id. Raises TimeoutError naming what each still holds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = {s.worker_id: s for s in (self.stats(p) for p in self.processes if p.role != "gateway")}
+            held = {worker_id: what for worker_id, s in stats.items() if (what := _held(s))}
+            if not held:
+                return stats
+            if time.monotonic() > deadline:
+                held_text = "; ".join(f"{worker_id}: {what}" for worker_id, what in held.items())
+                raise TimeoutError(f"workers still hold work after {timeout_s} s: {held_text}\n{self.logs()}")
+            time.sleep(0.05)
+
     def restart(self, process: Process, timeout_s: float = 300.0) -> Process:
         """Start `process` again, on its address with its arguments (after it exited or
         was killed), and wait until it serves and the gateway routes to it."""
@@ -113,6 +129,13 @@ class Deployment:
         return codes
 
 
+def _held(stats: WorkerStats) -> str:
+    """What a worker still holds, in words ("" when nothing)."""
+    counts = (("KV blocks used", stats.num_kv_blocks_used), ("running", stats.num_running),
+              ("waiting", stats.num_waiting), ("KV handoffs pending", stats.num_kv_handoffs_pending))
+    return ", ".join(f"{num} {what}" for what, num in counts if num)
+
+
 def _spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str], name: str | None = None,
            ) -> Process:
     log_path = None if log_dir is None else log_dir / f"{name or role}.log"
@@ -126,6 +149,17 @@ def _spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str]
     address = args[args.index("--listen") + 1]
     metrics_port = int(args[args.index("--metrics-port") + 1]) if "--metrics-port" in args else None
     return Process(role, address, popen, log_path, metrics_port)
+
+
+def split_cpus(cpus: list[int], prefill: bool) -> tuple[list[int], list[int]]:
+    """The prefill worker's cores and the decode workers', halves of `cpus` (the decode
+    workers take all of them when there is no prefill worker, and the odd one out)."""
+    if not prefill:
+        return [], cpus
+    if len(cpus) < 2:
+        raise ValueError("split_cores needs at least 2 cores")
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half:]
 
 
 def wait_serving(address: str, deployment: Deployment, timeout_s: float) -> None:
@@ -167,6 +201,7 @@ def start_deployment(
     *,
     gateway_address: str | None = None,
     prefill: bool = True,
+    prefill_address: str | None = None,
     num_decode: int = 1,
     worker_args: list[str] = (),
     prefill_args: list[str] = (),
@@ -174,6 +209,7 @@ def start_deployment(
     gateway_args: list[str] = (),
     metrics: bool = False,
     threads: int = 1,
+    split_cores: bool = False,
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
     admin_address: str | None = None,
@@ -186,7 +222,12 @@ def start_deployment(
     variables of the processes, over ours (e.g. OTEL_EXPORTER_OTLP_ENDPOINT).
     `admin_address`: the gateway serves GatewayAdmin there ("auto": a free port).
     `tls`, `api_key`: how we reach the processes, when the caller's args (the
-    --tls-* flags to every role, --api-key-file or BATON_API_KEY to the gateway) secure them."""
+    --tls-* flags to every role, --api-key-file or BATON_API_KEY to the gateway) secure them.
+    The decode workers accept KV handles from the prefill worker only (`prefill_address`,
+    default a free port; their --prefill-workers, which `decode_args` may override).
+    `split_cores`: the prefill worker is bound to the first half of our cores and the
+    decode workers to the rest (--cpus), each with a thread per core, as if each role
+    had a host of its own; otherwise every worker may use every core, with `threads`."""
 
     def metrics_args() -> list[str]:
         return ["--metrics-port", str(free_port())] if metrics else []
@@ -199,7 +240,11 @@ def start_deployment(
     # whichever worker has work: the prefill worker during a burst of prompts, the
     # decode worker in between (benchmarks/serving.py measures the split).
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    common = ["--model", model, "--threads", str(threads), *worker_args]
+    prefill_cores = decode_cores = ["--threads", str(threads)]
+    if split_cores:
+        prefill_cores, decode_cores = (["--cpus", format_cpu_list(part), "--threads", str(len(part))]
+                                       for part in split_cpus(sorted(os.sched_getaffinity(0)), prefill))
+    common = ["--model", model, *worker_args]
     decode_addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_decode)]
     gateway_address = gateway_address or f"127.0.0.1:{free_port()}"
     if admin_address == "auto":
@@ -209,15 +254,17 @@ def start_deployment(
                     "--decode-workers", ",".join(decode_addresses), *metrics_args(), *gateway_args]
     if admin_address is not None:
         gateway_args += ["--admin-listen", admin_address]
+    kv_peers = []  # the decode workers' --prefill-workers
     if prefill:
-        prefill_address = f"127.0.0.1:{free_port()}"
-        args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *common,
-                *metrics_args(), *prefill_args]
+        prefill_address = prefill_address or f"127.0.0.1:{free_port()}"
+        args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *prefill_cores,
+                *common, *metrics_args(), *prefill_args]
         deployment.processes.append(_spawn("prefill", args, log_dir, env))
         gateway_args += ["--prefill-workers", prefill_address]
+        kv_peers = ["--prefill-workers", prefill_address]
     for i, decode_address in enumerate(decode_addresses):
-        args = ["decode-worker", "--listen", decode_address, "--worker-id", f"decode-{i}", *common,
-                *metrics_args(), *decode_args]
+        args = ["decode-worker", "--listen", decode_address, "--worker-id", f"decode-{i}", *kv_peers,
+                *decode_cores, *common, *metrics_args(), *decode_args]
         deployment.processes.append(_spawn("decode", args, log_dir, env, f"decode-{i}" if i else "decode"))
     deployment.processes.append(_spawn("gateway", gateway_args, log_dir, env))
     try:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from baton.runtime.addresses import AddressAllowlist
 from baton.runtime.security import TlsConfig, read_secret_file
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, engine_config
 
@@ -105,6 +106,34 @@ def format_size(num_bytes: int) -> str:
 def parse_list(text: str) -> tuple[str, ...]:
     """'a, b,,c' -> ('a', 'b', 'c')."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """A Linux CPU list, '0-3,8' -> (0, 1, 2, 3, 8) (as taskset -c and cpuset files write them)."""
+    cpus: set[int] = set()
+    for part in parse_list(text):
+        first, dash, last = part.partition("-")
+        try:
+            low, high = int(first), int(last if dash else first)
+        except ValueError:
+            raise ValueError(f"not a CPU list: {text!r} (use e.g. 0-3,8)") from None
+        if not 0 <= low <= high:
+            raise ValueError(f"not a CPU list: {text!r} (ranges go low-high, from 0)")
+        cpus.update(range(low, high + 1))
+    if not cpus:
+        raise ValueError(f"not a CPU list: {text!r} (use e.g. 0-3,8)")
+    return tuple(sorted(cpus))
+
+
+def format_cpu_list(cpus) -> str:
+    """(0, 1, 2, 3, 8) -> '0-3,8', what parse_cpu_list reads back."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{low}-{high}" if high > low else str(low) for low, high in runs)
 
 
 def parse_bool(text: str) -> bool:
@@ -277,7 +306,10 @@ class WorkerSettings:
                                    "auto (cheaper of recompute and swap, per sequence), recompute or swap")
     attention_backend: str = setting(default_of(EngineConfig, "attention_backend"),
                                      "auto (triton on CUDA, cpu on CPU), triton, torch or cpu")
-    threads: int = setting(help="torch threads", shown="half the cores", default_factory=_half_the_cores)
+    cpus: tuple[int, ...] = setting((), "cores this worker's threads run on, a Linux CPU list such as 0-3,8 "
+                                        "(give each worker on a host its own)", parse=parse_cpu_list,
+                                    shown="every core")
+    threads: int | None = setting(None, "torch threads", shown="one per --cpus core, else half the cores")
     lease_s: float = setting(30.0, "prefill: seconds held KV waits to be pulled")
     transfer_timeout_s: float = setting(30.0, "timeout of each KV rendezvous and transfer")
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
@@ -302,12 +334,23 @@ class WorkerSettings:
     engine: EngineConfig = field(init=False, repr=False, compare=False)
     tls: TlsConfig | None = field(init=False, repr=False, compare=False)
 
+    @property
+    def num_threads(self) -> int:
+        """--threads, else one per core of --cpus, else half the cores."""
+        return self.threads or len(self.cpus) or _half_the_cores()
+
     def __post_init__(self) -> None:
         if not self.role:
             raise TypeError("use PrefillWorkerSettings or DecodeWorkerSettings")
-        for name in ("lease_s", "transfer_timeout_s", "threads", "stall_report_s"):
+        for name in ("lease_s", "transfer_timeout_s", "stall_report_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"threads must be positive, got {self.threads}")
+        unavailable = set(self.cpus) - os.sched_getaffinity(0)
+        if unavailable:
+            raise ValueError(f"cpus {format_cpu_list(unavailable)} are not available to this process "
+                             f"(it may use {format_cpu_list(os.sched_getaffinity(0))})")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
@@ -341,6 +384,20 @@ class PrefillWorkerSettings(WorkerSettings):
 @dataclass(frozen=True)
 class DecodeWorkerSettings(WorkerSettings):
     role: ClassVar[str] = "decode"
+    # Security: the prefill workers a KV handle may name; this worker dials no other.
+    prefill_workers: tuple[str, ...] = setting((), "comma-separated prefill worker addresses (host:port, as they "
+                                                   "advertise them) whose KV handles are accepted; a handle naming "
+                                                   "another is refused", shown="any address, open")
+    # Built from the settings above (validated on construction).
+    prefill_allowlist: AddressAllowlist = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            allowlist = AddressAllowlist(self.prefill_workers)
+        except ValueError as error:
+            raise ValueError(f"--prefill-workers: {error}") from None
+        object.__setattr__(self, "prefill_allowlist", allowlist)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.envs import configure_process
 from engine.outputs import KvReceive, RequestOutput
+from engine.request import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerStats
 from kvtransfer import KvLayoutSpec
@@ -99,6 +100,17 @@ async def abort_invalid(context, error: ValueError, code: grpc.StatusCode = grpc
     await context.abort(code, details, trailing_metadata=status.error_trailers(code, details, ErrorDetails(violations)))
 
 
+async def abort_refused(context, error: ValueError) -> None:
+    """End a Prefill or Decode call whose request was refused, as it was read (a FieldError)
+    or by the engine (its add_request raised): as abort_invalid, the engine's
+    InvalidRequestError naming its field by the path in the request message, and a prompt
+    past the context OUT_OF_RANGE (as the gateway answers it). Raises, as context.abort does."""
+    code = grpc.StatusCode.OUT_OF_RANGE if isinstance(error, PromptTooLongError) else grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, InvalidRequestError):
+        error = FieldError(convert.work_request_field(error.name, error.index), str(error))
+    await abort_invalid(context, error, code)
+
+
 class WorkerBase:
     """The parts of a worker service that do not depend on its role.
 
@@ -161,7 +173,8 @@ class WorkerBase:
     async def accept_call(self, context, request_id: str, num_prompt_tokens: int) -> None:
         """Take a Prefill or Decode call's request on (the caller releases it when the
         call ends), or end the call: RESOURCE_EXHAUSTED with a RetryInfo beyond this
-        worker's bounds, INVALID_ARGUMENT if that request id is in flight here already."""
+        worker's bounds, INVALID_ARGUMENT naming `request.request_id` if that id is in
+        flight here already."""
         try:
             self.admission.admit(request_id, num_prompt_tokens)
         except Overloaded as refusal:
@@ -169,7 +182,7 @@ class WorkerBase:
             await context.abort(code, message, trailing_metadata=status.error_trailers(
                 code, message, ErrorDetails(retry_after_s=refusal.retry_after_s)))
         except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            await abort_invalid(context, FieldError(convert.work_request_field("request_id"), str(error)))
 
     # ------------------------------------------------------------- lifecycle
     def num_in_flight(self) -> int:
@@ -284,9 +297,9 @@ async def run_worker(settings: WorkerSettings, service: WorkerBase, descriptor: 
 
 
 def serve_worker(settings: WorkerSettings, service: WorkerBase, descriptor: ServiceDescriptor) -> int:
-    """A worker process's entry point: set up the process (torch threads, huge pages for
+    """A worker process's entry point: set up the process (its cores, torch threads, huge pages for
     the cache and weights, uvloop, tracing), then serve until SIGTERM; the exit code."""
-    configure_process(settings.threads)
+    configure_process(settings.num_threads, settings.cpus)
     install_uvloop()
     tracing.configure_tracing(f"{settings.role}-worker", settings.worker_id)
     try:

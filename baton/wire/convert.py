@@ -255,6 +255,23 @@ def work_request_from_pb(message: worker_pb2.WorkRequest, kv_token: str = "") ->
     )
 
 
+# A request's attributes as the engine names them (InvalidRequestError.name), by their
+# paths in a Prefill's or a Decode's request message.
+_WORK_REQUEST_FIELDS = {
+    "request_id": "request.request_id",
+    "prompt_token_ids": "request.prompt_token_ids",
+    "sampling_params.max_tokens": "request.sampling.max_tokens",
+    "first_token_id": "first_token_id",
+}
+
+
+def work_request_field(name: str, index: int | None = None) -> str:
+    """The path in a PrefillRequest or DecodeRequest of the request attribute the engine
+    calls `name` ("prompt_token_ids", index 5: "request.prompt_token_ids[5]")."""
+    path = _WORK_REQUEST_FIELDS[name]
+    return path if index is None else f"{path}[{index}]"
+
+
 def prefill_request_to_pb(work: WorkRequest) -> worker_pb2.PrefillRequest:
     return worker_pb2.PrefillRequest(request=work_request_to_pb(work), kv_token=work.kv_token)
 

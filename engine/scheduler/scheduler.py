@@ -31,7 +31,7 @@ import time
 from engine.block_pool import KVCacheManager, cdiv
 from engine.config import SchedulerConfig
 from engine.preemption import PreemptionCostModel, PreemptionKind
-from engine.request import Request, RequestStatus, by_sort_key
+from engine.request import InvalidRequestError, PromptTooLongError, Request, RequestStatus, by_sort_key
 from engine.scheduler.continuous import ContinuousAdmission
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import AdmissionPolicy
@@ -104,21 +104,24 @@ class Scheduler:
         return min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError for a request that could never run here."""
+        """Raise InvalidRequestError for a request that could never run here: PromptTooLongError
+        for a prompt that reaches max_model_len; one whose peak KV outgrows the whole cache
+        names its prompt if that alone does, else its max_tokens (a lower one would fit)."""
         if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}"
-            )
+            raise PromptTooLongError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}")
         peak_tokens = self.peak_kv_tokens(num_prompt_tokens, max_tokens)
-        if cdiv(peak_tokens, self.block_size) > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"request needs up to {cdiv(peak_tokens, self.block_size)} KV blocks; "
-                f"the cache has {self.kv.pool.num_blocks}"
+        num_blocks = self.kv.pool.num_blocks
+        if cdiv(peak_tokens, self.block_size) > num_blocks:
+            # The least a request holds is its prompt (max_tokens == 1).
+            name = ("prompt_token_ids" if cdiv(num_prompt_tokens, self.block_size) > num_blocks
+                    else "sampling_params.max_tokens")
+            raise InvalidRequestError(
+                name, f"request needs up to {cdiv(peak_tokens, self.block_size)} KV blocks; the cache has {num_blocks}"
             )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+            raise InvalidRequestError("request_id", f"duplicate request id {request.request_id!r}")
         self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
         request.arrival_step = self.step_index
         request.arrival_index = self._num_arrivals
