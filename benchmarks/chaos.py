@@ -39,10 +39,12 @@ import grpc
 from baton.cli.local import Deployment, Process, start_deployment, wait_in_rotation
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
+from benchmarks.load import rss_bytes
 
 SECTIONS = ("recovery", "soak")
 RECOVERY_TARGET_S = 3.0
 RSS_GROWTH_TARGET = 0.05
+RSS_SAMPLE_S = 30.0
 CLEAR_CODES = {"OK", "CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
 VICTIMS = (("decode", signal.SIGKILL), ("decode", signal.SIGSTOP),
            ("prefill", signal.SIGKILL), ("prefill", signal.SIGSTOP))
@@ -75,14 +77,6 @@ def is_idle_within(deployment: Deployment, timeout_s: float) -> bool:
     except TimeoutError:
         return False
     return True
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 # --------------------------------------------------------------------- recovery
@@ -210,8 +204,9 @@ async def soak_load(gateway: str, args, stop_at: float, outcomes: dict[str, int]
 
 def soak_section(args, deployment: Deployment) -> dict:
     # Warm up first: a process's first requests grow its RSS for good (grpc buffers, lazy
-    # imports, allocator arenas; the gateway's went from 90 to 266 MB in its first 30 s,
-    # then stayed within 1 MB over the next 4 minutes), which is no leak.
+    # imports, allocator arenas), which is no leak. (Most of the gateway's 90 -> 266 MB in
+    # its first 30 s was torch, imported on its first KV handle until KvLayoutSpec stopped
+    # needing it.)
     asyncio.run(soak_load(deployment.gateway, args, time.monotonic() + args.soak_warmup_s, {}))
     rss_start = {p.address: rss_bytes(p.popen.pid) for p in deployment.processes}
     outcomes: dict[str, int] = {}
@@ -232,8 +227,22 @@ def soak_section(args, deployment: Deployment) -> dict:
             restarts.append({"address": victim.address, "signal": signal.Signals(signum).name})
             n += 1
 
+    samples: dict[str, list[tuple[float, float]]] = {p.address: [] for p in deployment.processes}
+
+    async def sample_rss() -> None:  # each process's RSS (MB) over the soak, to see a trend
+        started = time.monotonic()
+        while time.monotonic() < stop_at:
+            for p in list(deployment.processes):
+                try:
+                    rss = rss_bytes(p.popen.pid)
+                except OSError:  # being restarted
+                    continue
+                if rss:
+                    samples[p.address].append((round(time.monotonic() - started), rss / 2**20))
+            await asyncio.sleep(RSS_SAMPLE_S)
+
     async def both() -> None:
-        await asyncio.gather(soak_load(deployment.gateway, args, stop_at, outcomes), restarter())
+        await asyncio.gather(soak_load(deployment.gateway, args, stop_at, outcomes), restarter(), sample_rss())
 
     asyncio.run(both())
     idle = is_idle_within(deployment, 30)
@@ -246,6 +255,7 @@ def soak_section(args, deployment: Deployment) -> dict:
         "seconds": args.soak_s, "rate": args.rate, "cancel_fraction": args.cancel_fraction,
         "outcomes": outcomes, "unclear_outcomes": unclear, "restarts": restarts,
         "idle_after": idle, "rss_start": rss_start, "rss_end": rss_end, "rss_growth_unrestarted": growth,
+        "rss_samples_mb_unrestarted": {address: samples[address] for address in growth},
         "target_met": idle and not unclear and all(g is not None and g < RSS_GROWTH_TARGET for g in growth.values()),
     }
 

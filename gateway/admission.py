@@ -5,13 +5,16 @@ limits, unless configured, follow the capacity its workers report.
   summed. Every admitted request then has a place in a running batch once prefilled,
   so none waits on a decode worker while its prefill worker holds its KV;
 - prompt tokens queued, admitted but without a first token yet
-  (`--max-queued-tokens`): QUEUE_STEPS steps of the prefill workers' token budgets
-  (the decode workers' when there are no prefill workers: they prefill then). A
-  newcomer's first token then waits behind at most a step of other prompts, which
-  keeps time to first token near 2x the unloaded one. Two steps kept the prefill
-  workers no busier on the overload benchmark (benchmarks/overload.py: goodput
-  0.76x against 0.72x capacity, within the noise of a shared 2-core machine) and
-  doubled the accepted TTFT p99 (5.8x the unloaded one against 2.8x).
+  (`--max-queued-tokens`): QUEUE_STEPS (half) of a step of the prefill workers'
+  token budgets (the decode workers' when there are no prefill workers: they
+  prefill then). The count includes the prompts being prefilled, so a newcomer's
+  first token waits for at most that many tokens, its own included: the bound is
+  a bound on time to first token. Half a step still keeps a prefill worker busy
+  (one part of the queue is computed while the rest waits). On the overload
+  benchmark (benchmarks/overload.py, SmolLM2-135M, 3x the capacity, roles on
+  cores of their own) half a step held the accepted TTFT p99 at 1.1-1.3x the
+  unloaded p99 for 5% less goodput than a whole step, which let it reach 2.2x
+  (3.0x at 1.5 steps).
 
 Beyond either, a request is refused at once: RESOURCE_EXHAUSTED with a RetryInfo.
 The request count is checked before tokenizing, the prompt tokens right after.
@@ -29,7 +32,7 @@ from baton.runtime.settings import GatewaySettings
 from gateway.errors import RequestError
 from gateway.workers import POLL_INTERVAL_S, Worker, WorkerPool
 
-QUEUE_STEPS = 1
+QUEUE_STEPS = 0.5
 # With no worker's limits known yet (none has answered a poll): the dispatcher
 # refuses with UNAVAILABLE anyway, so admission stands aside.
 UNKNOWN = AdmissionLimits(max_requests=1 << 30, max_queued_tokens=1 << 40)
@@ -55,7 +58,7 @@ class GatewayLimits:
         blips out for a poll should not halve the gateway's limits)."""
         requests = self.max_concurrent_requests or sum(w.stats.max_num_seqs for w in decode)
         budgets = [w.stats.max_num_batched_tokens for w in (prefill if _known(prefill) else decode)]
-        tokens = self.max_queued_tokens or QUEUE_STEPS * sum(budgets)
+        tokens = self.max_queued_tokens or int(QUEUE_STEPS * sum(budgets))
         return AdmissionLimits(requests or UNKNOWN.max_requests, tokens or UNKNOWN.max_queued_tokens)
 
 

@@ -83,6 +83,8 @@ class Dispatcher:
                     generated.extend(event.token_ids)
                     yield event
                 return
+            except RequestError as error:  # a worker's refusal names fields of its request
+                raise error.for_client(prepared.prompt_field) from None
             except WorkerLost as error:
                 lost.append(error.worker.address)
                 if len(lost) > self.max_migrations:

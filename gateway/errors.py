@@ -34,7 +34,35 @@ class RequestError(Exception):
 
     @classmethod
     def from_worker(cls, error: grpc.aio.AioRpcError, fallback: str) -> RequestError:
-        """A worker call's failure as the client's: its code, its message and its retry
-        hint (an overloaded worker's RESOURCE_EXHAUSTED stays that, with its RetryInfo)."""
+        """A worker call's failure as the client's: its code, its message, its retry hint
+        (an overloaded worker's RESOURCE_EXHAUSTED stays that, with its RetryInfo) and the
+        fields it names, still by their paths in the worker's request (`for_client`)."""
         details = status.error_details_from_trailers(error.trailing_metadata())
-        return cls(error.code(), error.details() or fallback, retry_after_s=details.retry_after_s)
+        refused = cls(error.code(), error.details() or fallback, retry_after_s=details.retry_after_s)
+        refused.error_details = details
+        return refused
+
+    def for_client(self, prompt_field: str) -> RequestError:
+        """This error with each field a worker named put as the client's request names it
+        (`request.sampling.max_tokens` is `sampling.max_tokens`; the prompt's token ids
+        are `prompt_field`, the client's prompt); fields of the workers' own messages (a
+        KV handle's) are dropped. A client's own paths are left as they are."""
+        violations = tuple((client, description) for field, description in self.error_details.field_violations
+                           if (client := _client_field(field, prompt_field)) is not None)
+        self.error_details = ErrorDetails(violations, self.error_details.retry_after_s)
+        return self
+
+
+_WORKER_REQUEST = "request."
+_WORKER_PROMPT = "request.prompt_token_ids"
+
+
+def _client_field(field: str, prompt_field: str) -> str | None:
+    if not field.startswith(_WORKER_REQUEST):
+        return field if not field.startswith(("kv_handle", "kv_token", "first_token_id")) else None
+    if field.startswith(_WORKER_PROMPT):
+        index = field[len(_WORKER_PROMPT):]  # "[5]" or ""
+        return prompt_field + index if prompt_field == "token_ids.ids" else prompt_field
+    if field.startswith(_WORKER_REQUEST + "sampling."):
+        return field[len(_WORKER_REQUEST):]
+    return None  # the request id and priority are the gateway's to set

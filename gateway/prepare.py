@@ -52,6 +52,7 @@ class PreparedRequest:
     # requests, where a client's own id need only be unique among its gateway's.
     worker_request_id: str | None = None
     kv_token: str = field(default_factory=lambda: secrets.token_hex(16))  # 128 random bits
+    prompt_field: str = "token_ids.ids"  # the client's prompt, as a worker's refusal of it names it
 
     def work(self) -> WorkRequest:
         return WorkRequest(self.worker_request_id or self.request_id, self.prompt_token_ids,
@@ -75,7 +76,8 @@ class RequestPreparer:
             raise RequestError(_INVALID, "stop strings need a model with a tokenizer", field="sampling.stop")
         prompt_token_ids = self._traced_tokenize(request, span)
         self._check_tokens(prompt_token_ids, _PROMPT_FIELDS[request.prompt_kind])
-        return PreparedRequest(request_id, prompt_token_ids, request.params, request.priority, span=span)
+        return PreparedRequest(request_id, prompt_token_ids, request.params, request.priority, span=span,
+                               prompt_field=_PROMPT_FIELDS[request.prompt_kind])
 
     def _check_tokens(self, prompt_token_ids: list[int], prompt_field: str) -> None:
         if not prompt_token_ids:

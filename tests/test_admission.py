@@ -120,6 +120,26 @@ def test_retry_hint_follows_the_drain_rate_within_bounds():
     assert refused.value.retry_after_s == MIN_RETRY_S
 
 
+def test_a_prompt_longer_than_the_bound_waits_only_for_the_queue_to_drain():
+    """It gets in once nothing is queued, so its hint counts the queued tokens, not how
+    far its own length goes past the bound."""
+    clock = Clock()
+    queue = AdmissionQueue(AdmissionLimits(max_requests=100, max_queued_tokens=256), clock)
+    for i in range(3):  # 100 tokens a second leave the queue
+        queue.admit(f"r{i}", 100)
+        clock.now += 1.0
+        queue.started(f"r{i}")
+    queue.admit("queued", 100)
+    with pytest.raises(Overloaded) as refused:
+        queue.admit("long", 500)  # 344 tokens past the bound; 100 queued ahead of it
+    assert refused.value.retry_after_s == pytest.approx(1.0, rel=0.01)
+    with pytest.raises(Overloaded) as refused:
+        queue.admit("short", 200)  # 44 past the bound: that much must drain first
+    assert refused.value.retry_after_s == pytest.approx(0.44, rel=0.01)
+    queue.started("queued")
+    queue.admit("long", 500)  # alone: admitted
+
+
 def test_limits_must_be_positive():
     with pytest.raises(ValueError):
         AdmissionLimits(0, 10)
@@ -154,10 +174,10 @@ def _pool(prefill_budgets: list[int], decode_seqs: list[int], decode_budget: int
 def test_gateway_limits_derive_from_the_workers():
     pool = _pool([512, 256], [64, 32])
     limits = GatewayLimits().derive(pool.prefill, pool.decode)
-    assert limits == AdmissionLimits(64 + 32, QUEUE_STEPS * (512 + 256))
+    assert limits == AdmissionLimits(64 + 32, int(QUEUE_STEPS * (512 + 256)))
     # Colocated (no prefill worker): the decode workers prefill, by their budgets.
     pool = _pool([], [64], decode_budget=1024)
-    assert GatewayLimits().derive(pool.prefill, pool.decode) == AdmissionLimits(64, QUEUE_STEPS * 1024)
+    assert GatewayLimits().derive(pool.prefill, pool.decode) == AdmissionLimits(64, int(QUEUE_STEPS * 1024))
     # Configured limits win.
     assert GatewayLimits(7, 900).derive(pool.prefill, pool.decode) == AdmissionLimits(7, 900)
     # No worker has reported yet: no limit (the dispatcher answers UNAVAILABLE).

@@ -369,12 +369,13 @@ def test_after_the_workers_refusals_nothing_is_held_and_they_serve(system, chann
 
 def test_the_gateway_answers_a_request_over_the_cache_as_the_workers_do(system, channel):
     """The gateway cannot know that a request within the context never fits a worker's
-    cache: the prefill worker's INVALID_ARGUMENT reaches the client. (RESOURCE_EXHAUSTED
+    cache: the prefill worker's INVALID_ARGUMENT reaches the client, naming the client's
+    field where the worker named its own request's. (RESOURCE_EXHAUSTED
     would have sent it on to the decode worker, and told the client to retry what never
     runs.)"""
     for method in ("Generate", "GenerateStream"):
-        code, _, details = refusal(call_gateway(channel, greedy_request(FITS_CACHE, 200), method))
-        assert code == INVALID and "KV blocks" in details, details
+        code, field, details = refusal(call_gateway(channel, greedy_request(FITS_CACHE, 200), method))
+        assert (code, field) == (INVALID, "sampling.max_tokens") and "KV blocks" in details, details
     system.wait_idle()
 
 

@@ -385,3 +385,25 @@ def test_no_other_decode_worker_is_a_clear_unavailable_and_moves_are_bounded():
     with pytest.raises(RequestError) as error:
         asyncio.run(query_of_death())
     assert error.value.code == grpc.StatusCode.UNAVAILABLE and "giving up" in error.value.details
+
+
+def test_a_workers_refusal_names_the_clients_fields():
+    """A worker names fields of its own request (WorkRequest paths); the client gets them
+    as its GenerateRequest names them, and none of the workers' own messages."""
+    from baton.wire.records import ErrorDetails
+    from gateway.errors import RequestError
+
+    def refused(*fields: str) -> RequestError:
+        error = RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no")
+        error.error_details = ErrorDetails(tuple((field, "why") for field in fields), 0.5)
+        return error
+
+    assert refused("request.sampling.max_tokens").for_client("text").error_details == ErrorDetails(
+        (("sampling.max_tokens", "why"),), 0.5)
+    for prompt_field, expected in (("token_ids.ids", "token_ids.ids[7]"), ("text", "text"),
+                                   ("messages.messages", "messages.messages")):
+        fields = refused("request.prompt_token_ids[7]").for_client(prompt_field).error_details.field_violations
+        assert fields == ((expected, "why"),)
+    dropped = refused("kv_handle.num_blocks", "request.request_id", "first_token_id", "kv_token")
+    assert dropped.for_client("text").error_details.field_violations == ()
+    assert refused("sampling.top_p").for_client("text").error_details.field_violations == (("sampling.top_p", "why"),)

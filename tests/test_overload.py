@@ -140,6 +140,8 @@ def test_the_overload_benchmark_at_tiny_scale(system):
     assert burst["statuses"].get("OK", 0) > 0 and burst["num_refusals"] > 0  # 12 at once over a limit of 4
     assert set(report["rss"]) == {"gateway", "prefill", "decode"}
     assert all(figures["start_mb"] > 0 for figures in report["rss"].values())
-    assert len(overload.checks(report)) == 7
+    assert report["floor"]["num_calls"] == 12 and report["floor"]["refusal_p99_ms"] > 0
+    assert burst["first_refusal_p99_ms"] > 0 and burst["first_wave_gateway_cpu_ms_per_call"] >= 0
+    assert len(overload.checks(report)) == 8
     overload.print_report({**report, "checks": overload.checks(report)})
     system.wait_idle()

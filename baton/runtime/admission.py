@@ -128,8 +128,11 @@ class AdmissionQueue:
         if excess > 0 and self.num_queued_tokens > 0:
             self._requests.discard(request_id)
             self.num_refused += 1
+            # A prompt longer than the bound gets in once the queue is empty: it need not
+            # wait for more than the queue to drain.
             raise Overloaded(f"overloaded: {self.num_queued_tokens} prompt tokens queued (limit "
-                             f"{self.limits.max_queued_tokens})", self._token_drain.seconds_for(excess))
+                             f"{self.limits.max_queued_tokens})",
+                             self._token_drain.seconds_for(min(excess, self.num_queued_tokens)))
         self._queued[request_id] = num_tokens
         self.num_queued_tokens += num_tokens
 

@@ -427,7 +427,7 @@ class GatewaySettings:
     max_concurrent_requests: int = setting(0, "requests in flight before new ones are refused "
                                               "(0: the decode workers' --max-num-seqs, summed)")
     max_queued_tokens: int = setting(0, "prompt tokens admitted and not yet prefilled before new requests "
-                                        "are refused (0: a step of the prefill workers' token budgets)")
+                                        "are refused (0: half a step of the prefill workers' token budgets)")
     log_level: str = setting("INFO", "logging level")
     # Security (baton/runtime/security.py).
     admin_listen: str | None = setting(None, "serve GatewayAdmin (baton status) here, with the workers' TLS "
