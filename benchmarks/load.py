@@ -83,9 +83,9 @@ class Client:
         return Outcome(status, sent, sent + seconds, ttft, refusals, retry)
 
     async def until_served(self, request: BenchRequest, base: float, deadline_s: float,
-                           first_answered: Callable[[], None] = lambda: None) -> Outcome:
+                           answered: Callable[[bool], None] = lambda first: None) -> Outcome:
         """Retry after each refusal's hint (doubling backoff, jitter) until `deadline_s`;
-        `first_answered()` once the first attempt has its answer (or its first token)."""
+        `answered(first)` as each attempt has its answer (or its first token)."""
         sent = time.perf_counter() - base
         refusals: list[float] = []
         while True:
@@ -93,8 +93,7 @@ class Client:
             if left <= 0:
                 return Outcome("DEADLINE_EXCEEDED", sent, time.perf_counter() - base, None, tuple(refusals))
             status, seconds, ttft, retry = await self.attempt(request, left)
-            if not refusals:
-                first_answered()
+            answered(not refusals)
             if status != "RESOURCE_EXHAUSTED":
                 return Outcome(status, sent, time.perf_counter() - base, ttft, tuple(refusals))
             refusals.append(seconds)
