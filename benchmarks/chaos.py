@@ -239,7 +239,7 @@ def soak_section(args, deployment: Deployment) -> dict:
                     continue
                 if rss:
                     samples[p.address].append((round(time.monotonic() - started), rss / 2**20))
-            await asyncio.sleep(RSS_SAMPLE_S)
+            await asyncio.sleep(min(RSS_SAMPLE_S, max(0.0, stop_at - time.monotonic())))
 
     async def both() -> None:
         await asyncio.gather(soak_load(deployment.gateway, args, stop_at, outcomes), restarter(), sample_rss())
@@ -248,7 +248,9 @@ def soak_section(args, deployment: Deployment) -> dict:
     idle = is_idle_within(deployment, 30)
     rss_end = {p.address: rss_bytes(p.popen.pid) for p in deployment.processes}
     restarted = {r["address"] for r in restarts}
-    growth = {p.address: (rss_end[p.address] / rss_start[p.address] - 1) if rss_start[p.address] else None
+    # None (failing the target) for a process that exited on its own: it reads no RSS.
+    growth = {p.address: (rss_end[p.address] / rss_start[p.address] - 1)
+              if rss_start[p.address] and rss_end[p.address] else None
               for p in deployment.processes if p.address not in restarted}
     unclear = {code: n for code, n in outcomes.items() if code not in CLEAR_CODES}
     return {

@@ -54,8 +54,10 @@ class Client:
         for channel in self._channels:
             await channel.close()
 
-    async def attempt(self, request: BenchRequest, timeout: float) -> tuple[str, float, float | None, float | None]:
-        """(status, seconds, ttft, retry hint) of one call."""
+    async def attempt(self, request: BenchRequest, timeout: float,
+                      answered: Callable[[], None] = lambda: None) -> tuple[str, float, float | None, float | None]:
+        """(status, seconds, ttft, retry hint) of one call; `answered()` at its first token
+        or its failure, whichever comes first."""
         import grpc
 
         from baton.wire.status import error_details_from_trailers
@@ -71,7 +73,10 @@ class Client:
             async for _ in next(self._stubs).GenerateStream(message, timeout=timeout):
                 if ttft is None:
                     ttft = time.perf_counter() - sent
+                    answered()
         except grpc.aio.AioRpcError as error:
+            if ttft is None:
+                answered()
             retry = error_details_from_trailers(error.trailing_metadata()).retry_after_s
             return error.code().name, time.perf_counter() - sent, ttft, retry
         return "OK", time.perf_counter() - sent, ttft, None
@@ -85,15 +90,15 @@ class Client:
     async def until_served(self, request: BenchRequest, base: float, deadline_s: float,
                            answered: Callable[[bool], None] = lambda first: None) -> Outcome:
         """Retry after each refusal's hint (doubling backoff, jitter) until `deadline_s`;
-        `answered(first)` as each attempt has its answer (or its first token)."""
+        `answered(first)` as each attempt has its answer: its refusal or its first token."""
         sent = time.perf_counter() - base
         refusals: list[float] = []
         while True:
             left = deadline_s - (time.perf_counter() - base)
             if left <= 0:
                 return Outcome("DEADLINE_EXCEEDED", sent, time.perf_counter() - base, None, tuple(refusals))
-            status, seconds, ttft, retry = await self.attempt(request, left)
-            answered(not refusals)
+            first = not refusals
+            status, seconds, ttft, retry = await self.attempt(request, left, lambda: answered(first))
             if status != "RESOURCE_EXHAUSTED":
                 return Outcome(status, sent, time.perf_counter() - base, ttft, tuple(refusals))
             refusals.append(seconds)
@@ -117,7 +122,7 @@ class RssSampler:
         self._task: asyncio.Task | None = None
 
     def sample(self) -> dict[str, int]:
-        now = {role: rss_bytes(pid) for role, pid in self.pids.items()}
+        now = {role: _rss_or_gone(pid) for role, pid in self.pids.items()}
         for role, value in now.items():
             self.samples[role].append(value)
         return now
@@ -133,16 +138,29 @@ class RssSampler:
     async def stop(self) -> dict:
         self._task.cancel()
         self.sample()
+        # A process that exited meanwhile reads 0 from then on: its ratios are infinite,
+        # which fails any bound on them.
         return {role: {"start_mb": s[0] / 2**20, "max_mb": max(s) / 2**20, "end_mb": s[-1] / 2**20,
-                       "max_ratio": max(s) / s[0], "end_ratio": s[-1] / s[0]}
+                       "exited": 0 in s,
+                       "max_ratio": max(s) / s[0] if 0 not in s else float("inf"),
+                       "end_ratio": s[-1] / s[0] if 0 not in s else float("inf")}
                 for role, s in self.samples.items()}
 
 
 def rss_bytes(pid: int) -> int:
+    """A process's resident memory; 0 once it has exited (unreaped: no VmRSS line);
+    OSError once it is gone."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _rss_or_gone(pid: int) -> int:
+    try:
+        return rss_bytes(pid)
+    except OSError:
+        return 0
 
 
 # ------------------------------------------------------------------------ floor
@@ -186,10 +204,19 @@ class RefusingServer:
 
     async def __aenter__(self) -> RefusingServer:
         self._process.start()
-        if not await asyncio.to_thread(self._ready.wait, 60):
-            raise RuntimeError("the refusing server did not start")
-        self.client = Client(f"127.0.0.1:{self.port}")
-        await self.client.attempt(BenchRequest("connect", [1], 1), 30)
+        try:
+            deadline = time.monotonic() + 60
+            while not await asyncio.to_thread(self._ready.wait, 1):
+                if not self._process.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"the refusing server did not start (exit code {self._process.exitcode})")
+            self.client = Client(f"127.0.0.1:{self.port}")
+            for _ in range(NUM_CHANNELS):  # every channel connected, as the gateway's are by then
+                status, *_ = await self.client.attempt(BenchRequest("connect", [1], 1), 30)
+                if status != "RESOURCE_EXHAUSTED":
+                    raise RuntimeError(f"the refusing server answered {status}")
+        except BaseException:
+            self._process.kill()
+            raise
         return self
 
     async def __aexit__(self, *exc_info) -> None:

@@ -120,10 +120,10 @@ async def open_loop(client: Client, requests, rate: float, seconds: float, deadl
 async def burst(client: Client, requests: list[BenchRequest], deadline_s: float,
                 gateway_pid: int | None = None) -> tuple[list[Outcome], float | None]:
     """Every request at once, each retried until served or `deadline_s`; with the outcomes,
-    the gateway's CPU seconds per call it answered during the first wave, until that
-    wave's last answer (None without `gateway_pid`). The early refused retry meanwhile,
-    so those calls include retries; the CPU includes the little else the gateway did
-    (the few requests it admitted, its polls)."""
+    the gateway's CPU seconds per call it answered (a refusal or a first token) while the
+    first wave was being answered, up to that wave's last answer (None without
+    `gateway_pid`). Those calls include the retries of the first refused; the CPU, the
+    little else the gateway did meanwhile (the few requests it admitted, its polls)."""
     base = time.perf_counter()
     start_cpu = cpu_seconds(gateway_pid) if gateway_pid else None
     wave_cpu: list[float] = []

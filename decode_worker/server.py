@@ -53,7 +53,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         )
         allowlist = self.settings.prefill_allowlist
         logger.info("decode worker %s pulls KV from %s", self.worker_id,
-                    "any address a handle names (--prefill-workers unset)" if allowlist.is_open
+                    "any address a handle names (--allowed-prefill-workers unset)" if allowlist.is_open
                     else ", ".join(sorted(allowlist.addresses)))
 
     async def stop(self) -> None:
@@ -142,14 +142,14 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
 
     def _check_prefill_worker(self, handle: KvHandle) -> KvHandle:
         """The handle, to be pulled from its listed address; FieldError if its prefill worker
-        is not one of --prefill-workers, so that a forged handle cannot make this worker
+        is not one of --allowed-prefill-workers, so that a forged handle cannot make this worker
         dial an address of the caller's choosing."""
         address = self.settings.prefill_allowlist.dial_address(handle.prefill_address)
-        if address is None:  # forged, or --prefill-workers misses what a prefill worker advertises
-            logger.warning("refused a KV handle naming prefill worker %r: not in --prefill-workers",
+        if address is None:  # forged, or --allowed-prefill-workers misses what a prefill worker advertises
+            logger.warning("refused a KV handle naming prefill worker %r: not in --allowed-prefill-workers",
                            handle.prefill_address[:200])
             raise FieldError("kv_handle.prefill_address",
-                             "the KV handle's prefill worker is not one of this decode worker's --prefill-workers")
+                             "the KV handle's prefill worker is not one of this decode worker's --allowed-prefill-workers")
         return replace(handle, prefill_address=address)
 
     def _forget(self, request_id: str) -> None:

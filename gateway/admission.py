@@ -5,7 +5,7 @@ limits, unless configured, follow the capacity its workers report.
   summed. Every admitted request then has a place in a running batch once prefilled,
   so none waits on a decode worker while its prefill worker holds its KV;
 - prompt tokens queued, admitted but without a first token yet
-  (`--max-queued-tokens`): QUEUE_STEPS (half) of a step of the prefill workers'
+  (`--max-queued-tokens`): QUEUE_STEPS, half a step of the prefill workers'
   token budgets (the decode workers' when there are no prefill workers: they
   prefill then). The count includes the prompts being prefilled, so a newcomer's
   first token waits for at most that many tokens, its own included: the bound is
@@ -14,7 +14,11 @@ limits, unless configured, follow the capacity its workers report.
   benchmark (benchmarks/overload.py, SmolLM2-135M, 3x the capacity, roles on
   cores of their own) half a step held the accepted TTFT p99 at 1.1-1.3x the
   unloaded p99 for 5% less goodput than a whole step, which let it reach 2.2x
-  (3.0x at 1.5 steps).
+  (3.0x at 1.5 steps). The price: a prompt longer than the bound gets in only when
+  nothing is queued, so under sustained overload such prompts are refused far more
+  often than short ones; a deployment that serves them sets `--max-queued-tokens` to
+  at least its longest prompts. (A bound on the tokens ahead of a newcomer instead,
+  which does not depend on its length, cut goodput by a third on the same benchmark.)
 
 Beyond either, a request is refused at once: RESOURCE_EXHAUSTED with a RetryInfo.
 The request count is checked before tokenizing, the prompt tokens right after.
@@ -58,7 +62,8 @@ class GatewayLimits:
         blips out for a poll should not halve the gateway's limits)."""
         requests = self.max_concurrent_requests or sum(w.stats.max_num_seqs for w in decode)
         budgets = [w.stats.max_num_batched_tokens for w in (prefill if _known(prefill) else decode)]
-        tokens = self.max_queued_tokens or int(QUEUE_STEPS * sum(budgets))
+        step = sum(budgets)  # 0: no worker's budget is known yet
+        tokens = self.max_queued_tokens or (max(1, int(QUEUE_STEPS * step)) if step else 0)
         return AdmissionLimits(requests or UNKNOWN.max_requests, tokens or UNKNOWN.max_queued_tokens)
 
 

@@ -3,10 +3,14 @@ where they help the caller, details (the field at fault, when to retry)."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from baton.wire import status
 from baton.wire.records import ErrorDetails, FieldError
+
+logger = logging.getLogger(__name__)
 
 
 class RequestError(Exception):
@@ -43,14 +47,26 @@ class RequestError(Exception):
         return refused
 
     def for_client(self, prompt_field: str) -> RequestError:
-        """This error with each field a worker named put as the client's request names it
-        (`request.sampling.max_tokens` is `sampling.max_tokens`; the prompt's token ids
-        are `prompt_field`, the client's prompt); fields of the workers' own messages (a
-        KV handle's) are dropped. A client's own paths are left as they are."""
-        violations = tuple((client, description) for field, description in self.error_details.field_violations
-                           if (client := _client_field(field, prompt_field)) is not None)
-        self.error_details = ErrorDetails(violations, self.error_details.retry_after_s)
-        return self
+        """This error as the client should see it: each field a worker named put as the
+        client's request names it (`request.sampling.max_tokens` is `sampling.max_tokens`,
+        in the message too; the prompt's token ids are `prompt_field`, the client's
+        prompt). A refusal that names only fields of the workers' own messages (a KV
+        handle's) is no fault of the client's: INTERNAL, its words left to the gateway's
+        log. A client's own paths are left as they are."""
+        violations = self.error_details.field_violations
+        details, mapped = self.details, []
+        for field, description in violations:
+            client = _client_field(field, prompt_field)
+            if client is not None:
+                details = details.replace(field, client, 1)
+                mapped.append((client, description))
+        if violations and not mapped:
+            logger.warning("a worker refused what this gateway sent it: %s", self.details)
+            return RequestError(grpc.StatusCode.INTERNAL, "a worker refused the request's handoff (a deployment "
+                                "fault, not the request's: see the gateway's log)")
+        refused = RequestError(self.code, details)
+        refused.error_details = ErrorDetails(tuple(mapped), self.error_details.retry_after_s)
+        return refused
 
 
 _WORKER_REQUEST = "request."

@@ -20,7 +20,7 @@ from baton.runtime.admission import (
 from baton.runtime.settings import DecodeWorkerSettings, GatewaySettings, PrefillWorkerSettings
 from baton.runtime.worker import worker_limits
 from baton.wire.records import WorkerStats
-from gateway.admission import QUEUE_STEPS, UNKNOWN, GatewayAdmission, GatewayLimits
+from gateway.admission import UNKNOWN, GatewayAdmission, GatewayLimits
 from gateway.errors import RequestError
 from gateway.workers import RoutingPolicy, WorkerPool
 
@@ -174,10 +174,10 @@ def _pool(prefill_budgets: list[int], decode_seqs: list[int], decode_budget: int
 def test_gateway_limits_derive_from_the_workers():
     pool = _pool([512, 256], [64, 32])
     limits = GatewayLimits().derive(pool.prefill, pool.decode)
-    assert limits == AdmissionLimits(64 + 32, int(QUEUE_STEPS * (512 + 256)))
+    assert limits == AdmissionLimits(64 + 32, 384)
     # Colocated (no prefill worker): the decode workers prefill, by their budgets.
     pool = _pool([], [64], decode_budget=1024)
-    assert GatewayLimits().derive(pool.prefill, pool.decode) == AdmissionLimits(64, int(QUEUE_STEPS * 1024))
+    assert GatewayLimits().derive(pool.prefill, pool.decode) == AdmissionLimits(64, 512)
     # Configured limits win.
     assert GatewayLimits(7, 900).derive(pool.prefill, pool.decode) == AdmissionLimits(7, 900)
     # No worker has reported yet: no limit (the dispatcher answers UNAVAILABLE).

@@ -54,7 +54,7 @@ def system(tmp_path_factory, silent_address):
         path, tmp_path_factory.mktemp("logs"),
         prefill_address=prefill_address,
         worker_args=["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", str(NUM_KV_BLOCKS)],
-        decode_args=["--prefill-workers", f"{prefill_address},{silent_address}"],  # no other peer
+        decode_args=["--allowed-prefill-workers", f"{prefill_address},{silent_address}"],  # no other peer
         gateway_args=["--max-prefill-queue-tokens", "0"],
     )
     yield deployment
@@ -481,7 +481,7 @@ def test_a_handle_to_a_silent_peer_frees_the_blocks_when_the_call_ends(system, c
 
 def test_a_handle_naming_an_unlisted_prefill_worker_is_refused_and_nothing_is_dialled(system):
     """A forged KV handle made the decode worker dial any host:port it named (request
-    forgery). With --prefill-workers (every local deployment's) a handle naming another
+    forgery). With --allowed-prefill-workers (every local deployment's) a handle naming another
     address is refused, naming the field, before any block is allocated or anything dialled."""
     _, decode = stubs(system)
     with socket.create_server(("127.0.0.1", 0)) as listener:  # where a forger would have it connect

@@ -404,6 +404,13 @@ def test_a_workers_refusal_names_the_clients_fields():
                                    ("messages.messages", "messages.messages")):
         fields = refused("request.prompt_token_ids[7]").for_client(prompt_field).error_details.field_violations
         assert fields == ((expected, "why"),)
-    dropped = refused("kv_handle.num_blocks", "request.request_id", "first_token_id", "kv_token")
-    assert dropped.for_client("text").error_details.field_violations == ()
+    renamed = RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request.sampling.max_tokens: too many")
+    renamed.error_details = ErrorDetails((("request.sampling.max_tokens", "too many"),))
+    assert renamed.for_client("text").details == "sampling.max_tokens: too many"
+    # Only the workers' own fields: the deployment's fault, not the client's.
+    internal = refused("kv_handle.prefill_address", "request.request_id").for_client("text")
+    assert internal.code == grpc.StatusCode.INTERNAL and internal.error_details.field_violations == ()
+    assert "kv_handle" not in internal.details
     assert refused("sampling.top_p").for_client("text").error_details.field_violations == (("sampling.top_p", "why"),)
+    unnamed = RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", retry_after_s=2.0).for_client("text")
+    assert unnamed.code == grpc.StatusCode.RESOURCE_EXHAUSTED and unnamed.error_details.retry_after_s == 2.0

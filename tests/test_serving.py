@@ -437,7 +437,7 @@ def test_a_malformed_kv_channel_rendezvous_is_invalid_argument(system, stub, fie
 
 def test_a_local_decode_worker_pulls_kv_from_its_prefill_worker_only(system, stub):
     """start_deployment (and so `baton up`) gives each decode worker its prefill worker's
-    address as --prefill-workers: a Decode whose KV handle names another address is
+    address as --allowed-prefill-workers: a Decode whose KV handle names another address is
     refused, naming the field, and nothing is dialled (tests/test_bad_input.py)."""
     from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
     from baton.wire.status import error_details_from_trailers

@@ -67,9 +67,9 @@ def test_an_explicit_block_count_sizes_the_cache_alone():
     ({}, ["--preemption-mode", "sometimes"], "preemption_mode must be"),
     ({}, ["--dtype", "int3"], "unsupported dtype"),
     ({}, ["--lease-s", "0"], "lease_s must be positive"),
-    ({"BATON_PREFILL_WORKERS": "10.0.0.2"}, [], "--prefill-workers: '10.0.0.2' is not host:port"),
-    ({}, ["--prefill-workers", "::1:50061"], "an IPv6 address goes in brackets"),
-    ({}, ["--prefill-workers", "a:1,b:99999"], "'b:99999': the port must be a number in 1-65535"),
+    ({"BATON_ALLOWED_PREFILL_WORKERS": "10.0.0.2"}, [], "--allowed-prefill-workers: '10.0.0.2' is not host:port"),
+    ({}, ["--allowed-prefill-workers", "::1:50061"], "an IPv6 address goes in brackets"),
+    ({}, ["--allowed-prefill-workers", "a:1,b:99999"], "'b:99999': the port must be a number in 1-65535"),
     ({"BATON_CPUS": "3-1"}, [], "BATON_CPUS='3-1': not a CPU list"),
     ({"BATON_CPUS": "0,x"}, [], "BATON_CPUS='0,x': not a CPU list"),
     ({}, ["--cpus", "100000"], "cpus 100000 are not available to this process"),
@@ -81,14 +81,14 @@ def test_bad_values_are_one_line_errors(env, argv, message):
 
 
 def test_a_decode_worker_lists_the_prefill_workers_it_pulls_from():
-    """--prefill-workers (BATON_PREFILL_WORKERS, as the gateway's): empty, any address a KV
+    """--allowed-prefill-workers (BATON_ALLOWED_PREFILL_WORKERS): empty, any address a KV
     handle names is dialled (open); else only a listed one, compared as normalized host:port
     and dialled as listed."""
     assert parse(DecodeWorkerSettings, []).prefill_allowlist.is_open
     assert AddressAllowlist().dial_address("anything, unchecked") == "anything, unchecked"
     settings = parse(DecodeWorkerSettings,
-                     ["--prefill-workers", " Prefill-0.Baton:50061, [0:0::1]:050062,,10.0.0.2:7 "])
-    assert settings.prefill_workers == ("Prefill-0.Baton:50061", "[0:0::1]:050062", "10.0.0.2:7")
+                     ["--allowed-prefill-workers", " Prefill-0.Baton:50061, [0:0::1]:050062,,10.0.0.2:7 "])
+    assert settings.allowed_prefill_workers == ("Prefill-0.Baton:50061", "[0:0::1]:050062", "10.0.0.2:7")
     allowlist = settings.prefill_allowlist
     assert allowlist.addresses == {"prefill-0.baton:50061", "[::1]:50062", "10.0.0.2:7"}
     assert allowlist.dial_address(" PREFILL-0.baton:50061") == "prefill-0.baton:50061"
@@ -96,9 +96,11 @@ def test_a_decode_worker_lists_the_prefill_workers_it_pulls_from():
     for other in ("prefill-1.baton:50061", "prefill-0.baton:50062", "localhost:50062", "127.0.0.1:50062",
                   "10.0.0.2:7/x", "dns:///10.0.0.2:7", "ipv4:10.0.0.2:7", "10.0.0.2", "", "[::1]"):
         assert allowlist.dial_address(other) is None, other
-    from_env = parse(DecodeWorkerSettings, [], {"BATON_PREFILL_WORKERS": "a:1,b:2"})
+    from_env = parse(DecodeWorkerSettings, [], {"BATON_ALLOWED_PREFILL_WORKERS": "a:1,b:2"})
     assert from_env.prefill_allowlist.addresses == {"a:1", "b:2"}
-    assert not hasattr(parse(PrefillWorkerSettings, []), "prefill_workers")
+    assert not hasattr(parse(PrefillWorkerSettings, []), "allowed_prefill_workers")
+    # The gateway's variable names them as the gateway dials them: not the decode worker's list.
+    assert parse(DecodeWorkerSettings, [], {"BATON_PREFILL_WORKERS": "dns:///p:1"}).prefill_allowlist.is_open
 
 
 def test_a_worker_runs_on_the_cores_it_is_given():
@@ -111,7 +113,8 @@ def test_a_worker_runs_on_the_cores_it_is_given():
     assert bound.cpus == (first,) and bound.num_threads == 1
     assert parse(DecodeWorkerSettings, ["--cpus", str(first), "--threads", "3"]).num_threads == 3
     unbound = parse(PrefillWorkerSettings, [])
-    assert unbound.cpus == () and unbound.num_threads == max(1, (os.cpu_count() or 2) // 2)
+    assert unbound.cpus == () and unbound.num_threads == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert parse(PrefillWorkerSettings, [], {"BATON_CPUS": ""}).cpus == ()
     # In a process of its own: binding covers the threads it already has, and those it starts later.
     script = ("import os, threading; from engine.envs import configure_process\n"
               "early = threading.Thread(target=lambda: __import__('time').sleep(1)); early.start()\n"
@@ -126,11 +129,14 @@ def test_a_worker_runs_on_the_cores_it_is_given():
 def test_a_local_deployment_splits_the_cores_between_its_roles():
     from baton.cli.local import split_cpus
 
-    assert split_cpus([0, 1], prefill=True) == ([0], [1])
-    assert split_cpus([0, 1, 2, 3, 4], prefill=True) == ([0, 1], [2, 3, 4])
-    assert split_cpus([0, 1], prefill=False) == ([], [0, 1])
-    with pytest.raises(ValueError):
-        split_cpus([0], prefill=True)
+    assert split_cpus([0, 1], prefill=True) == ([0], [[1]])
+    assert split_cpus([0, 1, 2, 3, 4], prefill=True) == ([0, 1], [[2, 3, 4]])
+    assert split_cpus([0, 1], prefill=False) == ([], [[0, 1]])
+    assert split_cpus(list(range(8)), prefill=True, num_decode=3) == ([0, 1, 2, 3], [[4, 5], [6], [7]])
+    assert split_cpus([0, 1, 2], prefill=True, num_decode=2) == ([0], [[1], [2]])
+    for cpus, prefill, num_decode in (([0], True, 1), ([0, 1], True, 2), ([0], False, 2)):
+        with pytest.raises(ValueError):
+            split_cpus(cpus, prefill, num_decode)
 
 
 def test_sizes():

@@ -77,6 +77,8 @@ class UpSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tls", load_tls(self))
         object.__setattr__(self, "bearer_key", load_api_key(self.api_key, self.api_key_file))
+        if self.split_cores and len(os.sched_getaffinity(0)) < 2:
+            raise SettingsError("--split-cores needs at least 2 cores")
         if device_type(self.device) == "cuda" and not self.colocated:
             # Two workers' caches on GPUs need the GPU-to-GPU KV handoff (CUDA IPC on
             # one GPU, NCCL across GPUs), which the workers do not have yet.

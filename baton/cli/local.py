@@ -151,15 +151,20 @@ def _spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str]
     return Process(role, address, popen, log_path, metrics_port)
 
 
-def split_cpus(cpus: list[int], prefill: bool) -> tuple[list[int], list[int]]:
-    """The prefill worker's cores and the decode workers', halves of `cpus` (the decode
-    workers take all of them when there is no prefill worker, and the odd one out)."""
-    if not prefill:
-        return [], cpus
-    if len(cpus) < 2:
-        raise ValueError("split_cores needs at least 2 cores")
-    half = len(cpus) // 2
-    return cpus[:half], cpus[half:]
+def split_cpus(cpus: list[int], prefill: bool, num_decode: int = 1) -> tuple[list[int], list[list[int]]]:
+    """The prefill worker's cores (half of `cpus`) and each decode worker's (the other
+    half, divided between them; all of `cpus` without a prefill worker). Split by CPU id:
+    on a host with SMT, where a core's two threads may have distant ids, give each
+    worker --cpus of its own instead."""
+    num_parts = num_decode + (1 if prefill else 0)
+    if len(cpus) < num_parts:
+        raise ValueError(f"splitting the cores takes at least {num_parts} of them; there are {len(cpus)}")
+    prefill_part, rest = (cpus[:len(cpus) // 2], cpus[len(cpus) // 2:]) if prefill else ([], cpus)
+    if len(rest) < num_decode:  # few cores, many decode workers: one each
+        prefill_part, rest = cpus[:len(cpus) - num_decode], cpus[len(cpus) - num_decode:]
+    size, extra = divmod(len(rest), num_decode)
+    bounds = [i * size + min(i, extra) for i in range(num_decode + 1)]
+    return prefill_part, [rest[bounds[i]:bounds[i + 1]] for i in range(num_decode)]
 
 
 def wait_serving(address: str, deployment: Deployment, timeout_s: float) -> None:
@@ -224,7 +229,7 @@ def start_deployment(
     `tls`, `api_key`: how we reach the processes, when the caller's args (the
     --tls-* flags to every role, --api-key-file or BATON_API_KEY to the gateway) secure them.
     The decode workers accept KV handles from the prefill worker only (`prefill_address`,
-    default a free port; their --prefill-workers, which `decode_args` may override).
+    default a free port; their --allowed-prefill-workers, which `decode_args` may override).
     `split_cores`: the prefill worker is bound to the first half of our cores and the
     decode workers to the rest (--cpus), each with a thread per core, as if each role
     had a host of its own; otherwise every worker may use every core, with `threads`."""
@@ -240,10 +245,12 @@ def start_deployment(
     # whichever worker has work: the prefill worker during a burst of prompts, the
     # decode worker in between (benchmarks/serving.py measures the split).
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    prefill_cores = decode_cores = ["--threads", str(threads)]
+    prefill_cores, decode_cores = ["--threads", str(threads)], [["--threads", str(threads)]] * num_decode
     if split_cores:
-        prefill_cores, decode_cores = (["--cpus", format_cpu_list(part), "--threads", str(len(part))]
-                                       for part in split_cpus(sorted(os.sched_getaffinity(0)), prefill))
+        prefill_part, decode_parts = split_cpus(sorted(os.sched_getaffinity(0)), prefill, num_decode)
+        prefill_cores, decode_cores = (
+            ["--cpus", format_cpu_list(prefill_part), "--threads", str(len(prefill_part))],
+            [["--cpus", format_cpu_list(part), "--threads", str(len(part))] for part in decode_parts])
     common = ["--model", model, *worker_args]
     decode_addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_decode)]
     gateway_address = gateway_address or f"127.0.0.1:{free_port()}"
@@ -254,17 +261,17 @@ def start_deployment(
                     "--decode-workers", ",".join(decode_addresses), *metrics_args(), *gateway_args]
     if admin_address is not None:
         gateway_args += ["--admin-listen", admin_address]
-    kv_peers = []  # the decode workers' --prefill-workers
+    kv_peers = []  # the decode workers' --allowed-prefill-workers
     if prefill:
         prefill_address = prefill_address or f"127.0.0.1:{free_port()}"
         args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *prefill_cores,
                 *common, *metrics_args(), *prefill_args]
         deployment.processes.append(_spawn("prefill", args, log_dir, env))
         gateway_args += ["--prefill-workers", prefill_address]
-        kv_peers = ["--prefill-workers", prefill_address]
+        kv_peers = ["--allowed-prefill-workers", prefill_address]
     for i, decode_address in enumerate(decode_addresses):
         args = ["decode-worker", "--listen", decode_address, "--worker-id", f"decode-{i}", *kv_peers,
-                *decode_cores, *common, *metrics_args(), *decode_args]
+                *decode_cores[i], *common, *metrics_args(), *decode_args]
         deployment.processes.append(_spawn("decode", args, log_dir, env, f"decode-{i}" if i else "decode"))
     deployment.processes.append(_spawn("gateway", gateway_args, log_dir, env))
     try:

@@ -24,7 +24,7 @@ import os
 import types
 import typing
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -120,12 +120,10 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
         if not 0 <= low <= high:
             raise ValueError(f"not a CPU list: {text!r} (ranges go low-high, from 0)")
         cpus.update(range(low, high + 1))
-    if not cpus:
-        raise ValueError(f"not a CPU list: {text!r} (use e.g. 0-3,8)")
-    return tuple(sorted(cpus))
+    return tuple(sorted(cpus))  # empty: every core
 
 
-def format_cpu_list(cpus) -> str:
+def format_cpu_list(cpus: Iterable[int]) -> str:
     """(0, 1, 2, 3, 8) -> '0-3,8', what parse_cpu_list reads back."""
     runs: list[list[int]] = []
     for cpu in sorted(cpus):
@@ -270,7 +268,8 @@ def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 # ------------------------------------------------------------------ the roles
 def _half_the_cores() -> int:
-    return max(1, (os.cpu_count() or 2) // 2)
+    """Half the cores this process may run on."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 KV_CACHE_MEMORY_SHOWN = (f"{format_size(CacheConfig.DEFAULT_KV_CACHE_MEMORY_BYTES)} on CPU, "
@@ -323,8 +322,8 @@ class WorkerSettings:
     # with RESOURCE_EXHAUSTED and a retry hint instead of queued.
     max_queued_requests: int = setting(0, "requests in flight beyond --max-num-seqs before Prefill/Decode "
                                           "calls are refused (0: --max-num-seqs)")
-    max_queued_tokens: int = setting(0, "prompt tokens waiting to be prefilled or received before calls are "
-                                        "refused (0: 4x the KV cache's capacity in tokens)")
+    max_queued_tokens: int = setting(0, "prompt tokens waiting to be prefilled or received, beyond which "
+                                        "calls are refused (0: 4x the KV cache's capacity in tokens)")
     log_level: str = setting("INFO", "logging level")
     tls_cert: str | None = setting(None, TLS_CERT_HELP, shown="plaintext")
     tls_key: str | None = setting(None, TLS_KEY_HELP)
@@ -347,7 +346,7 @@ class WorkerSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
-        unavailable = set(self.cpus) - os.sched_getaffinity(0)
+        unavailable = set(self.cpus) - os.sched_getaffinity(0) if self.cpus else set()
         if unavailable:
             raise ValueError(f"cpus {format_cpu_list(unavailable)} are not available to this process "
                              f"(it may use {format_cpu_list(os.sched_getaffinity(0))})")
@@ -385,18 +384,19 @@ class PrefillWorkerSettings(WorkerSettings):
 class DecodeWorkerSettings(WorkerSettings):
     role: ClassVar[str] = "decode"
     # Security: the prefill workers a KV handle may name; this worker dials no other.
-    prefill_workers: tuple[str, ...] = setting((), "comma-separated prefill worker addresses (host:port, as they "
-                                                   "advertise them) whose KV handles are accepted; a handle naming "
-                                                   "another is refused", shown="any address, open")
+    allowed_prefill_workers: tuple[str, ...] = setting((), "comma-separated prefill worker addresses (host:port, "
+                                                           "as they advertise them) whose KV handles are accepted; "
+                                                           "a handle naming another is refused",
+                                                           shown="any address, open")
     # Built from the settings above (validated on construction).
     prefill_allowlist: AddressAllowlist = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         try:
-            allowlist = AddressAllowlist(self.prefill_workers)
+            allowlist = AddressAllowlist(self.allowed_prefill_workers)
         except ValueError as error:
-            raise ValueError(f"--prefill-workers: {error}") from None
+            raise ValueError(f"--allowed-prefill-workers: {error}") from None
         object.__setattr__(self, "prefill_allowlist", allowlist)
 
 
@@ -426,8 +426,9 @@ class GatewaySettings:
     # once with RESOURCE_EXHAUSTED and a retry hint.
     max_concurrent_requests: int = setting(0, "requests in flight before new ones are refused "
                                               "(0: the decode workers' --max-num-seqs, summed)")
-    max_queued_tokens: int = setting(0, "prompt tokens admitted and not yet prefilled before new requests "
-                                        "are refused (0: half a step of the prefill workers' token budgets)")
+    max_queued_tokens: int = setting(0, "prompt tokens admitted and not yet prefilled, beyond which new "
+                                        "requests are refused (0: half a step of the prefill workers' "
+                                        "token budgets)")
     log_level: str = setting("INFO", "logging level")
     # Security (baton/runtime/security.py).
     admin_listen: str | None = setting(None, "serve GatewayAdmin (baton status) here, with the workers' TLS "

@@ -106,8 +106,9 @@ async def abort_refused(context, error: ValueError) -> None:
     InvalidRequestError naming its field by the path in the request message, and a prompt
     past the context OUT_OF_RANGE (as the gateway answers it). Raises, as context.abort does."""
     code = grpc.StatusCode.OUT_OF_RANGE if isinstance(error, PromptTooLongError) else grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, InvalidRequestError):
-        error = FieldError(convert.work_request_field(error.name, error.index), str(error))
+    field = convert.work_request_field(error.name, error.index) if isinstance(error, InvalidRequestError) else None
+    if field is not None:
+        error = FieldError(field, str(error))
     await abort_invalid(context, error, code)
 
 

@@ -265,11 +265,12 @@ _WORK_REQUEST_FIELDS = {
 }
 
 
-def work_request_field(name: str, index: int | None = None) -> str:
+def work_request_field(name: str, index: int | None = None) -> str | None:
     """The path in a PrefillRequest or DecodeRequest of the request attribute the engine
-    calls `name` ("prompt_token_ids", index 5: "request.prompt_token_ids[5]")."""
-    path = _WORK_REQUEST_FIELDS[name]
-    return path if index is None else f"{path}[{index}]"
+    calls `name` ("prompt_token_ids", index 5: "request.prompt_token_ids[5]"); None for
+    an attribute with no field of its own."""
+    path = _WORK_REQUEST_FIELDS.get(name)
+    return path if path is None or index is None else f"{path}[{index}]"
 
 
 def prefill_request_to_pb(work: WorkRequest) -> worker_pb2.PrefillRequest:
