@@ -158,7 +158,9 @@ def test_one_trace_across_all_processes_under_the_callers_span(traced):
     assert {s.service_name for s in (decode, receive)} == {"baton-decode-worker"}
     assert prefill.resource["baton.role"] == "prefill-worker"
     assert [s.kind for s in (generate, prefill, decode)] == ["SERVER"] * 3
-    assert all(s.status_code != "ERROR" for s in (generate, tokenize, prefill, decode, receive, send))
+    failed = [(s.name, s.kind, s.status_message, s.attributes) for s in (generate, tokenize, prefill, decode, receive,
+                                                                          send) if s.status_code == "ERROR"]
+    assert not failed, failed
     # The hops happen in order, inside the request.
     assert generate.start_ns <= tokenize.start_ns <= tokenize.end_ns <= prefill.start_ns
     assert prefill.end_ns <= receive.end_ns <= decode.end_ns <= generate.end_ns + 50_000_000
