@@ -39,7 +39,7 @@ import grpc
 from baton.cli.local import Deployment, Process, start_deployment, wait_in_rotation
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
-from benchmarks.load import rss_bytes
+from benchmarks.load import rss_bytes, rss_or_zero
 
 SECTIONS = ("recovery", "soak")
 RECOVERY_TARGET_S = 3.0
@@ -233,11 +233,7 @@ def soak_section(args, deployment: Deployment) -> dict:
         started = time.monotonic()
         while time.monotonic() < stop_at:
             for p in list(deployment.processes):
-                try:
-                    rss = rss_bytes(p.popen.pid)
-                except OSError:  # being restarted
-                    continue
-                if rss:
+                if rss := rss_or_zero(p.popen.pid):  # 0: being restarted
                     samples[p.address].append((round(time.monotonic() - started), rss / 2**20))
             await asyncio.sleep(min(RSS_SAMPLE_S, max(0.0, stop_at - time.monotonic())))
 

@@ -122,7 +122,7 @@ class RssSampler:
         self._task: asyncio.Task | None = None
 
     def sample(self) -> dict[str, int]:
-        now = {role: _rss_or_gone(pid) for role, pid in self.pids.items()}
+        now = {role: rss_or_zero(pid) for role, pid in self.pids.items()}
         for role, value in now.items():
             self.samples[role].append(value)
         return now
@@ -156,7 +156,8 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def _rss_or_gone(pid: int) -> int:
+def rss_or_zero(pid: int) -> int:
+    """rss_bytes, or 0 for a process that is gone."""
     try:
         return rss_bytes(pid)
     except OSError:

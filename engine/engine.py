@@ -148,9 +148,7 @@ class LLMEngine:
         had been prefilled here (a seeded request's generator skips the draw
         the other engine made; `num_generated_tokens` as in add_request).
         """
-        if not 0 <= first_token_id < self.vocab_size:
-            raise InvalidRequestError("first_token_id",
-                                      f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_token_ids("first_token_id", [first_token_id], is_list=False)
         request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority, trace,
                                     num_generated_tokens + 1)
         request.all_token_ids.append(first_token_id)
@@ -167,12 +165,14 @@ class LLMEngine:
         """Free the KV a prefill_only request holds (after the handoff, or when given up)."""
         return self.scheduler.release_held(request_id) is not None
 
-    def _check_prompt_token_ids(self, token_ids: Sequence[int]) -> None:
+    def _check_token_ids(self, name: str, token_ids: Sequence[int], is_list: bool = True) -> None:
+        """InvalidRequestError naming attribute `name` (and the position, if `is_list`) of
+        the first id outside the vocabulary."""
         vocab_size = self.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             index = next(i for i, token_id in enumerate(token_ids) if not 0 <= token_id < vocab_size)
-            raise InvalidRequestError("prompt_token_ids",
-                                      f"token id {token_ids[index]} is outside the vocabulary [0, {vocab_size})", index)
+            raise InvalidRequestError(name, f"token id {token_ids[index]} is outside the vocabulary [0, {vocab_size})",
+                                      index if is_list else None)
 
     def _new_request(
         self,
@@ -189,7 +189,7 @@ class LLMEngine:
         prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids", "prompt is empty")
-        self._check_prompt_token_ids(prompt_token_ids)
+        self._check_token_ids("prompt_token_ids", prompt_token_ids)
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
         request = Request(

@@ -21,11 +21,15 @@ class RequestError(Exception):
     """
 
     def __init__(self, code: grpc.StatusCode, details: str, *, field: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, error_details: ErrorDetails | None = None) -> None:
+        """`error_details`, when given, stands for `field` and `retry_after_s` (a worker's,
+        several fields perhaps)."""
         super().__init__(details)
         self.code = code
         self.details = details
-        self.error_details = ErrorDetails(((field, details),) if field is not None else (), retry_after_s)
+        if error_details is None:
+            error_details = ErrorDetails(((field, details),) if field is not None else (), retry_after_s)
+        self.error_details = error_details
 
     @classmethod
     def invalid(cls, error: FieldError | ValueError, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
@@ -41,10 +45,8 @@ class RequestError(Exception):
         """A worker call's failure as the client's: its code, its message, its retry hint
         (an overloaded worker's RESOURCE_EXHAUSTED stays that, with its RetryInfo) and the
         fields it names, still by their paths in the worker's request (`for_client`)."""
-        details = status.error_details_from_trailers(error.trailing_metadata())
-        refused = cls(error.code(), error.details() or fallback, retry_after_s=details.retry_after_s)
-        refused.error_details = details
-        return refused
+        return cls(error.code(), error.details() or fallback,
+                   error_details=status.error_details_from_trailers(error.trailing_metadata()))
 
     def for_client(self, prompt_field: str) -> RequestError:
         """This error as the client should see it: each field a worker named put as the
@@ -64,9 +66,8 @@ class RequestError(Exception):
             logger.warning("a worker refused what this gateway sent it: %s", self.details)
             return RequestError(grpc.StatusCode.INTERNAL, "a worker refused the request's handoff (a deployment "
                                 "fault, not the request's: see the gateway's log)")
-        refused = RequestError(self.code, details)
-        refused.error_details = ErrorDetails(tuple(mapped), self.error_details.retry_after_s)
-        return refused
+        return RequestError(self.code, details,
+                            error_details=ErrorDetails(tuple(mapped), self.error_details.retry_after_s))
 
 
 _WORKER_REQUEST = "request."

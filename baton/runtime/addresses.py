@@ -26,11 +26,12 @@ def normalize_address(address: str) -> str:
     text = address.strip()
     if text.startswith("["):
         host, bracket, port = text[1:].partition("]:")
-        host = f"[{ipaddress.IPv6Address(host).compressed}]" if bracket and _is_ipv6(host) else ""
+        ipv6 = _ipv6(host) if bracket else None
+        host = f"[{ipv6.compressed}]" if ipv6 is not None else ""
     else:
         host, _, port = text.rpartition(":")
         host = host.lower()
-        if _is_ipv6(host):
+        if _ipv6(host) is not None:
             raise ValueError(f"{address!r}: an IPv6 address goes in brackets, as in [::1]:50061")
         try:
             host = ipaddress.IPv4Address(host).compressed
@@ -44,12 +45,11 @@ def normalize_address(address: str) -> str:
     return f"{host}:{int(port)}"
 
 
-def _is_ipv6(host: str) -> bool:
+def _ipv6(host: str) -> ipaddress.IPv6Address | None:
     try:
-        ipaddress.IPv6Address(host)
+        return ipaddress.IPv6Address(host)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 class AddressAllowlist:
