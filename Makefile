@@ -43,12 +43,13 @@ test: kernels
 
 # On a GPU machine, from the source tree on that machine's own torch (see
 # ../shared/gpu/README.md: `source .gpu/env.sh` first): the tests marked `gpu`
-# and the Triton tests (kernels, in bfloat16 too; the engine on the Triton backend),
-# natively. No venv, no install.
+# and the Triton tests (kernels, in bfloat16 too; the engine on the Triton backend, with
+# CUDA graphs of decode steps), natively. No venv, no install.
 GPU_PYTHON ?= python3
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -m gpu tests/ $(PYTEST_ARGS)
-	$(GPU_PYTHON) -m pytest -q tests/test_triton_kernels.py tests/test_triton_engine.py $(PYTEST_ARGS)
+	$(GPU_PYTHON) -m pytest -q tests/test_triton_kernels.py tests/test_triton_engine.py tests/test_decode_graphs.py \
+		tests/test_overlap.py $(PYTEST_ARGS)
 	$(GPU_PYTHON) -m pytest -q tests/test_attention.py -k triton $(PYTEST_ARGS)
 
 # The GPU benchmark (benchmarks/gpu.py): JSON and plots under benchmarks/results/gpu.

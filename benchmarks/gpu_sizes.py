@@ -24,6 +24,8 @@ class BenchSizes:
     roofline_target: tuple[int, int]  # the point the roofline target is judged at
     attention_shapes: tuple[tuple[int, int], ...]  # (batch, context)
     attention_iters: int
+    latency_batches: tuple[int, ...]  # steady decode in every graphs/overlap mode: the first and last are judged
+    latency_context: int
     sharegpt: LogNormalWorkloadConfig
     mixed: WorkloadConfig
     static_batch_size: int
@@ -37,6 +39,7 @@ FULL = BenchSizes(
     roofline_points=tuple((b, c) for c in (512, 1024, 4096) for b in (1, 16, 64, 256)),
     roofline_target=(256, 1024),
     attention_shapes=((64, 1024), (16, 4096), (256, 256), (4, 16384)), attention_iters=50,
+    latency_batches=(1, 64), latency_context=512,
     sharegpt=LogNormalWorkloadConfig(num_requests=1000),
     mixed=WorkloadConfig(num_requests=512),
     static_batch_size=64, num_warmup_requests=32,
@@ -54,6 +57,7 @@ TINY = BenchSizes(
     decode_max_num_batched_tokens=256,
     roofline_points=((1, 16), (4, 16), (1, 48), (4, 48)), roofline_target=(4, 48),
     attention_shapes=((4, 32), (2, 64), (8, 16), (1, 128)), attention_iters=2,
+    latency_batches=(1, 4), latency_context=16,
     sharegpt=LogNormalWorkloadConfig(num_requests=6, prompt_median=16, output_median=4, max_prompt_len=32,
                                      max_output_len=8),
     mixed=WorkloadConfig(num_requests=6, max_prompt_len=32, min_output_len=2, max_output_len=8),

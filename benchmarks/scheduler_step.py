@@ -1,12 +1,18 @@
 """CPU cost of one scheduler step at N running sequences: schedule + input preparation, no model.
 
-    python benchmarks/scheduler_step.py [--num-seqs 256] [--context 512] [--steps 2000]
+    python -m benchmarks.scheduler_step [--num-seqs 256] [--context 512] [--steps 2000]
 
 Builds N running requests mid-decode (contexts spread up to --context tokens,
-block size 16), then times, per step, `Scheduler.schedule()` plus
-`prepare_forward_batch()` (token ids, positions, slot mapping, block tables,
-attention layout) and, reported separately, `update_from_output()` with a
-fake sampled token. Target: schedule + preparation <= 0.3 ms at 256 sequences.
+block size 16), then times, per step, `Scheduler.schedule()` plus the input
+preparation (token ids, positions, slot mapping, block tables, attention layout)
+of each path, one step each in turn:
+
+  eager       `prepare_forward_batch()`, the flattened batch of an eager step
+  static      `StaticDecode.prepare()`, a CUDA graph's padded persistent inputs
+              (here on CPU tensors: the host's work is the same)
+
+and, reported separately, `update_from_output()` (advance + resolve) with a fake
+sampled token. Target: schedule + preparation <= 0.3 ms at 256 sequences.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from engine.block_pool import KVCacheManager, cdiv
 from engine.config import SchedulerConfig
+from engine.decode_graphs import StaticDecode, graph_batch_sizes
 from engine.forward_batch import prepare_forward_batch
 from engine.preemption import PreemptionCostModel
 from engine.request import Request
@@ -48,6 +55,16 @@ def build(num_seqs: int, context: int, block_size: int, max_model_len: int) -> S
     return scheduler
 
 
+def static_decode(kv: KVCacheManager, num_seqs: int, max_model_len: int) -> StaticDecode:
+    """The graph path's input preparation, on CPU tensors (no model runs: only `prepare` is timed)."""
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    layer = torch.empty(1, kv.block_size, 8, 128)
+    return StaticDecode(None, [(layer, layer)], kv, TritonAttentionBackend("cpu"),
+                        batch_sizes=graph_batch_sizes(num_seqs), max_model_len=max_model_len, num_heads=32,
+                        device=torch.device("cpu"))
+
+
 def step(scheduler: Scheduler) -> None:
     out = scheduler.schedule()
     sampled = [r for r, n in zip(out.requests, out.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens]
@@ -66,17 +83,21 @@ def main() -> None:
 
     scheduler = build(args.num_seqs, args.context, args.block_size, max_model_len=args.context + args.steps + 64)
     kv = scheduler.kv
-    schedule_prepare, update = [], []
-    for _ in range(args.steps):
+    static = static_decode(kv, args.num_seqs, scheduler.max_model_len)
+    prepares = {"eager": lambda out: prepare_forward_batch(out, kv), "static": lambda out: static.prepare(out)[0]}
+    timings: dict[str, list[float]] = {name: [] for name in prepares}
+    update = []
+    for index in range(args.steps):
+        name = "eager" if index % 2 == 0 else "static"
         t0 = time.perf_counter()
         out = scheduler.schedule()
-        batch = prepare_forward_batch(out, kv)
+        batch = prepares[name](out)
         t1 = time.perf_counter()
         sampled = batch.sample_requests
         scheduler.update_from_output(out, sampled, [7] * len(sampled))
         t2 = time.perf_counter()
-        assert len(out.requests) == args.num_seqs and batch.attn.num_decode_tokens == args.num_seqs
-        schedule_prepare.append((t1 - t0) * 1e3)
+        assert len(out.requests) == args.num_seqs and len(sampled) == args.num_seqs
+        timings[name].append((t1 - t0) * 1e3)
         update.append((t2 - t1) * 1e3)
     scheduler.check_integrity()
 
@@ -86,16 +107,16 @@ def main() -> None:
 
     result = {
         "num_seqs": args.num_seqs,
-        "schedule_plus_prepare": summary(schedule_prepare),
+        "schedule_plus_prepare": {name: summary(values) for name, values in timings.items()},
         "update_from_output": summary(update),
         "target_ms": TARGET_MS,
     }
-    sp = result["schedule_plus_prepare"]
-    print(f"running sequences: {args.num_seqs}, steps timed: {args.steps}")
-    print(f"schedule + input prep: median {sp['median_ms']:.3f} ms, p90 {sp['p90_ms']:.3f} ms, min {sp['min_ms']:.3f} ms")
+    print(f"running sequences: {args.num_seqs}, steps timed: {args.steps} (alternating the two preparations)")
+    for name, sp in result["schedule_plus_prepare"].items():
+        print(f"schedule + {name:<6} input prep: median {sp['median_ms']:.3f} ms, p90 {sp['p90_ms']:.3f} ms, "
+              f"min {sp['min_ms']:.3f} ms: {'PASS' if sp['median_ms'] <= TARGET_MS else 'FAIL'} (<= {TARGET_MS} ms)")
     up = result["update_from_output"]
-    print(f"update_from_output:    median {up['median_ms']:.3f} ms, p90 {up['p90_ms']:.3f} ms")
-    print(f"target <= {TARGET_MS} ms (median): {'PASS' if sp['median_ms'] <= TARGET_MS else 'FAIL'}")
+    print(f"update_from_output:          median {up['median_ms']:.3f} ms, p90 {up['p90_ms']:.3f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -178,6 +178,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"
     seed: int = 0
+    # CUDA: decode steps replay CUDA graphs (engine/decode_graphs.py) unless this is set.
+    enforce_eager: bool = False
+    # Schedule step N+1 while the device runs step N (see LLMEngine.step); None: on CUDA only.
+    overlap_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         device_type(self.device)

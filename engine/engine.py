@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -14,13 +15,14 @@ from engine.detokenizer import IncrementalDetokenizer, detokenize
 from engine.kv_cache import KVCache, KVLayout
 from engine.memory import profile_kv_cache_budget
 from engine.model.loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner
+from engine.decode_graphs import GraphCapture
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine.preemption import PreemptionCostModel
-from engine.request import InvalidRequestError, Request, RequestStatus
-from engine.sampler import skip_sample_draw
+from engine.request import PENDING_TOKEN, InvalidRequestError, Request, RequestStatus
+from engine.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerStats
+from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.timeline import FirstDecodeStep, PrefillChunk, StepBatch
 
 
@@ -88,6 +90,16 @@ class LLMEngine:
             num_heads=arch.num_heads,
             seed=config.seed,
         )
+        # CUDA graphs of decode steps: on a GPU, unless enforce_eager or the backend cannot.
+        self.graph_capture: GraphCapture | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.runner.backend.supports_static_batches:
+            self.graph_capture = self.runner.use_static_decode(
+                config.scheduler.max_num_seqs, self.max_model_len, capture=True
+            )
+        # Overlapped scheduling: the step launched last, its tokens not yet reported.
+        overlap = config.overlap_scheduling
+        self.overlap = overlap if overlap is not None else self.device.type == "cuda"
+        self._in_flight: _InFlightStep | None = None
         self._request_counter = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
 
@@ -201,6 +213,8 @@ class LLMEngine:
         )
         if trace:
             request.events = []
+        if params.seed is not None:
+            request.generator = make_generator(params.seed, self.device)
         if num_draws_made and request.generator is not None and not params.is_greedy:
             skip_sample_draw(request.generator, self.vocab_size, self.config.dtype, num_draws_made)
         if params.stop and self.tokenizer is not None:
@@ -222,19 +236,48 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted_outputs)
+        return (self.scheduler.has_unfinished_requests() or bool(self._aborted_outputs)
+                or self._in_flight is not None)
 
     def has_work(self) -> bool:
         """Whether `step` would do anything (HELD and RECEIVING requests wait on a handoff)."""
-        return self.scheduler.has_schedulable_requests() or bool(self._aborted_outputs)
+        return (self.scheduler.has_schedulable_requests() or bool(self._aborted_outputs)
+                or self._in_flight is not None)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)
 
     # ------------------------------------------------------------------- step
     def step(self) -> StepOutput:
-        """Schedule, run one forward pass, sample, and report each request's new tokens."""
-        started = time.perf_counter()
+        """Schedule and launch one step, then report each request's new tokens.
+
+        Plain: the tokens of the step just launched. Overlapped (`overlap_scheduling`):
+        the step is launched first and the tokens reported are those of the step before
+        it, so the host schedules and prepares step N+1 while the device runs step N.
+        A request that step N ends (EOS, a stop token or string) has then also run in
+        step N+1: that token reaches no one, and its blocks are freed with the request.
+        """
+        launched = self._launch() if self.scheduler.has_schedulable_requests() else None
+        done = [launched]
+        if self.overlap:
+            done = [self._in_flight]
+            self._in_flight = launched
+            if launched is not None and not launched.scheduled.requests:
+                # Nothing runs on the device (only admissions, swaps): nothing to wait for later.
+                done.append(launched)
+                self._in_flight = None
+        step_output = StepOutput()
+        for step in done:
+            if step is not None:
+                step_output.outputs.extend(self._complete(step).outputs)
+        if launched is not None and launched.kv_receives:
+            step_output.kv_receives = launched.kv_receives
+        if self._aborted_outputs:
+            step_output.outputs[:0] = self._aborted_outputs
+            self._aborted_outputs = []
+        return step_output
+
+    def _launch(self) -> _InFlightStep:
         scheduler = self.scheduler
         sched_out = scheduler.schedule()
         # Traced requests scheduled this step: where their work starts, how many tokens they had.
@@ -243,10 +286,10 @@ class LLMEngine:
             for request, num_new in zip(sched_out.requests, sched_out.num_scheduled_tokens)
             if request.events is not None
         ]
-        runner_out = self.runner.execute(sched_out)
-        finished = scheduler.update_from_output(
-            sched_out, runner_out.requests, runner_out.token_ids
-        )
+        previous = self._in_flight
+        launched = self.runner.launch(sched_out, previous.launched if previous is not None else None)
+        positions = scheduler.advance(sched_out, launched.requests)
+        scheduler.end_step(sched_out)
         batch = None
         if traced:
             batch = StepBatch(
@@ -254,12 +297,30 @@ class LLMEngine:
                 num_seqs=len(sched_out.requests),
                 num_tokens=sched_out.total_num_scheduled_tokens,
             )
+            # Recorded at launch, in order with the next schedule's events (on CUDA the
+            # chunk may still be running: its time is when it was launched).
             _record_chunks(traced, batch)
+        kv_receives = [
+            KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)))
+            for request in sched_out.kv_receives
+        ]
+        return _InFlightStep(sched_out, launched, positions, batch, kv_receives)
+
+    def _complete(self, step: _InFlightStep) -> StepOutput:
+        """Wait for a launched step's tokens and turn them into outputs."""
+        scheduler = self.scheduler
+        runner_out = step.launched.result()
+        # Requests that ended while the step ran (aborted, or stopped by the step before).
+        ended = [request.is_finished for request in runner_out.requests]
+        finished = scheduler.resolve(runner_out.requests, runner_out.token_ids, step.positions)
+        batch = step.batch
         finished_ids = {request.request_id for request in finished}
-        outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs: list[RequestOutput] = []
         sampler_out = runner_out.sampler_output
         now = time.monotonic()
         for index, (request, token_id) in enumerate(zip(runner_out.requests, runner_out.token_ids)):
+            if ended[index]:
+                continue
             new_logprobs = None
             if request.logprobs is not None and sampler_out is not None and sampler_out.logprobs:
                 entry = sampler_out.logprobs[index]
@@ -295,7 +356,8 @@ class LLMEngine:
                         new_token_ids=[token_id],
                         finished=False,
                         num_prompt_tokens=request.num_prompt_tokens,
-                        num_output_tokens=request.num_output_tokens,
+                        # Not the next step's token, already PENDING when overlapped.
+                        num_output_tokens=request.num_output_tokens - (request.all_token_ids[-1] == PENDING_TOKEN),
                         new_logprobs=new_logprobs,
                         kv_block_ids=kv_block_ids,
                         timings=None if kv_block_ids is None else request.take_timings(),
@@ -304,25 +366,13 @@ class LLMEngine:
                 )
         num_prefill = runner_out.num_prefill_tokens
         # Learn the prefill rate only from steps that are mostly prefill (and, on CUDA,
-        # swap nothing: there the swap copies are not timed on the host clock).
-        if (num_prefill >= 64 and num_prefill >= 0.9 * sched_out.total_num_scheduled_tokens
+        # swap nothing: there the swap copies are not timed apart from the step).
+        if (num_prefill >= 64 and num_prefill >= 0.9 * step.scheduled.total_num_scheduled_tokens
                 and not (runner_out.swap_bytes and self.device.type == "cuda")):
-            if self.device.type == "cuda":
-                # A step that samples nothing returns before the GPU is done: wait, so the
-                # clock measures the GPU's work, not the host's launches.
-                torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - started
-            self.cost_model.observe_prefill(num_prefill, seconds - runner_out.swap_seconds)
+            self.cost_model.observe_prefill(num_prefill, runner_out.seconds - runner_out.swap_seconds)
         for num_bytes, seconds in self.runner.finished_swaps():
             self.cost_model.observe_swap(num_bytes, seconds)
-        kv_receives = [
-            KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)))
-            for request in sched_out.kv_receives
-        ]
-        return StepOutput(
-            outputs=outputs,
-            kv_receives=kv_receives,
-        )
+        return StepOutput(outputs=outputs)
 
     def _final_output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list | None = None
@@ -362,6 +412,17 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlightStep:
+    """A launched step, until its tokens are reported."""
+
+    scheduled: SchedulerOutput
+    launched: LaunchedStep
+    positions: list[int | None]  # Scheduler.advance: where each sampled token goes
+    batch: StepBatch | None  # traced steps only
+    kv_receives: list[KvReceive]
 
 
 def _record_chunks(traced: list[tuple[Request, int, int, int]], batch: StepBatch) -> None:

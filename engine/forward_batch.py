@@ -20,7 +20,7 @@ import torch
 
 from engine.attention.base import AttentionBatch, PrefillChunk
 from engine.block_pool import KVCacheManager, cdiv
-from engine.request import Request
+from engine.request import PENDING_TOKEN, Request
 from engine.scheduler import SchedulerOutput
 
 
@@ -34,6 +34,18 @@ class ForwardBatch:
     sample_indices: torch.Tensor  # [S] int64: rows of the hidden states to sample from
     sample_requests: list[Request]  # [S], in sample_indices order
     num_prefill_tokens: int
+    # Decode rows whose input token a step still in flight sampled (PENDING_TOKEN on the
+    # host): input_ids[pending_rows[i]] is that step's sampled token pending_sources[i].
+    pending_rows: torch.Tensor | None = None  # [P] int64
+    pending_sources: torch.Tensor | None = None  # [P] int64
+
+    def fill_pending_inputs(self, sampled_token_ids: torch.Tensor | None) -> None:
+        """Write the pending decode rows' input tokens from the previous step's sampled
+        tokens [S'] (on the device: no wait for that step)."""
+        if self.pending_rows is None:
+            return
+        assert sampled_token_ids is not None, "pending input tokens, but no step in flight"
+        self.input_ids.index_copy_(0, self.pending_rows, sampled_token_ids.index_select(0, self.pending_sources))
 
 
 def prepare_forward_batch(
@@ -44,9 +56,12 @@ def prepare_forward_batch(
     Every index array of the step is written into one int64 host buffer (pinned
     for a CUDA device) and reaches the device in one non-blocking copy:
 
-        [ input_ids N | positions N | slots N | query_start B+1 | seq_lens B | block_tables B*MB | samples S ]
+        [ input_ids N | positions N | slots N | query_start B+1 | seq_lens B | block_tables B*MB | samples S
+          | pending rows P | pending sources P ]
 
-    (each part padded to an even length).
+    (each part padded to an even length). A decode whose input is a PENDING_TOKEN
+    (sampled by the step in flight) is listed in the pending parts; the runner fills
+    its input id on the device (`ForwardBatch.fill_pending_inputs`).
     """
     block_size = kv.block_size
     block_tables = kv.block_tables
@@ -65,6 +80,7 @@ def prepare_forward_batch(
     d_ids = np.fromiter(
         (r.all_token_ids[r.num_computed_tokens] for r in decodes), np.int64, num_decodes
     )
+    pending_rows, pending_sources = pending_decodes(decodes, d_ids)
     decode_max_seq_len = int(d_pos.max()) + 1 if num_decodes else 0
     chunk_rows = np.fromiter((get_row(r.request_id) for r, _ in chunks), np.int64, len(chunks))
     chunk_ends = np.fromiter((r.num_computed_tokens + n for r, n in chunks), np.int64, len(chunks))
@@ -90,7 +106,10 @@ def prepare_forward_batch(
         end = start + num_new
         positions = np.arange(start, end, dtype=np.int64)
         block_idx = positions // block_size
-        ids_parts.append(np.asarray(request.all_token_ids[start:end], dtype=np.int64))
+        chunk_ids = np.asarray(request.all_token_ids[start:end], dtype=np.int64)
+        # NOTE: a request is never readmitted before the token it last sampled is known.
+        assert chunk_ids.min() >= 0, f"{request} has a pending token inside a prefill chunk"
+        ids_parts.append(chunk_ids)
         pos_parts.append(positions)
         slot_parts.append(tables[num_decodes + index, block_idx] * block_size + (positions - block_idx * block_size))
         token_start += num_new
@@ -103,7 +122,9 @@ def prepare_forward_batch(
     # The one host buffer, then its views on the device. Each part starts 16-byte
     # aligned (an even number of int64s in): Triton specializes kernels on pointer
     # alignment, and parts at varying alignment would compile variants mid-run.
-    sizes = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * max_blocks, len(sample_idx))
+    num_pending = len(pending_rows)
+    sizes = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * max_blocks, len(sample_idx),
+             num_pending, num_pending)
     padded = [size + size % 2 for size in sizes]
     pinned = torch.device(device).type == "cuda"
     host = torch.empty(sum(padded), dtype=torch.int64, pin_memory=pinned)
@@ -116,8 +137,10 @@ def prepare_forward_batch(
     host_parts[4][num_decodes:] = chunk_ends
     host_parts[5][:] = tables.reshape(-1)
     host_parts[6][:] = sample_idx
+    host_parts[7][:] = pending_rows
+    host_parts[8][:] = pending_sources
     buffer = host.to(device, non_blocking=True)
-    input_ids, positions, slots, starts, seq_lens, flat_tables, samples = (
+    input_ids, positions, slots, starts, seq_lens, flat_tables, samples, rows, sources = (
         part[:size] for part, size in zip(torch.split(buffer, padded), sizes)
     )
     device_tables = flat_tables.view(num_seqs, max_blocks)
@@ -149,4 +172,14 @@ def prepare_forward_batch(
         sample_indices=samples,
         sample_requests=sample_requests,
         num_prefill_tokens=num_tokens - num_decodes,
+        pending_rows=rows if num_pending else None,
+        pending_sources=sources if num_pending else None,
     )
+
+
+def pending_decodes(decodes: list[Request], input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The decode rows whose input id is a PENDING_TOKEN, and each one's row among the
+    sampled tokens of the step in flight."""
+    rows = np.flatnonzero(input_ids == PENDING_TOKEN)
+    sources = np.fromiter((decodes[row].pending_sample_index for row in rows), np.int64, len(rows))
+    return rows, sources

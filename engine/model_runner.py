@@ -1,4 +1,4 @@
-"""Runs one step: swaps, the forward pass over a flattened batch, sampling."""
+"""Runs one step: swaps, the forward pass over a flattened batch (or a static decode batch), sampling."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_pool import KVCacheManager
-from engine.forward_batch import prepare_forward_batch
+from engine.decode_graphs import GraphCapture, StaticDecode, graph_batch_sizes
+from engine.forward_batch import ForwardBatch, prepare_forward_batch
 from engine.kv_cache import KVCache
 from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine.sampler import SampledTokens, Sampler, SamplerOutput, SamplingBatch
 from engine.scheduler import SchedulerOutput
 
 
@@ -26,6 +27,62 @@ class ModelRunnerOutput:
     swap_bytes: int = 0
     swap_seconds: float = 0.0  # host clock; 0 on CUDA, where swaps are asynchronous
     num_prefill_tokens: int = 0  # prompt (or recompute) tokens in the forward pass
+    seconds: float = 0.0  # the step's time on the device (CUDA events), or on the host clock (CPU)
+    wait_seconds: float = 0.0  # host time `LaunchedStep.result` spent waiting for the device
+
+
+class LaunchedStep:
+    """A step whose work is queued on the device; `result` waits for its tokens.
+
+    On CUDA, launching returns as soon as the kernels are queued (the host can
+    schedule the next step meanwhile) and `result` is the step's one wait on the
+    device. On CPU the work is done by the time `launch` returns.
+    """
+
+    __slots__ = ("requests", "sampled", "swap_bytes", "swap_seconds", "num_prefill_tokens", "events", "_timing",
+                 "_output")
+
+    def __init__(self, requests: list[Request], sampled: SampledTokens | None, swap_bytes: int,
+                 swap_seconds: float, num_prefill_tokens: int, timing: tuple | float) -> None:
+        self.requests = requests  # [S] the requests that sample, in row order
+        self.sampled = sampled  # their tokens, on the device
+        self.swap_bytes = swap_bytes
+        self.swap_seconds = swap_seconds
+        self.num_prefill_tokens = num_prefill_tokens
+        # CUDA: events recorded before the step's first and after its last launch (on the
+        # device's timeline: the gap to the next step's first is the device idling).
+        self.events = timing if isinstance(timing, tuple) else None
+        self._timing = timing  # those events, or the host seconds the step took (CPU)
+        self._output: ModelRunnerOutput | None = None
+
+    @property
+    def sampled_token_ids(self) -> torch.Tensor | None:
+        """[S] int64 on the device, for the next step's pending inputs."""
+        return None if self.sampled is None else self.sampled.token_ids
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step's tokens (once; later calls return the same output)."""
+        if self._output is None:
+            started = time.perf_counter()
+            sampler_output = None if self.sampled is None else self.sampled.result()
+            if self.events is not None:
+                # Right behind the tokens' copy, or, when nothing was sampled, the step's end:
+                # its time is then known.
+                self.events[1].synchronize()
+            wait_seconds = time.perf_counter() - started
+            timing = self._timing
+            seconds = timing if isinstance(timing, float) else timing[0].elapsed_time(timing[1]) / 1e3
+            self._output = ModelRunnerOutput(
+                self.requests,
+                [] if sampler_output is None else sampler_output.token_ids,
+                sampler_output,
+                self.swap_bytes,
+                self.swap_seconds,
+                self.num_prefill_tokens,
+                seconds,
+                wait_seconds,
+            )
+        return self._output
 
 
 class ModelRunner:
@@ -52,17 +109,66 @@ class ModelRunner:
         self.backend = model.attention_backend
         # Unseeded rows draw their noise on the device; seeded rows from their own generator.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
+        # Decode-only steps on persistent inputs (CUDA graphs); None: every step eager.
+        self.static_decode: StaticDecode | None = None
         # Swaps not yet reported: (bytes, host seconds, CUDA start/end events or None).
         self._swap_timings: deque[tuple[int, float, tuple | None]] = deque()
 
+    def use_static_decode(self, max_num_seqs: int, max_model_len: int, capture: bool) -> GraphCapture | None:
+        """Run decode-only steps of up to max_num_seqs sequences on persistent inputs
+        (engine/decode_graphs.py), captured as CUDA graphs with `capture`."""
+        self.static_decode = StaticDecode(
+            self.model,
+            self.kv_cache.layers,
+            self.kv_manager,
+            self.backend,
+            batch_sizes=graph_batch_sizes(max_num_seqs),
+            max_model_len=max_model_len,
+            num_heads=self.num_heads,
+            device=self.device,
+        )
+        return self.static_decode.capture() if capture else None
+
     # -------------------------------------------------------------- execution
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Swap, run the forward pass over the scheduled tokens, sample."""
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step: swaps, the forward pass, sampling. Decodes whose input token is
+        still PENDING take it from `previous` (the step in flight) on the device."""
+        is_cuda = self.device.type == "cuda"
+        timing: tuple | float
+        if is_cuda:
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record()
+        started = time.perf_counter()
         swap_bytes, swap_seconds = self._swap(out)
-        if not out.requests:
-            return ModelRunnerOutput([], [], None, swap_bytes, swap_seconds)
-        batch = prepare_forward_batch(out, self.kv_manager, self.device)
+        sampled = None
+        sample_requests: list[Request] = []
+        num_prefill_tokens = 0
+        if out.requests:
+            static = self.static_decode.prepare(out) if self.static_decode is not None else None
+            if static is not None:
+                batch, size = static
+            else:
+                batch = prepare_forward_batch(out, self.kv_manager, self.device)
+            batch.fill_pending_inputs(None if previous is None else previous.sampled_token_ids)
+            if static is not None:
+                logits = self.static_decode.run(batch, size)
+            else:
+                logits = self._forward(batch)
+            sample_requests = batch.sample_requests
+            num_prefill_tokens = batch.num_prefill_tokens
+            if sample_requests:
+                sampling = self._sampling_batch(sample_requests)
+                last_token_ids = batch.input_ids.index_select(0, batch.sample_indices) if sampling.any_penalty else None
+                sampled = self.sampler.sample(logits, sampling, last_token_ids)
+        if is_cuda:
+            timing[1].record()
+        else:
+            timing = time.perf_counter() - started
+        return LaunchedStep(sample_requests, sampled, swap_bytes, swap_seconds, num_prefill_tokens, timing)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """The eager forward pass; logits [S, V] of the rows that sample (None: no row does)."""
         metadata = self.backend.build_metadata(
             batch.attn,
             block_size=self.block_size,
@@ -75,18 +181,8 @@ class ModelRunner:
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn, metadata
         )  # [N, hidden]
         if not batch.sample_requests:
-            return ModelRunnerOutput([], [], None, swap_bytes, swap_seconds, batch.num_prefill_tokens)
-        logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab]
-        sampling = self._sampling_batch(batch.sample_requests)
-        sampled = self.sampler(logits, sampling)
-        return ModelRunnerOutput(
-            batch.sample_requests,
-            sampled.token_ids,
-            sampled,
-            swap_bytes,
-            swap_seconds,
-            batch.num_prefill_tokens,
-        )
+            return None
+        return self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab]
 
     def _swap(self, out: SchedulerOutput) -> tuple[int, float]:
         """The step's swap copies: (bytes, seconds on the host clock; 0 on CUDA).
@@ -136,4 +232,4 @@ class ModelRunner:
                 else []
                 for r, p in zip(requests, params)
             ]
-        return SamplingBatch.build(params, generators, histories, banned_token_ids=banned)
+        return SamplingBatch.build(params, generators, histories, banned_token_ids=banned, device=self.device)

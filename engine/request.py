@@ -37,6 +37,11 @@ class PromptTooLongError(InvalidRequestError):
         super().__init__("prompt_token_ids", message)
 
 
+# In `Request.all_token_ids`: a token a step in flight has sampled but not yet reported
+# (overlapped scheduling); the scheduler fills it in when the step's tokens arrive.
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0  # queued, holds no blocks (new, or preempted by recompute)
     RUNNING = 1  # holds device blocks, scheduled every step it has work
@@ -97,6 +102,7 @@ class Request:
         "arrival_index",
         "status",
         "num_computed_tokens",
+        "pending_sample_index",
         "generator",
         "detokenizer",
         "eos_token_ids",
@@ -141,9 +147,12 @@ class Request:
         self.arrival_index = 0  # order of arrival at the scheduler, for ties
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # While its last token is PENDING_TOKEN: that token's row among the sampled
+        # tokens of the step still in flight (the next step reads it there, on the device).
+        self.pending_sample_index = 0
+        # A seeded request's own generator, on the engine's device: the engine makes it
+        # (sampler.make_generator), so that it draws where the sampler does.
         self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.detokenizer: IncrementalDetokenizer | None = None
         self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
         # Running-queue order: (effective priority at admission, admission sequence number).

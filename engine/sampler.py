@@ -1,4 +1,5 @@
-"""Batched sampler: logits [S, V] -> one token per row, vectorized over rows.
+"""Batched sampler: logits [S, V] -> one token per row, vectorized over rows,
+launched without waiting on the device.
 
 Order of operations (as in vLLM / Hugging Face):
 
@@ -6,9 +7,12 @@ Order of operations (as in vLLM / Hugging Face):
                                      -> other rows: temperature -> top-k -> top-p -> min-p -> race
 
 Every sampled row first takes its top-C candidates (topk; temperature keeps
-the order). Truncation is one logit threshold per row (keep x >= threshold),
-so top-k, top-p and min-p compose by `max`; top-p sorts the full vocab only
-for rows whose nucleus is wider than the candidates.
+the order; C >= every row's top-k). Truncation is one logit threshold per row
+(keep x >= threshold), so top-k, top-p and min-p compose by `max`. A row with
+top-k keeps only candidates (ties with its k-th value past the C-th candidate
+are dropped: Hugging Face keeps them), so its nucleus lies in them too; top-p
+sorts the full vocab only for rows without top-k whose nucleus is wider than
+the candidates.
 
 The draw is the exponential race: argmax_i w_i / q_i with q_i ~ Exp(1) picks
 i with probability w_i / sum(w), so the weights w = exp(x - max) need no
@@ -19,17 +23,28 @@ normalizing. Rows are drawn three ways:
                                               mass, then race there (exact)
     seeded                                    race over all V tokens
 
+No host syncs: every branch on the host depends only on the rows'
+SamplingParams (SamplingBatch), never on device values. `sample` launches the
+step's work and starts copying the tokens to the host; `SampledTokens.result()`
+waits for that copy, the step's one sync. Where the data could spare work (a
+support or a nucleus that fits the candidates after all), the sampler asks
+`_host_can_read`: on CPU a read is free, so it looks and skips what no row
+needs; on any other device it takes the general path, exact for every row (the
+two-stage race for every unseeded row without top-k, the full sort for every
+nucleus without top-k).
+
 A seeded row draws exactly one noise vector [V] from its own generator per
 sampled token, and everything else it depends on is computed row-locally, so
-its tokens do not depend on batch size or row position. Unseeded rows share
-the engine generator.
+its tokens do not depend on batch size or row position. Its generator lives on
+the engine's device: its draws are reproducible on one device type, but CPU and
+GPU generators make different noise, so the same seed may give other tokens on
+a GPU than on a CPU. Unseeded rows share the engine generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -37,16 +52,16 @@ from torch import Tensor
 
 from engine import kernels
 from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_batch import SamplingBatch, SamplingRows
 
 # Candidates per sampled row. Large enough to hold a typical nucleus and most
 # of an LLM's probability mass; rows needing more fall back to full-vocab work.
 NUM_CANDIDATES = 256
 
 
-def make_generator(seed: int) -> torch.Generator:
-    """The per-request generator of a seeded request (CPU; noise is drawn on CPU)."""
-    return torch.Generator().manual_seed(seed)
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request generator of a seeded request, on the engine's device."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,196 +72,170 @@ class SamplerOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingBatch:
-    """Sampling inputs for the S rows that sample this step, in row order.
+class SampledTokens:
+    """One step's sampled tokens on the logits' device, their copy to the host
+    under way. `result()` waits for that copy (the step's one sync) and makes the
+    host record."""
 
-    Built by the runner each step with `build`. `generators[i]` is row i's own
-    generator when its request is seeded, else None (engine generator).
-    `token_history[i]` (prompt + output ids) is kept only for rows with a
-    repetition penalty and only when `any_penalty`. `banned_token_ids[i]` lists
-    ids masked to -inf for row i (EOS / stop ids before min_tokens is reached).
-    """
-
-    temperature: Tensor  # [S] float32, 1.0 on greedy rows
-    top_k: Tensor  # [S] int64, 0 = off
-    top_p: Tensor  # [S] float32, 1.0 = off
-    min_p: Tensor  # [S] float32, 0.0 = off
-    repetition_penalty: Tensor  # [S] float32, 1.0 = off
-    greedy_rows: Tensor | None  # [G] int64 row indices; None when no row is greedy
-    random_rows: Tensor | None  # [R] int64 row indices; None when no row samples
-    all_greedy: bool
-    any_penalty: bool
-    any_top_k: bool
-    any_top_p: bool
-    any_min_p: bool
-    generators: tuple[torch.Generator | None, ...]
-    token_history: list[Sequence[int]] | None
-    banned_token_ids: list[Sequence[int]] | None
+    token_ids: Tensor  # [S] int64
+    logprobs: Tensor | None  # [L] the sampled tokens' logprobs, rows that asked (batch.logprob_rows)
+    top_logprobs: Tensor | None  # [L, N] descending, N = batch.max_num_logprobs
+    top_token_ids: Tensor | None  # [L, N] int64
     num_logprobs: tuple[int | None, ...]  # per row, from SamplingParams.logprobs
-    max_num_logprobs: int | None  # None when no row asked for logprobs
+    host: tuple[Tensor, ...]  # the tensors above on the host: pinned copies on CUDA
+    copied: torch.cuda.Event | None  # recorded after the copies (CUDA)
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.generators)
-
-    @classmethod
-    def build(
-        cls,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None] | None = None,
-        token_histories: Sequence[Sequence[int]] | None = None,
-        banned_token_ids: Sequence[Sequence[int]] | None = None,
-    ) -> SamplingBatch:
-        num_rows = len(params)
-        if generators is None:
-            generators = (None,) * num_rows
-        assert len(generators) == num_rows
-        is_greedy = [p.is_greedy for p in params]
-        all_greedy = all(is_greedy)
-        any_penalty = any(p.repetition_penalty != 1.0 for p in params)
-        history = None
-        if any_penalty:
-            if token_histories is None:
-                raise ValueError("token_histories are required when a row has a repetition penalty")
-            history = [  # not copied: the batch lives for one step
-                h if p.repetition_penalty != 1.0 else ()
-                for p, h in zip(params, token_histories, strict=True)
-            ]
-        banned = None
-        if banned_token_ids is not None and any(banned_token_ids):
-            banned = list(banned_token_ids)
-            assert len(banned) == num_rows
-        random = [not g for g in is_greedy]
-        num_logprobs = tuple(p.logprobs for p in params)
-        requested = [n for n in num_logprobs if n is not None]
-        # Greedy rows get neutral values, so vectorized code can ignore them.
-        pairs = list(zip(params, is_greedy))
-        f32, i64 = torch.float32, torch.int64
-        return cls(
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in pairs], dtype=f32),
-            top_k=torch.tensor([0 if g else p.top_k for p, g in pairs], dtype=i64),
-            top_p=torch.tensor([1.0 if g else p.top_p for p, g in pairs], dtype=f32),
-            min_p=torch.tensor([0.0 if g else p.min_p for p, g in pairs], dtype=f32),
-            repetition_penalty=torch.tensor([p.repetition_penalty for p in params], dtype=f32),
-            greedy_rows=_rows_where(is_greedy),
-            random_rows=_rows_where(random),
-            all_greedy=all_greedy,
-            any_penalty=any_penalty,
-            any_top_k=any(r and p.top_k > 0 for p, r in zip(params, random)),
-            any_top_p=any(r and p.top_p < 1.0 for p, r in zip(params, random)),
-            any_min_p=any(r and p.min_p > 0.0 for p, r in zip(params, random)),
-            generators=tuple(generators),
-            token_history=history,
-            banned_token_ids=banned,
-            num_logprobs=num_logprobs,
-            max_num_logprobs=max(requested) if requested else None,
-        )
-
-
-def _rows_where(flags: list[bool]) -> Tensor | None:
-    rows = [i for i, f in enumerate(flags) if f]
-    return torch.tensor(rows, dtype=torch.int64) if rows else None
+    def result(self) -> SamplerOutput:
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_ids = self.host[0].tolist()
+        if self.logprobs is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None)
+        sampled, top_vals, top_ids = (tensor.tolist() for tensor in self.host[1:])
+        rows = [i for i, n in enumerate(self.num_logprobs) if n is not None]
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        for j, i in enumerate(rows):
+            n = self.num_logprobs[i]
+            logprobs[i] = TokenLogprobs(
+                token_id=token_ids[i],
+                logprob=sampled[j],
+                top_logprobs=tuple(zip(top_ids[j][:n], top_vals[j][:n])),
+            )
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
 
 class Sampler:
     """Turns logits [S, V] into one token per row; see the module docstring."""
 
     def __init__(self, generator: torch.Generator):
-        self.generator = generator  # engine-wide, for unseeded rows
+        self.generator = generator  # engine-wide, for unseeded rows, on the logits' device
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return self.sample(logits, batch).result()
+
+    def sample(self, logits: Tensor, batch: SamplingBatch, last_token_ids: Tensor | None = None) -> SampledTokens:
+        """Launch the step's sampling and start copying its tokens to the host.
+        `last_token_ids` [S] int64 (on the device): the token each row was fed this
+        step, counted as seen by the repetition penalty (the host history may not
+        hold it yet)."""
         num_rows, vocab_size = logits.shape  # [S, V]
         assert num_rows == batch.num_rows, (num_rows, batch.num_rows)
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        needs_edit = batch.any_penalty or batch.banned_token_ids is not None
+        needs_edit = batch.penalty_rows is not None or batch.banned_rows is not None
         if batch.all_greedy and not needs_edit:
             token_ids = _argmax_rows(logits)  # [S]
         else:
-            # NOTE: without edits x may alias the caller's logits; _sample never writes to it.
+            # NOTE: without edits x may alias the caller's logits; nothing below writes to it.
             x = logits.to(dtype, copy=needs_edit)  # [S, V]
-            if batch.any_penalty:
-                apply_repetition_penalty(x, batch.token_history, batch.repetition_penalty)
-            if batch.banned_token_ids is not None:
-                _mask_ids(x, batch.banned_token_ids, float("-inf"))
-            if batch.all_greedy:
-                token_ids = _argmax_rows(x)
-            elif batch.greedy_rows is None:
-                token_ids = self._sample(x, batch, batch.random_rows)
-            else:
-                token_ids = torch.empty(num_rows, dtype=torch.int64, device=x.device)
-                token_ids[batch.greedy_rows] = _argmax_rows(x[batch.greedy_rows])
-                rows = batch.random_rows
-                token_ids[rows] = self._sample(x[rows], batch, rows)
-        logprobs = None
-        if batch.max_num_logprobs is not None:
-            logprobs = _gather_logprobs(logits.to(dtype), token_ids, batch)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+            if batch.penalty_rows is not None:
+                apply_repetition_penalty(x, batch, last_token_ids)
+            if batch.banned_rows is not None:
+                _mask_ids(x, batch.banned_rows, batch.banned_token_ids, float("-inf"))
+            token_ids = self._draw(x, batch)
+        logprobs = _logprobs(logits, dtype, token_ids, batch) if batch.max_num_logprobs is not None else ()
+        return _start_copy(token_ids, logprobs, batch.num_logprobs)
 
-    def _sample(self, logits: Tensor, batch: SamplingBatch, rows: Tensor) -> Tensor:
-        """Sample the random rows `rows` ([R] batch indices) from their
-        (penalized) logits [R, V]; `logits` is read, never written."""
-        num_rows, vocab_size = logits.shape
-        sub = None if num_rows == batch.num_rows else rows  # None: every batch row is here
-        temperature = _take(batch.temperature, sub, logits)[:, None]  # [R, 1]
-        generators = [batch.generators[r] for r in rows.tolist()]
-        top_k = _take(batch.top_k, sub, logits)
-        num_candidates = min(vocab_size, max(NUM_CANDIDATES, int(top_k.max())))
-        # Temperature keeps the order, so take candidates from the raw logits.
-        cand_raw, cand_ids = logits.topk(num_candidates, dim=-1)  # [R, C], descending
-        cand_vals = cand_raw / temperature  # [R, C], bitwise equal to tempered[cand_ids]
-        tempered = logits / temperature if batch.any_top_p else None  # [R, V]
-        is_seeded = torch.tensor([g is not None for g in generators], device=logits.device)
-
-        threshold = torch.full_like(cand_vals[:, :1], float("-inf"))  # [R, 1]: keep x >= threshold
-        if batch.any_top_k:
-            kth = cand_vals.gather(1, (top_k.clamp(1, num_candidates) - 1)[:, None])  # [R, 1]
-            threshold = torch.where(top_k[:, None] > 0, kth, threshold)
-        if batch.any_top_p:
-            top_p = _take(batch.top_p, sub, logits)
-            nucleus = _top_p_threshold(tempered, cand_vals, threshold, top_p, is_seeded)
-            threshold = torch.maximum(threshold, nucleus)
-        if batch.any_min_p:
-            min_p = _take(batch.min_p, sub, logits)
-            # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); log(0) = -inf keeps all.
-            threshold = torch.maximum(threshold, cand_vals[:, :1] + min_p.log()[:, None])
-
-        # Three kinds of rows: unseeded rows whose whole support lies in the
-        # candidates; other unseeded rows; seeded rows (full [V] noise).
-        in_candidates = ~is_seeded
-        if num_candidates < vocab_size:
-            in_candidates &= threshold[:, 0] > cand_vals[:, -1]
-        wide = ~(in_candidates | is_seeded)
-
-        def tempered_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
-            """(row indices [N], a private copy of their tempered logits [N, V])."""
-            idx = mask.nonzero()[:, 0]
-            if len(idx) == num_rows:
-                return idx, tempered if tempered is not None else logits / temperature
-            if tempered is not None:
-                return idx, tempered[idx]
-            return idx, logits[idx] / temperature[idx]
-
-        token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-        if bool(in_candidates.any()):
-            idx = in_candidates.nonzero()[:, 0]
-            weights = _weights(cand_vals[idx], cand_vals[idx, :1], threshold[idx])  # [Nc, C]
-            token_ids[idx] = _race_candidates(weights, cand_ids[idx], self.generator)
-        if bool(wide.any()):
-            idx, x = tempered_rows(wide)
-            token_ids[idx] = _race_two_stage(
-                x, cand_vals[idx], cand_ids[idx], threshold[idx], self.generator
-            )
-        if bool(is_seeded.any()):
-            idx, x = tempered_rows(is_seeded)
-            seeded_generators = [generators[i] for i in idx.tolist()]
-            token_ids[idx] = _race_full(x, threshold[idx], seeded_generators)
+    def _draw(self, x: Tensor, batch: SamplingBatch) -> Tensor:
+        """Token ids [S] from the (penalized) logits x [S, V], read, never written."""
+        if batch.all_greedy:
+            return _argmax_rows(x)
+        classes = [(rows, draw) for rows, draw in ((batch.unseeded, self._sample_unseeded),
+                                                   (batch.seeded, _sample_seeded)) if rows is not None]
+        if classes[0][0].rows is None:  # one class holds every row, in order
+            rows, draw = classes[0]
+            return draw(x, rows)
+        token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=x.device)
+        if batch.greedy_rows is not None:
+            token_ids[batch.greedy_rows] = _argmax_rows(x[batch.greedy_rows])
+        for rows, draw in classes:
+            token_ids[rows.rows] = draw(x[rows.rows], rows)
         return token_ids
+
+    def _sample_unseeded(self, x: Tensor, rows: SamplingRows) -> Tensor:
+        """Token ids [N] of unseeded rows from their logits x [N, V] (read, never written)."""
+        num_candidates = min(x.shape[1], max(NUM_CANDIDATES, rows.max_top_k))
+        temperature = rows.temperature.to(x.dtype)[:, None]  # [N, 1]
+        # Temperature keeps the order, so take candidates from the raw logits.
+        cand_raw, cand_ids = x.topk(num_candidates, dim=-1)  # [N, C], descending
+        cand_vals = cand_raw / temperature  # [N, C], bitwise equal to tempered[cand_ids]
+        num_wide = rows.num_wide if num_candidates < x.shape[1] else 0
+        # [W, V]: the tempered logits of the rows whose support may pass the candidates,
+        # made here when some have a nucleus to find.
+        tempered = x[:num_wide] / temperature[:num_wide] if num_wide and rows.num_nucleus else None
+        threshold = _threshold(rows, cand_vals, tempered, row_local=False)  # [N, 1]
+        weights = _weights(cand_vals, cand_vals[:, :1], threshold)  # [N, C]
+        token_ids = _race_candidates(weights, cand_ids, self.generator)
+        if num_wide:
+            wide = slice(0, num_wide)  # without top-p or min-p, no threshold keeps them in the candidates
+            if rows.any_top_p or rows.any_min_p:
+                wide = _rows_where(threshold[wide, 0] <= cand_vals[wide, -1])
+            if wide is not None:
+                wide_x = tempered[wide] if tempered is not None else x[wide] / temperature[wide]
+                token_ids[wide] = _race_two_stage(
+                    wide_x, cand_vals[wide], cand_ids[wide], threshold[wide], weights[wide], token_ids[wide],
+                    self.generator,
+                )
+        return token_ids
+
+
+def _sample_seeded(x: Tensor, rows: SamplingRows) -> Tensor:
+    """Token ids [N] of seeded rows from their logits x [N, V] (read, never written):
+    every row computed on its own and raced over the whole vocab."""
+    num_candidates = min(x.shape[1], max(NUM_CANDIDATES, rows.max_top_k))
+    temperature = rows.temperature.to(x.dtype)[:, None]  # [N, 1]
+    cand_vals = x.topk(num_candidates, dim=-1).values / temperature  # [N, C], descending
+    tempered = x / temperature  # [N, V]
+    threshold = _threshold(rows, cand_vals, tempered if num_candidates < x.shape[1] else None, row_local=True)
+    return _race_full(tempered, threshold, rows.generators)
+
+
+def _host_can_read(tensor: Tensor) -> bool:
+    """Whether reading `tensor` on the host is free (CPU), so the sampler may look at
+    the data to skip work no row needs. Elsewhere a read waits for the device: the
+    sampler then takes the path that is exact for every row."""
+    return tensor.device.type == "cpu"
+
+
+def _any(mask: Tensor) -> bool:
+    """Whether any of `mask` holds; True (assume so) where the host cannot read it."""
+    return not _host_can_read(mask) or bool(mask.any())
+
+
+def _rows_where(mask: Tensor) -> slice | Tensor | None:
+    """The rows where `mask` [N] holds, where the host can read it: None when none,
+    an index tensor when some. Otherwise (and when all) the slice of all N rows."""
+    every = slice(0, len(mask))
+    if not _host_can_read(mask):
+        return every
+    rows = mask.nonzero()[:, 0]
+    return None if not len(rows) else every if len(rows) == len(mask) else rows
+
+
+def _threshold(rows: SamplingRows, cand_vals: Tensor, tempered: Tensor | None, row_local: bool) -> Tensor:
+    """Per-row logit threshold [N, 1] of top-k, top-p and min-p (keep x >= threshold).
+    cand_vals [N, C] are the tempered candidates, descending; `tempered` [>= T, V]
+    the tempered logits of the first rows, at least the T nucleus rows (top-p
+    without top-k); None when there are none or every survivor is a candidate (C = V)."""
+    num_candidates = cand_vals.shape[1]
+    threshold = torch.full_like(cand_vals[:, :1], float("-inf"))  # [N, 1]
+    if rows.any_top_k:
+        kth = cand_vals.gather(1, (rows.top_k.clamp(1, num_candidates) - 1)[:, None])  # [N, 1]
+        threshold = torch.where(rows.top_k[:, None] > 0, kth, threshold)
+    if rows.any_top_p:
+        nucleus = None if tempered is None else tempered[: rows.num_nucleus]
+        top_p = rows.top_p.to(cand_vals.dtype)
+        threshold = torch.maximum(threshold, _top_p_threshold(cand_vals, threshold, top_p, nucleus, row_local))
+    if rows.any_min_p:
+        min_p = rows.min_p.to(cand_vals.dtype)
+        # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); log(0) = -inf keeps all.
+        threshold = torch.maximum(threshold, cand_vals[:, :1] + min_p.log()[:, None])
+    return threshold
 
 
 def _weights(x: Tensor, row_max: Tensor, threshold: Tensor) -> Tensor:
     """Unnormalized probabilities exp(x - row_max) [N, K], 0 below threshold [N, 1]."""
     weights = (x - row_max).exp_()
-    if bool((threshold > float("-inf")).any()):
+    if _any(threshold > float("-inf")):
         weights.masked_fill_(x < threshold, 0.0)
     return weights
 
@@ -266,33 +255,33 @@ def _race_candidates(weights: Tensor, cand_ids: Tensor, generator: torch.Generat
 
 
 def _race_two_stage(
-    x: Tensor, cand_vals: Tensor, cand_ids: Tensor, threshold: Tensor, generator: torch.Generator
+    x: Tensor, cand_vals: Tensor, cand_ids: Tensor, threshold: Tensor, cand_weights: Tensor,
+    cand_token_ids: Tensor, generator: torch.Generator,
 ) -> Tensor:
-    """Exact sampling for unseeded rows whose support is wider than the
-    candidates, with full-vocab noise only for the rows that need it: first
-    pick "a candidate" with the candidates' share of the mass (one uniform per
-    row), then race among the candidates or among the other tokens.
-    x [N, V] (tempered, edited in place), cand_vals / cand_ids [N, C]."""
-    row_max = cand_vals[:, :1]
-    if bool((threshold > float("-inf")).any()):
+    """Exact sampling for unseeded rows whose support may be wider than the
+    candidates: pick "a candidate" with the candidates' share of the mass (one
+    uniform per row), keeping that row's candidate race `cand_token_ids` [N], else
+    race among the other tokens. A row whose support fits the candidates always
+    keeps its candidate (no other mass). x [N, V] (tempered, edited in place),
+    cand_vals / cand_ids / cand_weights [N, C]."""
+    if _any(threshold > float("-inf")):
         x.masked_fill_(x < threshold, float("-inf"))
-    weights = x.sub_(row_max).exp_()  # [N, V]
-    cand_weights = _weights(cand_vals, row_max, threshold)  # [N, C]
+    # [N, V], candidates excluded (a tensor of zeros scatters ~3x faster on CPU than a scalar)
+    rest = x.sub_(cand_vals[:, :1]).exp_().scatter_(1, cand_ids, torch.zeros_like(cand_weights))
+    cand_mass = cand_weights.sum(dim=-1)
     uniform = _fill_uniform(torch.empty(len(x), dtype=x.dtype, device=x.device), generator)
-    pick_candidate = uniform * weights.sum(dim=-1) < cand_weights.sum(dim=-1)  # [N]
-    token_ids = torch.empty(len(x), dtype=torch.int64, device=x.device)
-    idx = pick_candidate.nonzero()[:, 0]
-    if len(idx):
-        token_ids[idx] = _race_candidates(cand_weights[idx], cand_ids[idx], generator)
-    idx = (~pick_candidate).nonzero()[:, 0]
-    if len(idx):
-        rest = weights[idx].scatter_(1, cand_ids[idx], 0.0)  # [Nt, V], candidates excluded
-        noise = _exp_noise(rest.shape, rest.dtype, generator, rest.device)
-        token_ids[idx] = rest.div_(noise).argmax(dim=-1)
+    # NOTE: u < 1, so with no other mass u * cand_mass < cand_mass: the candidate is kept.
+    pick_candidate = uniform * (cand_mass + rest.sum(dim=-1)) < cand_mass  # [N]
+    leaving = _rows_where(~pick_candidate)  # all rows where the host cannot read it
+    token_ids = cand_token_ids.clone()
+    if leaving is not None:
+        rest = rest[leaving]  # [Nt, V]
+        rest_token_ids = rest.div_(_exp_noise(rest.shape, rest.dtype, generator, rest.device)).argmax(dim=-1)
+        token_ids[leaving] = torch.where(pick_candidate[leaving], cand_token_ids[leaving], rest_token_ids)
     return token_ids
 
 
-def _race_full(x: Tensor, threshold: Tensor, generators: list[torch.Generator]) -> Tensor:
+def _race_full(x: Tensor, threshold: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
     """Exponential race over the whole vocab for seeded rows: x [N, V]
     (tempered, edited in place); row j draws exactly one noise vector [V]
     from generators[j], so its token depends on nothing else in the batch."""
@@ -304,62 +293,80 @@ def _race_full(x: Tensor, threshold: Tensor, generators: list[torch.Generator]) 
     return weights.div_(uniform.log_().neg_()).argmax(dim=-1)
 
 
-def apply_repetition_penalty(
-    x: Tensor, token_history: Sequence[Sequence[int]], penalty: Tensor
-) -> None:
-    """Hugging Face RepetitionPenaltyLogitsProcessor, in place on x [S, V]:
-    each seen token's logit is divided by the penalty if positive, else multiplied."""
-    row_idx, col_idx = _flat_index(token_history, x.device)
-    if len(col_idx) == 0:
+def apply_repetition_penalty(x: Tensor, batch: SamplingBatch, last_token_ids: Tensor | None = None) -> None:
+    """Hugging Face RepetitionPenaltyLogitsProcessor, in place on x [S, V], on the
+    rows with a penalty: each token a row has seen has its logit divided by the
+    penalty if positive, else multiplied, once however often it was seen. Seen:
+    its history, and its last token `last_token_ids` [S] when given (the token it
+    was fed this step, which the host history may hold as PENDING_TOKEN)."""
+    if batch.penalty_rows is None:
         return
-    seen = x[row_idx, col_idx]  # [N]; duplicates read and write the same value
-    p = penalty.to(x.device, x.dtype)[row_idx]
-    x[row_idx, col_idx] = torch.where(seen < 0, seen * p, seen / p)
+    rows = batch.penalty_rows[:, None]  # [P, 1]
+    token_ids = batch.seen_token_ids  # [P, L], -1 where unknown
+    fill = token_ids[:, :1]  # the prompt's first id, seen (-1 when the row has no history)
+    if last_token_ids is not None:
+        fill = last_token_ids[batch.penalty_rows][:, None]
+        token_ids = torch.cat([token_ids, fill], dim=1)  # [P, L + 1]
+    # Unknown ids read and write a seen id of the row again: one value per (row, id).
+    token_ids = torch.where(token_ids < 0, fill, token_ids)
+    penalty = torch.where(token_ids >= 0, batch.repetition_penalty.to(x.dtype)[:, None], 1.0)
+    token_ids = token_ids.clamp(min=0)  # a row that saw nothing writes x[row, 0] unchanged
+    seen = x[rows, token_ids]  # [P, L]
+    x[rows, token_ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
 
 
 def _top_p_threshold(
-    x: Tensor, cand_vals: Tensor, threshold: Tensor, top_p: Tensor, is_seeded: Tensor
+    cand_vals: Tensor, threshold: Tensor, top_p: Tensor, nucleus: Tensor | None, row_local: bool
 ) -> Tensor:
-    """Per-row logit threshold [R, 1] of the nucleus: the smallest set of most
+    """Per-row logit threshold [N, 1] of the nucleus: the smallest set of most
     likely tokens (among those >= `threshold`, i.e. after top-k) whose mass
-    >= top_p. Rows with top_p == 1 get -inf (off). x [R, V] are the tempered
-    logits, cand_vals [R, C] their top-C values, descending.
+    >= top_p. Rows with top_p == 1 get -inf (off). cand_vals [N, C] are the
+    tempered top-C logits, descending; `nucleus` [T, V] the tempered logits of
+    the first T rows (top-p without top-k: their nucleus may pass the candidates;
+    every other row's survivors are candidates), None when C = V.
 
-    Masses are exp(x - row max), unnormalized. On seeded rows every sum is a
-    cumsum, a sequential per-row scan, so the result does not depend on the
-    batch (ATen splits a lone row's sum across threads, changing its rounding)."""
-    vocab_size = x.shape[1]
+    Masses are exp(x - row max), unnormalized. With `row_local` (seeded rows)
+    every sum is a scan of one row (`_cumsum_rows`), so the result does not
+    depend on the batch (ATen splits a lone row's sum across threads)."""
     num_candidates = cand_vals.shape[1]
-    row_max = cand_vals[:, :1]  # [R, 1]
-    has_top_k = threshold[:, 0] > float("-inf")
-    cum = _cumulative_mass(cand_vals, row_max, threshold)  # [R, C]
-    total = cum[:, -1]  # [R]: all the mass on top-k rows (every survivor is a candidate)
-    if not bool(has_top_k.all()):
-        weights = (x - row_max).exp_()  # [R, V]
-        full = weights.sum(dim=-1)
-        if bool(is_seeded.any()):
-            full[is_seeded] = weights[is_seeded].cumsum_(dim=-1)[:, -1]
-        total = torch.where(has_top_k, total, full)
-    target = (top_p * total)[:, None]  # [R, 1]
+    row_max = cand_vals[:, :1]  # [N, 1]
+    cum = _cumulative_mass(cand_vals, row_max, threshold, row_local)  # [N, C]
+    total = cum[:, -1]  # [N]: all the mass on top-k rows (every survivor is a candidate)
+    num_nucleus = 0 if nucleus is None else len(nucleus)
+    if num_nucleus:
+        weights = (nucleus - row_max[:num_nucleus]).exp_()  # [T, V]; no top-k: all count
+        full = _cumsum_rows(weights, row_local)[:, -1] if row_local else weights.sum(dim=-1)
+        total = torch.cat([full, total[num_nucleus:]])
+    target = (top_p * total)[:, None]  # [N, 1]
     rank = torch.searchsorted(cum, target)[:, 0]  # first rank whose mass reaches top_p
     cutoff = cand_vals.gather(1, rank.clamp(max=num_candidates - 1)[:, None])
-    wider = (rank >= num_candidates) & (top_p < 1)  # nucleus not inside the candidates
-    if num_candidates < vocab_size and bool(wider.any()):
-        rows = wider.nonzero()[:, 0]
-        sorted_vals = _sort_descending(x[rows])  # [W, V]
-        cum = _cumulative_mass(sorted_vals, row_max[rows], threshold[rows])
-        rank = torch.searchsorted(cum, target[rows])[:, 0].clamp(max=vocab_size - 1)
-        cutoff[rows] = sorted_vals.gather(1, rank[:, None])
+    if num_nucleus:
+        wider = _rows_where(rank[:num_nucleus] >= num_candidates)  # nucleus past the candidates
+        if wider is not None:
+            sorted_vals = _sort_descending(nucleus[wider])  # [W, V]
+            cum = _cumulative_mass(sorted_vals, row_max[wider], threshold[wider], row_local)
+            rank = torch.searchsorted(cum, target[wider])[:, 0].clamp(max=nucleus.shape[1] - 1)
+            cutoff[wider] = sorted_vals.gather(1, rank[:, None])
     return torch.where(top_p[:, None] < 1, cutoff, float("-inf"))
 
 
-def _cumulative_mass(sorted_vals: Tensor, row_max: Tensor, threshold: Tensor) -> Tensor:
-    """Inclusive cumulative exp(x - row_max) [R, C] over values sorted
+def _cumulative_mass(sorted_vals: Tensor, row_max: Tensor, threshold: Tensor, row_local: bool) -> Tensor:
+    """Inclusive cumulative exp(x - row_max) [N, K] over values sorted
     descending, counting only values >= threshold; non-decreasing."""
     mass = (sorted_vals - row_max).exp_()
-    if bool((threshold > float("-inf")).any()):
+    if _any(threshold > float("-inf")):
         mass.masked_fill_(sorted_vals < threshold, 0.0)
-    return mass.cumsum_(dim=-1)
+    return _cumsum_rows(mass, row_local)
+
+
+def _cumsum_rows(mass: Tensor, row_local: bool) -> Tensor:
+    """Inclusive cumsum along each row of mass [N, K] (in place on CPU). With
+    `row_local`, each row's sums depend on that row alone, run after run."""
+    if not row_local or mass.device.type == "cpu":
+        return mass.cumsum_(dim=-1)  # NOTE: ATen's CPU scan is sequential per row
+    # CUDA sizes its per-row scan by the number of rows, and scans a lone row with
+    # cub, whose float sums vary run to run: each row is scanned as one of two.
+    return torch.stack([torch.stack([row, row]).cumsum(dim=-1)[0] for row in mass])
 
 
 def _sort_descending(x: Tensor) -> Tensor:
@@ -381,63 +388,50 @@ def skip_sample_draw(generator: torch.Generator, vocab_size: int, logits_dtype: 
                      num_draws: int = 1) -> None:
     """Advance a seeded request's generator past the draws sampling `num_draws` tokens
     makes, as if this sampler had sampled them (another engine sampled them: the first
-    token, or what an earlier attempt streamed). One draw at a time, as sampling makes
-    them, so the generator ends in the same state."""
+    token, or what an earlier attempt streamed). One draw at a time on the generator's
+    device, as sampling makes them, so the generator ends in the same state."""
     dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
-    noise = torch.empty(vocab_size, dtype=dtype)
+    noise = torch.empty(vocab_size, dtype=dtype, device=generator.device)
     for _ in range(num_draws):
         _fill_uniform(noise, generator)
 
 
 def _fill_uniform(out: Tensor, generator: torch.Generator) -> Tensor:
-    """U[0, 1) into `out` from `generator`; the values depend only on the
-    generator's state and out's shape, not on where `out` lives in memory."""
-    if generator.device == out.device:
-        return out.uniform_(generator=generator)
-    draw = torch.rand(out.shape, generator=generator, dtype=out.dtype, device=generator.device)
-    return out.copy_(draw)
+    """U[0, 1) into `out` from `generator` (on out's device); the values depend only
+    on the generator's state and out's shape, not on where `out` lives in memory."""
+    return out.uniform_(generator=generator)
 
 
-def _mask_ids(x: Tensor, ids_per_row: Sequence[Sequence[int]], value: float) -> None:
-    row_idx, col_idx = _flat_index(ids_per_row, x.device)
-    if len(col_idx):
-        x[row_idx, col_idx] = value
+def _mask_ids(x: Tensor, rows: Tensor, token_ids: Tensor, value: float) -> None:
+    """x[rows[i], token_ids[i, j]] = value; token_ids [B, M] -1 padded, row i's first id real."""
+    x[rows[:, None], torch.where(token_ids < 0, token_ids[:, :1], token_ids)] = value
 
 
-def _flat_index(
-    ids_per_row: Sequence[Sequence[int]], device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """(row, column) index pairs [N] for ragged per-row id lists."""
-    lengths = torch.tensor([len(ids) for ids in ids_per_row], dtype=torch.int64)
-    row_idx = torch.repeat_interleave(torch.arange(len(ids_per_row)), lengths)
-    col_idx = torch.tensor(list(chain.from_iterable(ids_per_row)), dtype=torch.int64)
-    return row_idx.to(device), col_idx.to(device)
-
-
-def _take(values: Tensor, rows: Tensor | None, like: Tensor) -> Tensor:
-    """values [S] restricted to `rows` (all when None), on like's device; floats in like's dtype."""
+def _logprobs(
+    logits: Tensor, dtype: torch.dtype, token_ids: Tensor, batch: SamplingBatch
+) -> tuple[Tensor, Tensor, Tensor]:
+    """For the rows that asked, from the raw logits [S, V]: the sampled tokens'
+    logprobs [L] and the top-n logprobs and ids [L, n], descending."""
+    rows = batch.logprob_rows
     if rows is not None:
-        values = values[rows]
-    dtype = like.dtype if values.is_floating_point() else values.dtype
-    return values.to(like.device, dtype)
-
-
-def _gather_logprobs(
-    logits: Tensor, token_ids: Tensor, batch: SamplingBatch
-) -> list[TokenLogprobs | None]:
-    """Per row that asked: the sampled token's logprob and the top-n, from the raw logits [S, V]."""
-    rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
-    logprobs = logits[rows].log_softmax(dim=-1)  # [L, V], raw logits
-    sampled = logprobs.gather(1, token_ids[rows][:, None])[:, 0].tolist()
+        logits, token_ids = logits[rows], token_ids[rows]
+    logprobs = logits.to(dtype).log_softmax(dim=-1)  # [L, V]
     top_vals, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)  # [L, N], descending
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    out: list[TokenLogprobs | None] = [None] * batch.num_rows
-    ids = token_ids.tolist()
-    for j, i in enumerate(rows):
-        n = batch.num_logprobs[i]
-        out[i] = TokenLogprobs(
-            token_id=ids[i],
-            logprob=sampled[j],
-            top_logprobs=tuple(zip(top_ids[j][:n], top_vals[j][:n])),
-        )
-    return out
+    return logprobs.gather(1, token_ids[:, None])[:, 0], top_vals, top_ids
+
+
+def _start_copy(
+    token_ids: Tensor, logprobs: tuple[Tensor, ...], num_logprobs: tuple[int | None, ...]
+) -> SampledTokens:
+    """SampledTokens with the copy of its tensors to the host started: on CUDA,
+    non-blocking into pinned memory, then an event; elsewhere nothing to start
+    (CPU tensors are on the host already)."""
+    tensors = (token_ids, *logprobs)
+    host, copied = tensors, None
+    if token_ids.device.type == "cuda":
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                     for t in tensors)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(token_ids.device))
+    sampled, top_vals, top_ids = logprobs if logprobs else (None, None, None)
+    return SampledTokens(token_ids, sampled, top_vals, top_ids, num_logprobs, host, copied)

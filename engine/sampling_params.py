@@ -34,7 +34,10 @@ class SamplingParams:
     - `top_p`: keep the smallest set of most likely tokens whose mass >= top_p.
     - `min_p`: drop tokens whose probability < min_p * the top probability.
     - `seed`: a seeded request draws only from its own generator, so its output
-      does not depend on what else is in the batch.
+      does not depend on what else is in the batch. The generator lives on the
+      engine's device: output is reproducible on one device type, but CPU and
+      GPU generators draw different noise, so the same seed may give other
+      tokens on a GPU than on a CPU.
 
     Stopping:
     - `max_tokens`: generated tokens at most (>= 1).

@@ -3,8 +3,10 @@
 The Triton kernels' own tests (tests/test_triton_kernels.py) run natively there
 too, in bfloat16 as well; these check the whole engine on the GPU: greedy
 parity with transformers in float32 under chunking and both kinds of
-preemption, KV sizing by profiling, random-weight models in bfloat16, and a
-streamed request through `baton up --colocated --device cuda`.
+preemption, with CUDA graphs and overlapped scheduling (the defaults on CUDA) and
+without; steps that never make the host wait on the device but to read their
+tokens; KV sizing by profiling, random-weight models in bfloat16, and a streamed
+request through `baton up --colocated --device cuda`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from tests.tiny_models import hf_greedy, make_tiny_model
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs-overlap", "eager-plain"])
 @pytest.mark.parametrize("name", ["llama-gqa-hd32-untied-bias", "qwen2-gqa-hd32-qkv-bias", "llama3-rope-gqa-hd16"])
-def test_greedy_parity_on_gpu_float32(name, tmp_path):
+def test_greedy_parity_on_gpu_float32(name, eager, tmp_path):
     arch, heads, kv_heads, head_dim, tied, extra = TINY_CONFIGS[name]
     hf_model, model_dir = make_tiny_model(
         tmp_path, arch, heads, kv_heads, head_dim, tied, dtype=torch.float32, **extra
@@ -43,11 +46,23 @@ def test_greedy_parity_on_gpu_float32(name, tmp_path):
         num_swap_blocks=6,
         preemption_mode="swap",
         admission_reserve_steps=0,
+        enforce_eager=eager,
+        overlap_scheduling=not eager,
     )
-    assert llm.engine.runner.backend.name == "triton"
+    engine = llm.engine
+    assert engine.runner.backend.name == "triton"
+    assert (engine.graph_capture is None) == eager and engine.overlap == (not eager)
+    replayed = []
+    if not eager:
+        assert engine.graph_capture.batch_sizes == (1, 2, 4, 8, 16, 20)
+        assert engine.graph_capture.seconds > 0 and engine.graph_capture.memory_bytes > 0
+        prepare = engine.runner.static_decode.prepare
+        engine.runner.static_decode.prepare = lambda out: replayed.append(prepare(out)) or replayed[-1]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     outputs = llm.generate(prompts, params)
     assert [out.token_ids for out in outputs] == expected
+    if not eager:
+        assert sum(p is not None for p in replayed) > 10, "decode steps should replay graphs"
     stats = llm.get_metrics()
     assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap > 0
 
@@ -79,3 +94,32 @@ def test_dummy_model_in_bfloat16_streams_tokens_and_is_seeded():
 def test_baton_up_colocated_on_cuda_answers_a_streamed_request(tmp_path):
     baton_up_streams_text(tmp_path, ["--device", "cuda", "--model", "dummy:llama-3.1-8b",
                                      "--gpu-memory-utilization", "0.8"])
+
+
+def test_a_step_waits_on_the_device_only_to_read_its_tokens(tmp_path):
+    """Under sync debug mode "error" every synchronizing call raises (a blocking copy, a
+    .item(), a nonzero, torch.cuda.synchronize): the engine steps a mixed batch of every
+    sampling option, prefill chunks, decodes replayed as graphs and overlapped, and the
+    only wait left is the event behind the tokens' copy, which the mode does not flag."""
+    _, model_dir = make_tiny_model(tmp_path, "llama", 4, 2, 16, True, dtype=torch.float32)
+    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=32,
+              max_num_seqs=8, num_kv_blocks=256)
+    engine = llm.engine
+    options = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=5, min_p=0.05, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, logprobs=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, min_tokens=6, stop_token_ids=[7, 9], max_tokens=12),
+    ]
+    for round_index in range(2):  # the first compiles the kernels and fills the caches
+        for i, params in enumerate(options):
+            engine.add_request([10 + i + j for j in range(5 + 7 * i)], params, request_id=f"{round_index}-{i}")
+        torch.cuda.set_sync_debug_mode("error" if round_index else "default")
+        try:
+            while engine.has_unfinished_requests():
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine.check_integrity()
+    assert engine.kv_manager.num_free_blocks == 256

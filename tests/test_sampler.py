@@ -1,18 +1,24 @@
-"""Sampler and SamplingParams: support of each truncation, greedy parity,
-HF repetition penalty parity, seeded reproducibility across batches, logprobs."""
+"""Sampler and SamplingBatch: support of each truncation, greedy parity, HF
+repetition penalty parity, seeded reproducibility across batches, logprobs; on
+CPU both the path that reads the data and the general path a GPU takes, and no
+host reads while sampling launches (the meta device; a GPU test on CUDA).
+SamplingParams' own checks: tests/test_sampling_params.py."""
 
 from __future__ import annotations
 
-import pickle
 import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import sampler as sampler_module
-from engine.sampler import Sampler, SamplingBatch, apply_repetition_penalty, make_generator
+from engine.request import PENDING_TOKEN
+from engine.sampler import Sampler, apply_repetition_penalty, make_generator, skip_sample_draw
+from engine.sampling_batch import SamplingBatch
 from engine.sampling_params import SamplingParams
 
 # Probabilities with no top-p / min-p boundary near a float tie; placed at
@@ -65,6 +71,15 @@ def num_candidates(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["reads", "general"])
+def path(request, monkeypatch):
+    """With "general" the sampler cannot read device values on the host (as on a GPU),
+    so it skips no work by looking at the data; it must be exact all the same."""
+    if request.param == "general":
+        monkeypatch.setattr(sampler_module, "_host_can_read", lambda tensor: False)
+    return request.param
+
+
 TRUNCATIONS = [
     SamplingParams(),
     SamplingParams(temperature=0.7),
@@ -85,7 +100,7 @@ TRUNCATIONS = [
 
 @pytest.mark.parametrize("params", TRUNCATIONS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
 @pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
-def test_truncation_support_and_frequencies(params, num_candidates, seeded):
+def test_truncation_support_and_frequencies(params, num_candidates, seeded, path):
     logits = designed_logits()
     expected = reference_distribution(logits, params)  # [V]
     samples = sample_many(logits, params, num_samples=4000, seeded=seeded)
@@ -97,12 +112,31 @@ def test_truncation_support_and_frequencies(params, num_candidates, seeded):
     assert ((counts / 4000 - expected).abs() <= 5 * sigma + 1e-9).all(), (counts / 4000, expected)
 
 
-def test_wide_nucleus_on_a_large_vocab():
+def test_wide_nucleus_on_a_large_vocab(path):
     """A flat distribution whose nucleus is far wider than the candidates."""
     logits = torch.zeros(2000)
     logits[:1000] = 1.0  # mass of the first 1000 ids: e / (e + 1) ~ 0.73
     samples = sample_many(logits, SamplingParams(top_p=0.7), num_samples=200)
     assert samples.max() < 1000 and len(set(samples.tolist())) > 150
+
+
+def test_rows_of_every_truncation_in_one_batch(path, monkeypatch):
+    """Rows of different truncations share a batch (the sampler regroups them, rows
+    without top-k first): each row keeps its own distribution."""
+    monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", 4)
+    kinds = [TRUNCATIONS[i] for i in (1, 2, 5, 7, 9, 13)] + [SamplingParams(temperature=0.0)]
+    logits, num_each = designed_logits(), 1500
+    params = kinds * num_each
+    batch = SamplingBatch.build(params)
+    samples = torch.tensor(Sampler(torch.Generator().manual_seed(0))(logits.expand(len(params), -1), batch).token_ids)
+    assert (samples[len(kinds) - 1 :: len(kinds)] == logits.argmax()).all()  # the greedy rows
+    for k, kind in enumerate(kinds[:-1]):
+        expected = reference_distribution(logits, kind)
+        mine = samples[k :: len(kinds)]
+        assert set(mine.tolist()) == set(expected.nonzero()[:, 0].tolist()), kind
+        frequencies = torch.bincount(mine, minlength=len(PROBS)).double() / num_each
+        sigma = (expected * (1 - expected) / num_each).sqrt()
+        assert ((frequencies - expected).abs() <= 5 * sigma + 1e-9).all(), (kind, frequencies, expected)
 
 
 @settings(max_examples=40, deadline=None)
@@ -120,7 +154,7 @@ def test_greedy_is_argmax(num_rows, vocab_size, dtype, seed):
     assert out.logprobs is None
 
 
-def test_greedy_rows_in_a_mixed_batch_are_argmax(num_candidates):
+def test_greedy_rows_in_a_mixed_batch_are_argmax(num_candidates, path):
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, top_p=0.8) for i in range(6)]
     before = logits.clone()
@@ -142,13 +176,41 @@ def test_repetition_penalty_matches_transformers():
         processor = RepetitionPenaltyLogitsProcessor(penalty=penalty)
         expected[i] = processor(torch.tensor([history]), logits[i : i + 1].clone())[0]
 
+    params = [SamplingParams(temperature=0.0, repetition_penalty=p) for p in penalties]
+    batch = SamplingBatch.build(params, token_histories=histories)
     actual = logits.clone()
-    apply_repetition_penalty(actual, histories, torch.tensor(penalties))
+    apply_repetition_penalty(actual, batch)
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
-    params = [SamplingParams(temperature=0.0, repetition_penalty=p) for p in penalties]
-    out = Sampler(torch.Generator())(logits, SamplingBatch.build(params, token_histories=histories))
+    out = Sampler(torch.Generator())(logits, batch)
     assert out.token_ids == expected.argmax(-1).tolist()
+
+
+def test_repetition_penalty_counts_the_last_token():
+    """The token a row was fed this step counts as seen, whether the host history
+    holds it, holds it as PENDING_TOKEN (still on the device), or not at all; a
+    token seen again is penalized once (as transformers does)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1)) * 3
+    histories = [[3, 4, 5], [3, 4, 5, PENDING_TOKEN], [7, 7, 9], [2]]
+    last_token_ids = torch.tensor([6, 6, 7, 11])
+    penalties = [1.5, 0.8, 1.5, 1.0]
+    expected = logits.clone()
+    for i, penalty in enumerate(penalties):
+        seen = [t for t in histories[i] if t != PENDING_TOKEN] + [int(last_token_ids[i])]
+        processor = RepetitionPenaltyLogitsProcessor(penalty=penalty)
+        expected[i] = processor(torch.tensor([seen]), logits[i : i + 1].clone())[0]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=p) for p in penalties]
+    actual = logits.clone()
+    apply_repetition_penalty(actual, SamplingBatch.build(params, token_histories=histories), last_token_ids)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+    # Without the last token, a pending one is not counted.
+    actual = logits[1:2].clone()
+    apply_repetition_penalty(actual, SamplingBatch.build(params[1:2], token_histories=histories[1:2]))
+    expected = RepetitionPenaltyLogitsProcessor(penalty=0.8)(torch.tensor([[3, 4, 5]]), logits[1:2].clone())
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
 def test_repetition_penalty_changes_the_greedy_choice():
@@ -181,7 +243,7 @@ def step_logits(request_index: int, step: int, vocab_size: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("num_candidates", [8, 256], indirect=True)
-def test_seeded_rows_do_not_depend_on_the_batch(num_candidates):
+def test_seeded_rows_do_not_depend_on_the_batch(num_candidates, path):
     vocab_size, num_steps = 2000, 6
     rows = SEEDED + COMPANIONS
 
@@ -273,51 +335,148 @@ def test_float64_logits_are_supported():
     assert out.token_ids[0] == logits[0].argmax().item()
 
 
-def test_batch_build_flags():
+def mixed_batch(generator_device: torch.device | str) -> tuple[list, list, list, list]:
+    """(params, generators, token histories, banned ids) of a batch with a row of each
+    kind: greedy (with a penalty and banned ids), unseeded without truncation, with
+    top-k, top-p, min-p and all of them, and seeded ones; some ask for logprobs."""
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2),
+        SamplingParams(temperature=0.8),
+        SamplingParams(top_k=5, logprobs=0),
+        SamplingParams(top_p=0.9, repetition_penalty=0.8),
+        SamplingParams(min_p=0.05),
+        SamplingParams(temperature=1.3, top_k=40, top_p=0.7, min_p=0.01, logprobs=5),
+        SamplingParams(seed=5, top_p=0.8),
+        SamplingParams(seed=6, temperature=0.7, top_k=3, repetition_penalty=1.1, logprobs=1),
+    ]
+    generators = [make_generator(p.seed, generator_device) if p.seed is not None else None for p in params]
+    histories = [[1, 2, 3, PENDING_TOKEN], [4], [5, 6], [7, 8, 9, 7], [10], [11], [12], [13, 14]]
+    banned = [[0, 1], [], [2], [], [3, 4, 5], [], [6], []]
+    return params, generators, histories, banned
+
+
+class HostTensorsToMeta(TorchDispatchMode):
+    """Records each op that takes a host tensor (not a 0-dim scalar) and makes a meta one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "cpu" and t.dim() for t in inputs) and any(t.device.type == "meta" for t in outputs):
+            self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("num_candidates", [4, 256], indirect=True)
+def test_sampling_launches_without_reading_device_values(num_candidates):
+    """On the meta device every data-dependent host read (bool(), .item(), .tolist(),
+    nonzero()) raises: sampling a batch of every kind of row there proves the launch
+    path reads nothing back. The seeded rows' generators are CPU ones (meta tensors
+    take any generator and draw nothing); their CUDA draws are checked on a GPU. The
+    batch's numbers reach the device in one copy, and nothing else crosses."""
+    params, generators, histories, banned = mixed_batch("cpu")
+    num_rows, vocab_size = len(params), 300
+    logits = torch.empty(num_rows, vocab_size, device="meta")
+    last_token_ids = torch.empty(num_rows, dtype=torch.int64, device="meta")
+    with HostTensorsToMeta() as mode:
+        batch = SamplingBatch.build(params, generators, histories, banned, device="meta")
+        sampled = Sampler(torch.Generator()).sample(logits, batch, last_token_ids)
+    assert mode.ops == ["aten._to_copy.default"]
+    assert sampled.token_ids.device.type == "meta" and sampled.token_ids.shape == (num_rows,)
+    assert sampled.token_ids.dtype == torch.int64
+    num_asked = sum(p.logprobs is not None for p in params)
+    assert sampled.logprobs.shape == (num_asked,) and sampled.top_token_ids.shape == (num_asked, 5)
+    assert sampled.copied is None
+
+
+@pytest.mark.gpu
+def test_sampling_on_a_gpu_syncs_only_for_the_result():
+    """Under CUDA's sync debug mode ("error": any host sync raises), building the
+    batch and sampling it launch without a sync; `result()` then reads the tokens.
+    Seeded rows draw from generators on the GPU: alone they sample what they sample
+    in the batch, and skip_sample_draw advances a generator as sampling does."""
+    device = torch.device("cuda")
+    params, _, histories, banned = mixed_batch(device)
+    num_rows, vocab_size = len(params), 5000
+    logits = (torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(0)) * 3).to(device)
+    last_token_ids = torch.arange(20, 20 + num_rows, device=device)
+    sampler = Sampler(torch.Generator(device=device).manual_seed(0))
+
+    def sample(rows: list[int], generators: list, sync_mode: str = "default"):
+        batch_logits, batch_last = logits[rows], last_token_ids[rows]  # before the mode: indexing by a list syncs
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(sync_mode)
+        try:
+            batch = SamplingBatch.build([params[i] for i in rows], generators, [histories[i] for i in rows],
+                                        [banned[i] for i in rows], device=device)
+            sampled = sampler.sample(batch_logits, batch, batch_last)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sampled.result()
+
+    every = list(range(num_rows))
+    sample(every, mixed_batch(device)[1])  # warm up: first calls initialize lazily
+    generators = mixed_batch(device)[1]
+    out = sample(every, generators, sync_mode="error")
+    greedy = logits[0].cpu()  # penalized for its history and last token (20), banned ids masked
+    seen = torch.tensor([1, 2, 3, 20])
+    greedy[seen] = torch.where(greedy[seen] < 0, greedy[seen] * 1.3, greedy[seen] / 1.3)
+    greedy[[0, 1]] = float("-inf")
+    assert out.token_ids[0] == greedy.argmax().item()
+    for i, token_id in enumerate(out.token_ids):
+        assert 0 <= token_id < vocab_size and token_id not in banned[i]
+        assert (out.logprobs[i] is None) == (params[i].logprobs is None)
+    assert out.logprobs[5].token_id == out.token_ids[5] and len(out.logprobs[5].top_logprobs) == 5
+    for i, p in enumerate(params):
+        if p.seed is not None:
+            alone = sample([i], [make_generator(p.seed, device)])
+            assert alone.token_ids == [out.token_ids[i]], i
+            skipped = make_generator(p.seed, device)
+            skip_sample_draw(skipped, vocab_size, logits.dtype)
+            assert torch.equal(skipped.get_state(), generators[i].get_state())
+
+
+def test_skip_sample_draw_advances_the_generator_as_sampling_does():
+    generator, skipped = make_generator(3), make_generator(3)
+    batch = SamplingBatch.build([SamplingParams(seed=3)] * 2, [None, generator])
+    Sampler(torch.Generator())(torch.randn(2, 500), batch)
+    skip_sample_draw(skipped, 500, torch.float32)
+    assert torch.equal(skipped.get_state(), generator.get_state())
+
+
+def test_batch_build_flags_row_order_and_ragged_ids():
     batch = SamplingBatch.build([SamplingParams(temperature=0)] * 3)
-    assert batch.all_greedy and batch.random_rows is None and batch.max_num_logprobs is None
+    assert batch.all_greedy and batch.unseeded is None and batch.seeded is None and batch.max_num_logprobs is None
     batch = SamplingBatch.build([SamplingParams(temperature=0, top_p=0.5), SamplingParams(top_k=4, logprobs=3)])
-    assert not batch.all_greedy and not batch.any_top_p and batch.any_top_k
-    assert batch.greedy_rows.tolist() == [0] and batch.random_rows.tolist() == [1]
-    assert batch.max_num_logprobs == 3
+    assert not batch.all_greedy and batch.seeded is None and not batch.any_penalty
+    assert not batch.unseeded.any_top_p and batch.unseeded.any_top_k and batch.unseeded.max_top_k == 4
+    assert batch.greedy_rows.tolist() == [0] and batch.unseeded.rows.tolist() == [1]
+    assert batch.max_num_logprobs == 3 and batch.logprob_rows.tolist() == [1]
     with pytest.raises(ValueError, match="token_histories"):
         SamplingBatch.build([SamplingParams(repetition_penalty=1.5)])
 
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"temperature": -0.1}, "temperature"),
-        ({"temperature": float("nan")}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
-        ({"top_p": 1.1}, "top_p"),
-        ({"top_k": -2}, "top_k"),
-        ({"top_k": 1.5}, "top_k"),
-        ({"min_p": -0.1}, "min_p"),
-        ({"min_p": 1.5}, "min_p"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty"),
-        ({"max_tokens": 0}, "max_tokens"),
-        ({"min_tokens": -1}, "min_tokens"),
-        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-        ({"logprobs": -1}, "logprobs"),
-        ({"logprobs": 21}, "logprobs"),
-        ({"stop": [""]}, "stop"),
-        ({"stop": ["ok", 3]}, "stop"),
-        ({"stop": 3}, "stop"),
-        ({"stop": ""}, "stop"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids"),
-        ({"seed": "x"}, "seed"),
-    ],
-)
-def test_sampling_params_validation(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
-
-
-def test_sampling_params_normalization():
-    params = SamplingParams(temperature=1e-7, top_k=-1, stop="###", stop_token_ids=[5, 7])
-    assert params.is_greedy and params.top_k == 0
-    assert params.stop == ("###",) and params.stop_token_ids == (5, 7)
-    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
-    assert SamplingParams().stop == () and not SamplingParams().is_greedy
-    assert pickle.loads(pickle.dumps(params)) == params
+    params = [
+        SamplingParams(top_k=5),
+        SamplingParams(seed=1, top_p=0.5),
+        SamplingParams(min_p=0.1, repetition_penalty=1.2),
+        SamplingParams(temperature=0.5, top_p=0.9, repetition_penalty=0.9),
+        SamplingParams(temperature=0),
+    ]
+    generators = [None, make_generator(1), None, None, None]
+    batch = SamplingBatch.build(params, generators, token_histories=[[], [], [4, 5, 6], [7], []],
+                                banned_token_ids=[[1], [], [], [2, 3, 4], []])
+    unseeded = batch.unseeded
+    # Nucleus rows, then other rows without top-k, then rows with top-k.
+    assert unseeded.rows.tolist() == [3, 2, 0] and (unseeded.num_wide, unseeded.num_nucleus) == (2, 1)
+    assert unseeded.temperature.tolist() == [0.5, 1.0, 1.0] and unseeded.top_k.tolist() == [0, 0, 5]
+    assert unseeded.top_p.tolist() == pytest.approx([0.9, 1.0, 1.0]) and unseeded.any_min_p
+    assert batch.seeded.rows.tolist() == [1] and batch.seeded.generators == (generators[1],)
+    assert batch.greedy_rows.tolist() == [4]
+    assert batch.penalty_rows.tolist() == [2, 3]
+    assert batch.repetition_penalty.tolist() == pytest.approx([1.2, 0.9])
+    assert batch.seen_token_ids.tolist() == [[4, 5, 6], [7, -1, -1]]
+    assert batch.banned_rows.tolist() == [0, 3] and batch.banned_token_ids.tolist() == [[1, -1, -1], [2, 3, 4]]

@@ -27,7 +27,8 @@ PACKAGES = ("baton", "engine", "gateway", "prefill_worker", "decode_worker", "kv
 ROLES = ("gateway", "prefill_worker", "decode_worker")
 # What "model, attention or kernel code" is: modules that run or build the model.
 MODEL_CODE = ("engine.model", "engine.attention", "engine.kernels", "engine.model_runner", "engine.engine",
-              "engine.forward_batch", "engine.sampler", "engine.llm", "engine.async_engine", "engine.memory")
+              "engine.forward_batch", "engine.sampler", "engine.sampling_batch", "engine.decode_graphs", "engine.llm",
+              "engine.async_engine", "engine.memory")
 # All the gateway may load of the libraries: records, the tokenizer and the detokenizer
 # (and the dummy models' table, for their tokenizer's vocabulary).
 GATEWAY_LIBRARY = {

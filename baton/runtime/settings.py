@@ -305,6 +305,10 @@ class WorkerSettings:
                                    "auto (cheaper of recompute and swap, per sequence), recompute or swap")
     attention_backend: str = setting(default_of(EngineConfig, "attention_backend"),
                                      "auto (triton on CUDA, cpu on CPU), triton, torch or cpu")
+    enforce_eager: bool = setting(default_of(EngineConfig, "enforce_eager"),
+                                  "CUDA: run every step eagerly, without CUDA graphs of decode steps")
+    overlap_scheduling: bool | None = setting(None, "schedule each step while the device runs the one before",
+                                              shown="on CUDA, off on CPU")
     cpus: tuple[int, ...] = setting((), "cores this worker's threads run on, a Linux CPU list such as 0-3,8 "
                                         "(give each worker on a host its own)", parse=parse_cpu_list,
                                     shown="every core")
@@ -370,6 +374,8 @@ class WorkerSettings:
             max_num_batched_tokens=self.max_num_batched_tokens,
             preemption_mode=self.preemption_mode,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+            overlap_scheduling=self.overlap_scheduling,
         ))
 
 

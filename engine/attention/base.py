@@ -60,6 +60,10 @@ class AttentionBatch:
     max_seq_len: int
     decode_max_seq_len: int
     prefills: tuple[PrefillChunk, ...]  # sequences D..B-1 again, one record each
+    # A static decode batch (engine/decode_graphs.py) keeps its launches the same every
+    # step: `max_seq_len` is then a bound (max_model_len), and block_tables' row stride,
+    # the width written that step, is this [1] int64 tensor's value rather than its shape's.
+    table_stride: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -166,6 +170,11 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    # Whether the backend runs static decode batches (engine/decode_graphs.py), whose launches
+    # must not change with the step's values: padding rows (slot -1: stored nowhere, one key
+    # of context) and `AttentionBatch.table_stride`. Only such a backend's steps are
+    # captured as CUDA graphs.
+    supports_static_batches: bool = False
     # Whether the backend applies RoPE itself, fused with the KV-cache store: the
     # model then calls `forward_rotary` with the un-rotated qkv instead of `forward`.
     fuses_rope: bool = False

@@ -38,6 +38,7 @@ class TritonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_splits: int  # > 1 only for decode-only steps
+    table_stride: torch.Tensor | None  # static batches: block_tables' row stride, on the device
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -45,6 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     fuses_rope = True
+    supports_static_batches = True
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         device = torch.device(device)
@@ -74,6 +76,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=batch.max_query_len,
             max_seq_len=batch.max_seq_len,
             num_splits=num_splits,
+            table_stride=batch.table_stride,
         )
 
     def forward_rotary(
@@ -130,5 +133,6 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
             num_splits=metadata.num_splits,
+            table_stride=metadata.table_stride,
         )
         return out

@@ -75,6 +75,7 @@ def _paged_attention_kernel(
     query_start_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
     block_tables_ptr,  # [B, max_blocks]
+    table_stride_ptr,  # [1]: block_tables' row stride, when TABLE_STRIDE_IN_MEMORY
     partial_out_ptr,  # [N, H, NUM_SPLITS, Dh] float32 (split-KV only)
     partial_max_ptr,  # [N, H, NUM_SPLITS] float32, log2 units
     partial_sum_ptr,  # [N, H, NUM_SPLITS] float32
@@ -99,6 +100,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TABLE_STRIDE_IN_MEMORY: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,6 +145,8 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)  # running sum of exp2
     acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, tl.float32)
+    if TABLE_STRIDE_IN_MEMORY:  # a launch replayed (CUDA graph) over tables of any width
+        stride_table = tl.load(table_stride_ptr)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     offs_n = tl.arange(0, TILE_N)
     for tile_begin in range(kv_begin, kv_stop, TILE_N):
@@ -271,6 +275,7 @@ def paged_attention(
     num_splits: int = 1,
     *,
     tile_n: int | None = None,
+    table_stride: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of every new token over its sequence's paged context, for any
     mix of decodes and prefill chunks, in one launch (two with num_splits > 1).
@@ -280,6 +285,9 @@ def paged_attention(
     Softmax in float32; `out` gets the query's dtype. `num_splits > 1` (split-KV, see
     `choose_num_splits`) is for decode-only batches (max_query_len == 1). `tile_n`
     overrides the key tile size (a power of 2, at least 16); None picks it for the device.
+    `table_stride`, a [1] int64 device tensor, is read by the kernel as block_tables' row
+    stride (block_tables is then any view of the memory the rows start at): a captured
+    launch then serves tables of whatever width each step writes there.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -313,6 +321,7 @@ def paged_attention(
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out,
         query_start, seq_lens, block_tables,
+        block_tables if table_stride is None else table_stride,
         partial_out, partial_max, partial_sum,
         scale * _LOG2E, num_seqs, num_heads,
         query.stride(0), query.stride(1),
@@ -330,6 +339,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         # Exact float32 dots (tf32 would cost ~1e-3 relative); 16-bit types ignore it.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        TABLE_STRIDE_IN_MEMORY=table_stride is not None,
         num_warps=params.num_warps,
         num_stages=params.num_stages,
     )

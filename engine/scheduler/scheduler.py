@@ -31,8 +31,16 @@ import time
 from engine.block_pool import KVCacheManager, cdiv
 from engine.config import SchedulerConfig
 from engine.preemption import PreemptionCostModel, PreemptionKind
-from engine.request import InvalidRequestError, PromptTooLongError, Request, RequestStatus, by_sort_key
+from engine.request import (
+    PENDING_TOKEN,
+    InvalidRequestError,
+    PromptTooLongError,
+    Request,
+    RequestStatus,
+    by_sort_key,
+)
 from engine.scheduler.continuous import ContinuousAdmission
+from engine.scheduler.integrity import check_scheduler_integrity
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import AdmissionPolicy
 from engine.scheduler.static import StaticAdmission
@@ -146,6 +154,10 @@ class Scheduler:
             self.kv.free(request.request_id)
         else:
             self.policy.remove(request)
+        # Tokens of steps still in flight (sampled after the one that ended it) reach no one.
+        token_ids = request.all_token_ids
+        while token_ids[-1] == PENDING_TOKEN:
+            token_ids.pop()
         request.status = status
         self.requests.pop(request.request_id, None)
         self.policy.on_finished(request)
@@ -369,33 +381,80 @@ class Scheduler:
         sampled_requests: list[Request],
         sampled_token_ids: list[int],
     ) -> list[Request]:
-        """Advance progress by the step's work, append sampled tokens, finish what stopped.
+        """Advance progress by the step's work, append sampled tokens, finish what stopped
+        (`advance` then `resolve`, for a step whose tokens are already known).
 
         Returns the requests that finished in this step.
         """
+        positions = self.advance(out, sampled_requests)
+        finished = self.resolve(sampled_requests, sampled_token_ids, positions)
+        self.end_step(out)
+        return finished
+
+    def advance(self, out: SchedulerOutput, sampled_requests: list[Request]) -> list[int | None]:
+        """Account for a step as launched, before its sampled tokens are known.
+
+        Progress moves by the scheduled tokens. A sampled request that may run again
+        before `resolve` gets a PENDING_TOKEN, so that the next `schedule` gives it its
+        decode step (the runner feeds it the token from the device); one whose token
+        ends it for certain (max_tokens, max_model_len) or that stops after its first
+        token (prefill_only, HELD from now on) gets none and is not scheduled again.
+        Returns, per sampled request, where `resolve` writes its token in
+        `all_token_ids` (None: appended).
+        """
         for request, num_new in zip(out.requests, out.num_scheduled_tokens):
             request.num_computed_tokens += num_new
+        max_model_len = self.max_model_len
+        positions: list[int | None] = []
+        for index, request in enumerate(sampled_requests):
+            token_ids = request.all_token_ids
+            if request.prefill_only:
+                self._hold(request)
+                positions.append(None)
+            elif (len(token_ids) + 1 >= max_model_len
+                  or len(token_ids) + 1 - len(request.prompt_token_ids) >= request.sampling_params.max_tokens):
+                positions.append(None)
+            else:
+                positions.append(len(token_ids))
+                token_ids.append(PENDING_TOKEN)
+                request.pending_sample_index = index
+        return positions
+
+    def resolve(
+        self,
+        sampled_requests: list[Request],
+        sampled_token_ids: list[int],
+        positions: list[int | None],
+    ) -> list[Request]:
+        """Put a launched step's sampled tokens in place (`advance` said where) and finish
+        what they stop. A request that ended meanwhile (aborted, or stopped by the token
+        of the step before) is skipped: its token reaches no one.
+
+        Returns the requests that finished.
+        """
         finished: list[Request] = []
         max_model_len = self.max_model_len
-        for request, token_id in zip(sampled_requests, sampled_token_ids):
+        for request, token_id, position in zip(sampled_requests, sampled_token_ids, positions):
+            if request.is_finished:
+                continue
             token_ids = request.all_token_ids
-            token_ids.append(token_id)
+            if position is None:
+                token_ids.append(token_id)
+            else:
+                token_ids[position] = token_id
             params = request.sampling_params
-            num_output = len(token_ids) - len(request.prompt_token_ids)
+            num_output = (position + 1 if position is not None else len(token_ids)) - len(request.prompt_token_ids)
             status = None
             if num_output >= params.min_tokens and (
                 token_id in request.eos_token_ids or token_id in params.stop_token_ids
             ):
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
-            elif num_output >= params.max_tokens or len(token_ids) >= max_model_len:
+            elif num_output >= params.max_tokens or num_output + len(request.prompt_token_ids) >= max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.finish_request(request, status)
                 finished.append(request)
-            elif request.prefill_only:
-                self._hold(request)
-        self._end_step(out)
         return finished
 
     def _hold(self, request: Request) -> None:
@@ -404,7 +463,8 @@ class Scheduler:
         request.status = RequestStatus.HELD
         self.held[request.request_id] = request
 
-    def _end_step(self, out: SchedulerOutput) -> None:
+    def end_step(self, out: SchedulerOutput) -> None:
+        """Count a step (scheduled as `out`) in the stats, once its launch is accounted for."""
         used = self.kv.num_used_blocks
         if used:
             held = sum(request.num_computed_tokens for request in self.running)
@@ -434,43 +494,4 @@ class Scheduler:
     # ------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Each live request is in exactly one queue, and holds exactly the blocks its state allows."""
-        self.kv.check_integrity()
-        waiting = self.policy.waiting_requests()
-        queues = {
-            RequestStatus.WAITING: waiting,
-            RequestStatus.RUNNING: self.running,
-            RequestStatus.SWAPPED: self.swapped,
-            RequestStatus.HELD: list(self.held.values()),
-            RequestStatus.RECEIVING: list(self.receiving.values()),
-        }
-        seen: set[str] = set()
-        for status, queue in queues.items():
-            for request in queue:
-                if request.status != status:
-                    raise AssertionError(f"{request} is in the {status.name} queue")
-                if request.request_id in seen:
-                    raise AssertionError(f"{request} is queued twice")
-                seen.add(request.request_id)
-        if seen != set(self.requests):
-            raise AssertionError("queues and the request table disagree")
-        holders = self.kv.holders()
-        for request in self.running:
-            if not self.kv.has_blocks(request.request_id):
-                raise AssertionError(f"running {request} holds no block table")
-            covered = len(self.kv.get_block_ids(request.request_id)) * self.block_size
-            if covered < request.num_computed_tokens:
-                raise AssertionError(f"{request} has computed tokens outside its blocks")
-        for request in waiting:
-            if request.request_id in holders or request.num_computed_tokens != 0:
-                raise AssertionError(f"waiting {request} holds KV")
-        running_ids = {request.request_id for request in self.running}
-        swapped_ids = {request.request_id for request in self.swapped}
-        handoff_ids = set(self.held) | set(self.receiving)
-        if holders != running_ids | swapped_ids | handoff_ids:
-            raise AssertionError(
-                "block holders are not exactly the running, swapped, held and receiving requests"
-            )
-        if self.running != sorted(self.running, key=by_sort_key):
-            raise AssertionError("running queue out of priority order")
-        if self.num_seqs > self.config.max_num_seqs:
-            raise AssertionError("more running sequences than max_num_seqs")
+        check_scheduler_integrity(self)

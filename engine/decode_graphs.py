@@ -1,0 +1,293 @@
+"""Decode steps over persistent inputs, padded to a few batch sizes, replayed as CUDA graphs.
+
+An eager decode step of a large model launches a kernel or more per op of every
+layer; at small batch the host's launches, not the GPU, set the pace. A step
+whose every sequence adds one token (decodes, and one-token chunks) instead runs
+on inputs that live at fixed device addresses, padded up to the nearest of a few
+batch sizes; each size's decoder pass is captured once as a CUDA graph and
+replayed with one launch (the LM head then runs on the sampled rows alone).
+
+Per padded size S (`graph_batch_sizes`: 1, 2, 4, 8, then every 8 to 256 and
+every 16 beyond, ending at max_num_seqs), the step's inputs are views of one
+persistent int64 device buffer, written each step by one non-blocking copy from
+a pinned host buffer of the same layout:
+
+    [ input_ids S | positions S | slots S | seq_lens S | sample rows S | pending rows S
+      | pending sources S | table stride 2 | block tables S x W ]
+
+(each S rounded up to even, so every part stays 16-byte aligned.) W, the width of
+the tables, is the step's own (the longest context's blocks); the attention kernel
+reads it from the buffer (`AttentionBatch.table_stride`), so one graph serves every
+width. Rows n..S-1 pad the batch: token 0 at position 0, one key of context in
+block 0, slot -1 (stored nowhere), never sampled. The query starts are the
+constant 0..S.
+
+Steps with prefill chunks, and batches past the largest size, run eagerly. On CPU
+(tests) the same static batches run without capture: `StaticDecode(capture=False)`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.block_pool import KVCacheManager
+from engine.forward_batch import ForwardBatch, pending_decodes
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Beyond this many sequences a step is long enough that launches no longer matter.
+MAX_GRAPH_BATCH_SIZE = 512
+# Parts of the buffer sized by the batch: ids, positions, slots, seq_lens, sample rows,
+# pending rows, pending sources.
+_NUM_ROW_PARTS = 7
+
+
+def graph_batch_sizes(max_num_seqs: int, max_size: int = MAX_GRAPH_BATCH_SIZE) -> tuple[int, ...]:
+    """The padded batch sizes: 1, 2, 4, 8, then every 8 up to 256 and every 16 beyond,
+    ending at min(max_num_seqs, max_size) itself."""
+    largest = min(max_num_seqs, max_size)
+    sizes = [size for size in (1, 2, 4) if size < largest]
+    size = 8
+    while size < largest:
+        sizes.append(size)
+        size += 8 if size < 256 else 16
+    sizes.append(largest)
+    return tuple(sizes)
+
+
+def padded_batch_size(sizes: tuple[int, ...], num_seqs: int) -> int | None:
+    """The smallest of `sizes` that holds num_seqs sequences; None when none does."""
+    index = bisect.bisect_left(sizes, num_seqs)
+    return sizes[index] if index < len(sizes) else None
+
+
+def _even(n: int) -> int:
+    return n + n % 2
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCapture:
+    """What capturing cost, reported at start."""
+
+    batch_sizes: tuple[int, ...]
+    seconds: float
+    memory_bytes: int  # device memory the graphs took (their pool), from the driver's count
+
+
+class StaticDecode:
+    """Decode-only steps on persistent, padded inputs; with `capture`, as CUDA graphs.
+
+    `prepare` lays out a step (None when the step has prefill chunks or too many
+    sequences), `run` returns the logits of its sampled rows. The decoder pass is the
+    model's own: only where its inputs live, and how it is launched, differ.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        kv: KVCacheManager,
+        backend: AttentionBackend,
+        *,
+        batch_sizes: tuple[int, ...],
+        max_model_len: int,
+        num_heads: int,
+        device: torch.device,
+    ) -> None:
+        # NOTE: padding rows rely on the fused RoPE + KV store skipping slot -1.
+        if not (backend.supports_static_batches and backend.fuses_rope):
+            raise ValueError(f"the {backend.name} attention backend cannot run static decode batches")
+        self.model = model
+        self.kv_layers = kv_layers
+        self.kv = kv
+        self.backend = backend
+        self.batch_sizes = batch_sizes
+        self.max_model_len = max_model_len
+        self.num_heads = num_heads
+        self.device = device
+        self.max_width = kv.max_blocks_per_seq
+        largest = batch_sizes[-1]
+        self.buffer = torch.zeros(self._num_elements(largest, self.max_width), dtype=torch.int64, device=device)
+        self.query_start = torch.arange(largest + 1, dtype=torch.int64, device=device)
+        self._batches: dict[int, tuple[ForwardBatch, object]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @staticmethod
+    def _num_elements(size: int, width: int) -> int:
+        return _NUM_ROW_PARTS * _even(size) + 2 + size * width
+
+    # ------------------------------------------------------------------ inputs
+    def _views(self, size: int) -> tuple[ForwardBatch, object]:
+        """The step inputs of padded size `size` (views of the buffer) and their attention
+        metadata: built once per size, the same objects every step."""
+        cached = self._batches.get(size)
+        if cached is not None:
+            return cached
+        stride = _even(size)
+        parts = [self.buffer[i * stride : i * stride + size] for i in range(_NUM_ROW_PARTS)]
+        ids, positions, slots, seq_lens, samples, pending_rows, pending_sources = parts
+        tail = _NUM_ROW_PARTS * stride
+        table_stride = self.buffer[tail : tail + 1]
+        # Laid out at the step's width; the kernel reads the stride from table_stride.
+        tables = self.buffer[tail + 2 : tail + 2 + size * self.max_width].view(size, self.max_width)
+        attn = AttentionBatch(
+            slot_mapping=slots,
+            query_start=self.query_start[: size + 1],
+            seq_lens=seq_lens,
+            block_tables=tables,
+            num_decode_tokens=size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            decode_max_seq_len=self.max_model_len,
+            prefills=(),
+            table_stride=table_stride,
+        )
+        layout = self.kv_layers[0][0]
+        metadata = self.backend.build_metadata(
+            attn,
+            block_size=self.kv.block_size,
+            num_heads=self.num_heads,
+            num_kv_heads=layout.shape[2],
+            head_dim=layout.shape[3],
+            dtype=layout.dtype,
+        )
+        batch = ForwardBatch(
+            input_ids=ids,
+            positions=positions,
+            attn=attn,
+            sample_indices=samples,
+            sample_requests=[],
+            num_prefill_tokens=0,
+            pending_rows=pending_rows,
+            pending_sources=pending_sources,
+        )
+        self._batches[size] = (batch, metadata)
+        return batch, metadata
+
+    def prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, int] | None:
+        """Write a decode-only step into the buffer (one copy) and return its batch, cut to
+        its n real rows, and its padded size; None if the step is not one of those."""
+        requests = out.requests
+        num_seqs = len(requests)
+        size = padded_batch_size(self.batch_sizes, num_seqs)
+        if size is None or out.total_num_scheduled_tokens != num_seqs:
+            return None
+        kv = self.kv
+        block_size = kv.block_size
+        get_row = kv.get_row
+        positions = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_seqs)
+        rows = np.fromiter((get_row(r.request_id) for r in requests), np.int64, num_seqs)
+        ids = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r in requests), np.int64, num_seqs)
+        pending_rows, pending_sources = pending_decodes(requests, ids)
+        num_pending = len(pending_rows)
+        width = (int(positions.max()) // block_size) + 1
+        # Every row samples unless it is a one-token chunk of a longer prompt.
+        sample_rows = [i for i, r in enumerate(requests) if r.num_computed_tokens + 1 == len(r.all_token_ids)]
+
+        stride = _even(size)
+        host = torch.empty(self._num_elements(size, width), dtype=torch.int64,
+                           pin_memory=self.device.type == "cuda")
+        flat = host.numpy()
+        parts = [flat[i * stride : i * stride + size] for i in range(_NUM_ROW_PARTS)]
+        h_ids, h_positions, h_slots, h_seq_lens, h_samples, h_pending_rows, h_pending_sources = parts
+        tables = kv.block_tables[rows, :width]  # [n, W]
+        block_index = positions // block_size
+        h_ids[:num_seqs] = ids
+        h_ids[num_seqs:] = 0
+        h_positions[:num_seqs] = positions
+        h_positions[num_seqs:] = 0
+        h_slots[:num_seqs] = tables[np.arange(num_seqs), block_index] * block_size + positions % block_size
+        h_slots[num_seqs:] = -1
+        h_seq_lens[:num_seqs] = positions + 1
+        h_seq_lens[num_seqs:] = 1
+        h_samples[: len(sample_rows)] = sample_rows
+        h_pending_rows[:num_pending] = pending_rows
+        h_pending_sources[:num_pending] = pending_sources
+        tail = _NUM_ROW_PARTS * stride
+        flat[tail] = width
+        table_part = flat[tail + 2 :].reshape(size, width)
+        table_part[:num_seqs] = tables
+        table_part[num_seqs:] = 0
+        self.buffer[: len(flat)].copy_(host, non_blocking=True)
+
+        full, _ = self._views(size)
+        num_sampled = len(sample_rows)
+        batch = ForwardBatch(
+            input_ids=full.input_ids,
+            positions=full.positions,
+            attn=full.attn,
+            sample_indices=full.sample_indices[:num_sampled],
+            sample_requests=[requests[i] for i in sample_rows],
+            num_prefill_tokens=0,
+            pending_rows=full.pending_rows[:num_pending] if num_pending else None,
+            pending_sources=full.pending_sources[:num_pending] if num_pending else None,
+        )
+        return batch, size
+
+    # --------------------------------------------------------------- running
+    def run(self, batch: ForwardBatch, size: int) -> torch.Tensor:
+        """Logits [S, V] of the batch's sampled rows (its inputs already in the buffer).
+
+        The graph holds the decoder only: the LM head runs on the sampled rows after it,
+        so no padding row's logits are computed, and the graphs' pool keeps one small
+        [size, hidden] output per size rather than a vocabulary-wide one."""
+        graph = self._graphs.get(size)
+        if graph is not None:
+            graph[0].replay()
+            hidden = graph[1]
+        else:
+            hidden = self._forward(size)
+        if len(batch.sample_requests) != size:
+            hidden = hidden.index_select(0, batch.sample_indices)
+        return self.model.compute_logits(hidden)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The padded forward pass over every row: hidden states [size, hidden]."""
+        full, metadata = self._views(size)
+        return self.model(full.input_ids, full.positions, self.kv_layers, full.attn, metadata)
+
+    # --------------------------------------------------------------- capture
+    @torch.inference_mode()
+    def capture(self) -> GraphCapture:
+        """Capture every size's decoder pass as a CUDA graph, largest first, all in one
+        memory pool (they never run at once), after warm-up runs that compile every kernel."""
+        assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
+        torch.cuda.synchronize(self.device)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.batch_sizes):
+            self._fill_padding(size)
+            for _ in range(2):
+                self._forward(size)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._forward(size)
+            self._graphs[size] = (graph, hidden)
+        torch.cuda.synchronize(self.device)
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        report = GraphCapture(self.batch_sizes, time.perf_counter() - started, free_before - free_after)
+        logger.info("captured %d CUDA graphs of decode steps (batch sizes %d-%d) in %.1f s, %.0f MiB",
+                    len(report.batch_sizes), report.batch_sizes[0], report.batch_sizes[-1], report.seconds,
+                    report.memory_bytes / 2**20)
+        return report
+
+    def _fill_padding(self, size: int) -> None:
+        """Every row a padding row, tables one block wide: what warm-up and capture run on."""
+        stride = _even(size)
+        buffer = self.buffer
+        buffer[: _NUM_ROW_PARTS * stride].zero_()
+        buffer[2 * stride : 2 * stride + size].fill_(-1)  # slots: stored nowhere
+        buffer[3 * stride : 3 * stride + size].fill_(1)  # seq_lens: one key
+        tail = _NUM_ROW_PARTS * stride
+        buffer[tail].fill_(1)
+        buffer[tail + 2 : tail + 2 + size].zero_()
