@@ -384,6 +384,9 @@ class PrefillWorkerSettings(WorkerSettings):
     role: ClassVar[str] = "prefill"
     max_num_batched_tokens: int = setting(PREFILL_MAX_NUM_BATCHED_TOKENS,
                                           "token budget per step (prefill chunks)")
+    # Its steps are prompt chunks, which CUDA graphs of decode steps do not serve.
+    enforce_eager: bool = setting(True, "CUDA: run every step eagerly (a prefill worker's steps are prompt "
+                                        "chunks: graphs of decode steps would only hold memory)")
 
 
 @dataclass(frozen=True)
