@@ -176,6 +176,26 @@ def test_split_kv_matches_single_pass(num_splits, dtype):
     assert_matches(split, reference_attention(batch, 64**-0.5))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_table_stride_read_from_memory(num_splits):
+    """A static batch's launch (engine/decode_graphs.py) reads the block tables' row stride
+    from a device tensor: tables written at their own width W behind a view of any other
+    width give the plain launch's output, split or not."""
+    batch = make_batch([(20, 1), (150, 1), (1, 1), (97, 1)], num_kv_heads=2, group=4, head_dim=64,
+                       block_size=16, dtype=torch.float32, seed=7)
+    plain = run_attention(batch, num_splits=num_splits)
+    tables = batch.block_tables.contiguous()
+    num_seqs, width = tables.shape
+    buffer = torch.full((num_seqs * (width + 8),), TABLE_PADDING, dtype=torch.int64, device=DEVICE)
+    buffer[: num_seqs * width] = tables.reshape(-1)
+    wider_view = buffer.view(num_seqs, width + 8)  # rows really start every `width` entries
+    out = torch.empty_like(plain)
+    paged_attention(batch.query, batch.key_cache, batch.value_cache, out, batch.query_start, batch.seq_lens,
+                    wider_view, 64**-0.5, 1, batch.max_seq_len, num_splits,
+                    table_stride=torch.tensor([width], device=DEVICE))
+    assert torch.equal(out, plain)
+
+
 def test_split_kv_is_for_decode_only_batches():
     batch = make_batch([(20, 2)], num_kv_heads=1, group=1, head_dim=64, block_size=16, dtype=torch.float32)
     with pytest.raises(ValueError, match="decode-only"):
