@@ -404,7 +404,9 @@ def _fill_uniform(out: Tensor, generator: torch.Generator) -> Tensor:
 
 def _mask_ids(x: Tensor, rows: Tensor, token_ids: Tensor, value: float) -> None:
     """x[rows[i], token_ids[i, j]] = value; token_ids [B, M] -1 padded, row i's first id real."""
-    x[rows[:, None], torch.where(token_ids < 0, token_ids[:, :1], token_ids)] = value
+    # NOTE: the value as a device tensor: a Python scalar would be copied to a CUDA device
+    # with a blocking copy (index_put_ moves a CPU value to the tensor's device).
+    x.index_put_((rows[:, None], torch.where(token_ids < 0, token_ids[:, :1], token_ids)), x.new_full((), value))
 
 
 def _logprobs(
