@@ -31,14 +31,8 @@ import time
 from engine.block_pool import KVCacheManager, cdiv
 from engine.config import SchedulerConfig
 from engine.preemption import PreemptionCostModel, PreemptionKind
-from engine.request import (
-    PENDING_TOKEN,
-    InvalidRequestError,
-    PromptTooLongError,
-    Request,
-    RequestStatus,
-    by_sort_key,
-)
+from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
+                            by_sort_key)
 from engine.scheduler.continuous import ContinuousAdmission
 from engine.scheduler.integrity import check_scheduler_integrity
 from engine.scheduler.output import SchedulerOutput
@@ -404,15 +398,13 @@ class Scheduler:
         """
         for request, num_new in zip(out.requests, out.num_scheduled_tokens):
             request.num_computed_tokens += num_new
-        max_model_len = self.max_model_len
         positions: list[int | None] = []
         for index, request in enumerate(sampled_requests):
             token_ids = request.all_token_ids
             if request.prefill_only:
                 self._hold(request)
                 positions.append(None)
-            elif (len(token_ids) + 1 >= max_model_len
-                  or len(token_ids) + 1 - len(request.prompt_token_ids) >= request.sampling_params.max_tokens):
+            elif self._ends_by_length(request, len(token_ids) + 1):
                 positions.append(None)
             else:
                 positions.append(len(token_ids))
@@ -433,29 +425,35 @@ class Scheduler:
         Returns the requests that finished.
         """
         finished: list[Request] = []
-        max_model_len = self.max_model_len
         for request, token_id, position in zip(sampled_requests, sampled_token_ids, positions):
             if request.is_finished:
                 continue
             token_ids = request.all_token_ids
             if position is None:
                 token_ids.append(token_id)
+                num_tokens = len(token_ids)
             else:
                 token_ids[position] = token_id
+                num_tokens = position + 1
             params = request.sampling_params
-            num_output = (position + 1 if position is not None else len(token_ids)) - len(request.prompt_token_ids)
             status = None
-            if num_output >= params.min_tokens and (
+            if num_tokens - len(request.prompt_token_ids) >= params.min_tokens and (
                 token_id in request.eos_token_ids or token_id in params.stop_token_ids
             ):
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
-            elif num_output >= params.max_tokens or num_output + len(request.prompt_token_ids) >= max_model_len:
+            elif self._ends_by_length(request, num_tokens):
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.finish_request(request, status)
                 finished.append(request)
         return finished
+
+    def _ends_by_length(self, request: Request, num_tokens: int) -> bool:
+        """Whether a request ends once it has `num_tokens` tokens (prompt and output): its
+        max_tokens, or max_model_len, reached."""
+        return (num_tokens >= self.max_model_len
+                or num_tokens - len(request.prompt_token_ids) >= request.sampling_params.max_tokens)
 
     def _hold(self, request: Request) -> None:
         """Take a prefilled request out of the batch, keeping its blocks for a handoff."""
