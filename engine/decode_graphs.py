@@ -33,12 +33,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.block_pool import KVCacheManager
-from engine.forward_batch import ForwardBatch, pending_decodes
+from engine.forward_batch import ForwardBatch, decode_rows
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -181,16 +180,10 @@ class StaticDecode:
         if size is None or out.total_num_scheduled_tokens != num_seqs:
             return None
         kv = self.kv
-        block_size = kv.block_size
-        get_row = kv.get_row
-        positions = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_seqs)
-        rows = np.fromiter((get_row(r.request_id) for r in requests), np.int64, num_seqs)
-        ids = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r in requests), np.int64, num_seqs)
-        pending_rows, pending_sources = pending_decodes(requests, ids)
-        num_pending = len(pending_rows)
-        width = (int(positions.max()) // block_size) + 1
-        # Every row samples unless it is a one-token chunk of a longer prompt.
-        sample_rows = [i for i, r in enumerate(requests) if r.num_computed_tokens + 1 == len(r.all_token_ids)]
+        d = decode_rows(requests, kv)
+        num_pending = len(d.pending_rows)
+        width = (int(d.positions.max()) // kv.block_size) + 1
+        sample_rows = d.sample_rows
 
         stride = _even(size)
         host = torch.empty(self._num_elements(size, width), dtype=torch.int64,
@@ -198,23 +191,21 @@ class StaticDecode:
         flat = host.numpy()
         parts = [flat[i * stride : i * stride + size] for i in range(_NUM_ROW_PARTS)]
         h_ids, h_positions, h_slots, h_seq_lens, h_samples, h_pending_rows, h_pending_sources = parts
-        tables = kv.block_tables[rows, :width]  # [n, W]
-        block_index = positions // block_size
-        h_ids[:num_seqs] = ids
+        h_ids[:num_seqs] = d.token_ids
         h_ids[num_seqs:] = 0
-        h_positions[:num_seqs] = positions
+        h_positions[:num_seqs] = d.positions
         h_positions[num_seqs:] = 0
-        h_slots[:num_seqs] = tables[np.arange(num_seqs), block_index] * block_size + positions % block_size
+        h_slots[:num_seqs] = d.slots
         h_slots[num_seqs:] = -1
-        h_seq_lens[:num_seqs] = positions + 1
+        h_seq_lens[:num_seqs] = d.positions + 1
         h_seq_lens[num_seqs:] = 1
         h_samples[: len(sample_rows)] = sample_rows
-        h_pending_rows[:num_pending] = pending_rows
-        h_pending_sources[:num_pending] = pending_sources
+        h_pending_rows[:num_pending] = d.pending_rows
+        h_pending_sources[:num_pending] = d.pending_sources
         tail = _NUM_ROW_PARTS * stride
         flat[tail] = width
         table_part = flat[tail + 2 :].reshape(size, width)
-        table_part[:num_seqs] = tables
+        table_part[:num_seqs] = kv.block_tables[d.table_rows, :width]
         table_part[num_seqs:] = 0
         self.buffer[: len(flat)].copy_(host, non_blocking=True)
 

@@ -74,31 +74,21 @@ def prepare_forward_batch(
     chunks = [(r, n) for r, n in zip(requests, num_scheduled) if n != 1] if num_decodes != len(requests) else []
     num_seqs = num_decodes + len(chunks)
 
-    # Decode group, vectorized.
-    d_pos = np.fromiter((r.num_computed_tokens for r in decodes), np.int64, num_decodes)
-    d_rows = np.fromiter((get_row(r.request_id) for r in decodes), np.int64, num_decodes)
-    d_ids = np.fromiter(
-        (r.all_token_ids[r.num_computed_tokens] for r in decodes), np.int64, num_decodes
-    )
-    pending_rows, pending_sources = pending_decodes(decodes, d_ids)
-    decode_max_seq_len = int(d_pos.max()) + 1 if num_decodes else 0
+    d = decode_rows(decodes, kv)
+    pending_rows, pending_sources = d.pending_rows, d.pending_sources
+    decode_max_seq_len = int(d.positions.max()) + 1 if num_decodes else 0
     chunk_rows = np.fromiter((get_row(r.request_id) for r, _ in chunks), np.int64, len(chunks))
     chunk_ends = np.fromiter((r.num_computed_tokens + n for r, n in chunks), np.int64, len(chunks))
     max_seq_len = max(decode_max_seq_len, int(chunk_ends.max()) if len(chunks) else 0)
     max_blocks = cdiv(max_seq_len, block_size)
-    tables = block_tables[np.concatenate([d_rows, chunk_rows]), :max_blocks]  # [B, MB]
-    d_block_idx = d_pos // block_size
-    d_slots = tables[np.arange(num_decodes), d_block_idx] * block_size + (d_pos - d_block_idx * block_size)
+    tables = block_tables[np.concatenate([d.table_rows, chunk_rows]), :max_blocks]  # [B, MB]
 
     # Prefill chunks, one contiguous range each.
-    ids_parts = [d_ids]
-    pos_parts = [d_pos]
-    slot_parts = [d_slots]
-    sample_requests = [r for r in decodes if r.num_computed_tokens + 1 == len(r.all_token_ids)]
-    if len(sample_requests) == num_decodes:
-        sample_idx = list(range(num_decodes))
-    else:
-        sample_idx = [i for i, r in enumerate(decodes) if r.num_computed_tokens + 1 == len(r.all_token_ids)]
+    ids_parts = [d.token_ids]
+    pos_parts = [d.positions]
+    slot_parts = [d.slots]
+    sample_idx = d.sample_rows
+    sample_requests = list(decodes) if len(sample_idx) == num_decodes else [decodes[i] for i in sample_idx]
     query_start = list(range(num_decodes + 1))
     token_start = num_decodes
     for index, (request, num_new) in enumerate(chunks):
@@ -133,7 +123,7 @@ def prepare_forward_batch(
     np.concatenate(pos_parts, out=host_parts[1])
     np.concatenate(slot_parts, out=host_parts[2])
     host_parts[3][:] = query_start
-    host_parts[4][:num_decodes] = d_pos + 1
+    host_parts[4][:num_decodes] = d.positions + 1
     host_parts[4][num_decodes:] = chunk_ends
     host_parts[5][:] = tables.reshape(-1)
     host_parts[6][:] = sample_idx
@@ -177,9 +167,33 @@ def prepare_forward_batch(
     )
 
 
-def pending_decodes(decodes: list[Request], input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The decode rows whose input id is a PENDING_TOKEN, and each one's row among the
-    sampled tokens of the step in flight."""
-    rows = np.flatnonzero(input_ids == PENDING_TOKEN)
-    sources = np.fromiter((decodes[row].pending_sample_index for row in rows), np.int64, len(rows))
-    return rows, sources
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """The inputs of a step's decodes (one new token each), gathered from the requests
+    and the KV manager's block tables, vectorized over the group."""
+
+    positions: np.ndarray  # [D] int64: the new token's position
+    table_rows: np.ndarray  # [D] int64: each one's row of the block tables
+    token_ids: np.ndarray  # [D] int64: the input token; PENDING_TOKEN when still on the device
+    slots: np.ndarray  # [D] int64: where the new token's K/V goes
+    sample_rows: list[int]  # the rows that sample (all but one-token chunks of longer prompts)
+    # The rows whose input is PENDING_TOKEN, and each one's row among the sampled tokens
+    # of the step in flight.
+    pending_rows: np.ndarray  # [P] int64
+    pending_sources: np.ndarray  # [P] int64
+
+
+def decode_rows(decodes: list[Request], kv: KVCacheManager) -> DecodeRows:
+    num_decodes = len(decodes)
+    block_size = kv.block_size
+    get_row = kv.get_row
+    positions = np.fromiter((r.num_computed_tokens for r in decodes), np.int64, num_decodes)
+    table_rows = np.fromiter((get_row(r.request_id) for r in decodes), np.int64, num_decodes)
+    token_ids = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r in decodes), np.int64, num_decodes)
+    block_index = positions // block_size
+    slots = kv.block_tables[table_rows, block_index] * block_size + (positions - block_index * block_size)
+    sample_rows = [i for i, r in enumerate(decodes) if r.num_computed_tokens + 1 == len(r.all_token_ids)]
+    pending_rows = np.flatnonzero(token_ids == PENDING_TOKEN)
+    pending_sources = np.fromiter((decodes[row].pending_sample_index for row in pending_rows), np.int64,
+                                  len(pending_rows))
+    return DecodeRows(positions, table_rows, token_ids, slots, sample_rows, pending_rows, pending_sources)
