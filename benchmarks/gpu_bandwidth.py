@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -161,27 +162,43 @@ def _decode_max_tokens(llm, batch_size: int, context_len: int, num_steps: int, w
     return prefill_steps + warmup_steps + num_steps + 4
 
 
-def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, warmup_steps: int,
-                   seed: int = 0) -> DecodePoint:
-    """Prefill `batch_size` random prompts of `context_len` tokens, then time `num_steps`
-    engine steps in which every one of them decodes (wall clock, device synchronized)."""
+@contextmanager
+def decoding(engine, batch_size: int, context_len: int, max_tokens: int, warmup_steps: int,
+             seed: int = 0) -> Iterator[list]:
+    """`batch_size` random greedy prompts of `context_len` tokens, prefilled and then
+    decoded for `warmup_steps` steps: the requests, every one of them decoding. On exit
+    the ones still running are aborted and the engine is stepped until it is idle."""
     from engine import SamplingParams
 
-    engine = llm.engine
-    device = engine.device
-    if batch_size > engine.config.scheduler.max_num_seqs:
-        raise ValueError(f"batch {batch_size} exceeds max_num_seqs {engine.config.scheduler.max_num_seqs}")
-    max_tokens = _decode_max_tokens(llm, batch_size, context_len, num_steps, warmup_steps)
     rng = np.random.default_rng(seed)
     prompts = rng.integers(MIN_TOKEN_ID, engine.vocab_size, size=(batch_size, context_len))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     requests = [engine.add_request(prompt.tolist(), params) for prompt in prompts]
-    seconds, contexts = [], []
     try:
         while any(r.num_output_tokens == 0 for r in requests):
             engine.step()
         for _ in range(warmup_steps):
             engine.step()
+        yield requests
+    finally:
+        for request in requests:
+            if not request.is_finished:
+                engine.abort_request(request.request_id)
+        while engine.has_unfinished_requests():  # hands out the aborted requests' outputs
+            engine.step()
+
+
+def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, warmup_steps: int,
+                   seed: int = 0) -> DecodePoint:
+    """Prefill `batch_size` random prompts of `context_len` tokens, then time `num_steps`
+    engine steps in which every one of them decodes (wall clock, device synchronized)."""
+    engine = llm.engine
+    device = engine.device
+    if batch_size > engine.config.scheduler.max_num_seqs:
+        raise ValueError(f"batch {batch_size} exceeds max_num_seqs {engine.config.scheduler.max_num_seqs}")
+    max_tokens = _decode_max_tokens(llm, batch_size, context_len, num_steps, warmup_steps)
+    seconds, contexts = [], []
+    with decoding(engine, batch_size, context_len, max_tokens, warmup_steps, seed) as requests:
         for _ in range(num_steps):
             # The step's new token (sampled last step) attends to every token so far.
             contexts.append(sum(r.num_tokens for r in requests))
@@ -193,11 +210,6 @@ def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, warmu
             if len(out.outputs) != batch_size or any(o.finished for o in out.outputs):
                 raise RuntimeError(f"batch {batch_size} x {context_len}: a step decoded "
                                    f"{len(out.outputs)} sequences (preempted or finished early)")
-    finally:
-        for request in requests:
-            if not request.is_finished:
-                engine.abort_request(request.request_id)
-        engine.step()  # hands out the aborted requests' outputs
     layout = engine.kv_layout
     mean_tokens = statistics.fmean(contexts)
     return DecodePoint(

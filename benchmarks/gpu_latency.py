@@ -20,10 +20,9 @@ import statistics
 from dataclasses import dataclass
 from time import perf_counter
 
-import numpy as np
 import torch
 
-from benchmarks.gpu_bandwidth import MIN_TOKEN_ID, decode_weight_bytes, synchronize
+from benchmarks.gpu_bandwidth import decode_weight_bytes, decoding, synchronize
 
 MODES = {  # name: (CUDA graphs, overlapped scheduling)
     "graphs+overlap": (True, True),
@@ -60,15 +59,8 @@ def set_mode(llm, mode: str, static_decode) -> None:
 
 def measure_steady_decode(llm, mode: str, batch_size: int, context_len: int, num_steps: int,
                           warmup_steps: int, seed: int = 0) -> LatencyPoint:
-    from engine import SamplingParams
-
     engine = llm.engine
     runner = engine.runner
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(MIN_TOKEN_ID, engine.vocab_size, size=(batch_size, context_len))
-    max_tokens = warmup_steps + num_steps + 8
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    requests = [engine.add_request(prompt.tolist(), params) for prompt in prompts]
     launched = []
     launch = runner.launch
 
@@ -77,30 +69,22 @@ def measure_steady_decode(llm, mode: str, batch_size: int, context_len: int, num
         launched.append(step)
         return step
 
-    step_seconds, host_seconds = [], []
-    try:
-        while any(r.num_output_tokens == 0 for r in requests):
-            engine.step()
-        for _ in range(warmup_steps):
-            engine.step()
+    step_seconds = []
+    with decoding(engine, batch_size, context_len, warmup_steps + num_steps + 8, warmup_steps, seed):
         runner.launch = recording_launch
-        synchronize(engine.device)
-        started = perf_counter()
-        for _ in range(num_steps):
-            step_start = perf_counter()
-            out = engine.step()
-            step_seconds.append(perf_counter() - step_start)
-            if len(out.outputs) != batch_size:
-                raise RuntimeError(f"{mode}, batch {batch_size}: a step reported {len(out.outputs)} sequences")
-        synchronize(engine.device)
-        wall = perf_counter() - started
-    finally:
-        runner.launch = launch
-        for request in requests:
-            if not request.is_finished:
-                engine.abort_request(request.request_id)
-        while engine.has_unfinished_requests():
-            engine.step()
+        try:
+            synchronize(engine.device)
+            started = perf_counter()
+            for _ in range(num_steps):
+                step_start = perf_counter()
+                out = engine.step()
+                step_seconds.append(perf_counter() - step_start)
+                if len(out.outputs) != batch_size:
+                    raise RuntimeError(f"{mode}, batch {batch_size}: a step reported {len(out.outputs)} sequences")
+            synchronize(engine.device)
+            wall = perf_counter() - started
+        finally:
+            runner.launch = launch
     waits = [step.result().wait_seconds for step in launched]
     # Step i reports the tokens of the step launched at i (plain) or i - 1 (overlapped):
     # the host time of a call is its wall time less the wait inside it, whichever step it waited for.
