@@ -39,11 +39,11 @@ class LaunchedStep:
     device. On CPU the work is done by the time `launch` returns.
     """
 
-    __slots__ = ("requests", "sampled", "swap_bytes", "swap_seconds", "num_prefill_tokens", "events", "_timing",
-                 "_output")
+    __slots__ = ("requests", "sampled", "swap_bytes", "swap_seconds", "num_prefill_tokens", "events",
+                 "host_seconds", "_output")
 
     def __init__(self, requests: list[Request], sampled: SampledTokens | None, swap_bytes: int,
-                 swap_seconds: float, num_prefill_tokens: int, timing: tuple | float) -> None:
+                 swap_seconds: float, num_prefill_tokens: int, events: tuple | None, host_seconds: float) -> None:
         self.requests = requests  # [S] the requests that sample, in row order
         self.sampled = sampled  # their tokens, on the device
         self.swap_bytes = swap_bytes
@@ -51,8 +51,8 @@ class LaunchedStep:
         self.num_prefill_tokens = num_prefill_tokens
         # CUDA: events recorded before the step's first and after its last launch (on the
         # device's timeline: the gap to the next step's first is the device idling).
-        self.events = timing if isinstance(timing, tuple) else None
-        self._timing = timing  # those events, or the host seconds the step took (CPU)
+        self.events = events
+        self.host_seconds = host_seconds  # launching it (on CPU: running it)
         self._output: ModelRunnerOutput | None = None
 
     @property
@@ -70,8 +70,8 @@ class LaunchedStep:
                 # its time is then known.
                 self.events[1].synchronize()
             wait_seconds = time.perf_counter() - started
-            timing = self._timing
-            seconds = timing if isinstance(timing, float) else timing[0].elapsed_time(timing[1]) / 1e3
+            events = self.events
+            seconds = self.host_seconds if events is None else events[0].elapsed_time(events[1]) / 1e3
             self._output = ModelRunnerOutput(
                 self.requests,
                 [] if sampler_output is None else sampler_output.token_ids,
@@ -134,11 +134,10 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step: swaps, the forward pass, sampling. Decodes whose input token is
         still PENDING take it from `previous` (the step in flight) on the device."""
-        is_cuda = self.device.type == "cuda"
-        timing: tuple | float
-        if is_cuda:
-            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            timing[0].record()
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         started = time.perf_counter()
         swap_bytes, swap_seconds = self._swap(out)
         sampled = None
@@ -161,11 +160,10 @@ class ModelRunner:
                 sampling = self._sampling_batch(sample_requests)
                 last_token_ids = batch.input_ids.index_select(0, batch.sample_indices) if sampling.any_penalty else None
                 sampled = self.sampler.sample(logits, sampling, last_token_ids)
-        if is_cuda:
-            timing[1].record()
-        else:
-            timing = time.perf_counter() - started
-        return LaunchedStep(sample_requests, sampled, swap_bytes, swap_seconds, num_prefill_tokens, timing)
+        if events is not None:
+            events[1].record()
+        return LaunchedStep(sample_requests, sampled, swap_bytes, swap_seconds, num_prefill_tokens, events,
+                            time.perf_counter() - started)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """The eager forward pass; logits [S, V] of the rows that sample (None: no row does)."""
