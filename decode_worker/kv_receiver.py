@@ -3,10 +3,16 @@ opened channel per prefill worker, and the pull of one request's blocks over it
 (control on gRPC through PrefillWorkerClient, data over a kvtransfer transport).
 
     receive(handle, blocks)
+      the transport: chosen from our endpoint and the handle's (kvtransfer.endpoint),
+        or refused, and the prompt is prefilled here
       an idle channel to that prefill worker, else a new one (up to MAX_CHANNELS_PER_PEER):
         listen() + OpenKvChannel, then accept()
       SendKv: accepted (its lease pinned, its block ids) -> recv_blocks -> done
       verify: our checksums of the blocks must equal the sender's
+
+A receive that fails while the sender may still be writing into its blocks (an ipc
+sender that stopped answering mid-copy) says so (`ReceiveResult.settled`): the caller
+keeps those blocks out of use until the sender is known to write no more.
 
 A channel carries one transfer at a time, so several channels per prefill worker let
 pulls overlap: a burst of handoffs no longer waits in a line (each pull's RPC round
@@ -26,10 +32,20 @@ from dataclasses import dataclass, replace
 import grpc
 
 from baton.runtime.clients import Metadata, PrefillWorkerClient
+from baton.runtime.metrics import TransferTally
 from baton.runtime.security import TlsConfig
 from baton.wire.records import KvHandle, OpenKvChannel, SendKv, SendKvAccepted, SendKvDone
 from engine.kv_cache import KVCache
-from kvtransfer import KvLayoutSpec, KvTransferError, KvTransport, block_checksums, listen
+from kvtransfer import (
+    KvEndpoint,
+    KvLayoutSpec,
+    KvTransferError,
+    KvTransport,
+    TransportRefusedError,
+    block_checksums,
+    choose_transport,
+    listen,
+)
 from kvtransfer.wire import TAG_BITS
 
 logger = logging.getLogger(__name__)
@@ -45,6 +61,8 @@ MAX_CHANNELS_PER_PEER = 4
 # the request's block count disagrees (INVALID_ARGUMENT). Any other status of a SendKv
 # call drops the channel.
 _CHANNEL_INTACT = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+# How often a transfer in doubt is asked whether it has settled (see ReceiveResult.settled).
+SETTLE_POLL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +70,14 @@ class ReceiveResult:
     """How one request's KV pull went."""
 
     ok: bool
+    transport: str = ""  # the channel's ("" when none could be had)
     verified: bool = False  # every block's checksum matched the sender's
     num_bytes: int = 0
     seconds: float = 0.0
     error: str = ""  # why it failed (the caller then prefills the prompt itself)
+    # Failed, and the sender may still be writing into the blocks: done once it no longer
+    # can (it answered, or is gone). Until then the blocks must stay out of use.
+    settled: asyncio.Future | None = None
 
 
 class _Channel:
@@ -87,6 +109,7 @@ class _Peer:
 
     def __init__(self, address: str, tls: TlsConfig | None) -> None:
         self.client = PrefillWorkerClient(address, tls=tls)
+        self.refusals_logged: set[str] = set()  # refusals logged as errors (once each)
         self.channels = [_Channel(address, i) for i in range(MAX_CHANNELS_PER_PEER)]
         self.idle: asyncio.LifoQueue[_Channel] = asyncio.LifoQueue()
         for channel in reversed(self.channels):
@@ -96,12 +119,13 @@ class _Peer:
 class KvReceiver:
     """Pulls handed-off KV into this worker's cache."""
 
-    def __init__(self, worker_id: str, kv_cache: KVCache, layout: KvLayoutSpec, *, host: str, timeout_s: float,
-                 verify: bool, tls: TlsConfig | None = None) -> None:
+    def __init__(self, worker_id: str, kv_cache: KVCache, layout: KvLayoutSpec, endpoint: KvEndpoint, *, host: str,
+                 timeout_s: float, verify: bool, tally: TransferTally, tls: TlsConfig | None = None) -> None:
         self.worker_id = worker_id
         self.kv_cache = kv_cache
         self.layout = layout
-        self.host = host
+        self.endpoint = endpoint  # our side of every channel
+        self.host = host  # of the rendezvous store (gloo, nccl)
         self.timeout_s = timeout_s
         self.verify = verify
         self.tls = tls  # of the control plane's calls (OpenKvChannel, SendKv, ReleaseKv)
@@ -110,23 +134,18 @@ class KvReceiver:
         # unguessable, since a prefill worker refuses to reopen a working channel's id.
         self._channel_prefix = f"{worker_id}-{uuid.uuid4().hex[:12]}"
         self._channel_ids = itertools.count()
-        # Counters (WorkerStats).
-        self.num_transfers = 0
-        self.num_transfer_failures = 0
-        self.num_transfers_verified = 0
-        self.num_transferred_bytes = 0
-        self.transfer_seconds = 0.0
+        self._settling: set[asyncio.Task] = set()  # transports of transfers in doubt, until settled
+        self._closing = False
+        self.tally = tally
+        self.last_refusal = ""  # why the last channel was refused its transport
 
     def counters(self) -> dict:
-        return dict(
-            num_transfers=self.num_transfers,
-            num_transfer_failures=self.num_transfer_failures,
-            num_transfers_verified=self.num_transfers_verified,
-            num_transferred_bytes=self.num_transferred_bytes,
-            transfer_seconds=self.transfer_seconds,
-        )
+        return dict(self.tally.counters(), kv_channel_refusal=self.last_refusal)
 
     async def close(self) -> None:
+        self._closing = True
+        for task in self._settling:
+            task.cancel()
         for peer in self._peers.values():
             for channel in peer.channels:
                 channel.close()
@@ -149,34 +168,81 @@ class KvReceiver:
         during the receive itself, which it waits for (the blocks are being written)."""
         started = time.perf_counter()
         peer = self._peer(handle.prefill_address)
+        try:
+            if handle.prefill_endpoint is None:
+                raise TransportRefusedError("the KV handle does not say where its KV lives")
+            transport = choose_transport(self.endpoint, handle.prefill_endpoint)
+        except TransportRefusedError as error:
+            self._refused(peer, handle.prefill_address, error)
+            self.tally.failed("")
+            return ReceiveResult(ok=False, error=f"refused: {error}", seconds=time.perf_counter() - started)
         channel = await peer.idle.get()
         try:
-            pulled = await self._pull(peer.client, channel, handle, block_ids, trace_metadata)
+            pulled = await self._pull(peer.client, channel, transport, handle, block_ids, trace_metadata)
         except (KvTransferError, grpc.aio.AioRpcError, asyncio.TimeoutError, ValueError) as error:
-            self.num_transfer_failures += 1
-            if isinstance(error, grpc.aio.AioRpcError) and error.code() not in _CHANNEL_INTACT:
+            self.tally.failed(transport)
+            settled = None
+            if isinstance(error, TransportRefusedError):
+                self._refused(peer, handle.prefill_address, error)
+            elif isinstance(error, KvTransferError) and error.in_doubt:
+                settled = self._settle(channel, handle)
+            elif isinstance(error, grpc.aio.AioRpcError) and error.code() not in _CHANNEL_INTACT:
                 # The peer may not know our channel any more (it restarted on its address:
                 # FAILED_PRECONDITION to every send, for good). The next pull opens a new one.
                 channel.drop_transport()
             message = _describe(error)
-            logger.warning("KV pull of %s from %s failed: %s", handle.request_id, handle.prefill_address, message)
-            return ReceiveResult(ok=False, error=message, seconds=time.perf_counter() - started)
+            logger.warning("KV pull of %s from %s over %s failed: %s", handle.request_id, handle.prefill_address,
+                           transport, message)
+            return ReceiveResult(ok=False, transport=transport, error=message, settled=settled,
+                                 seconds=time.perf_counter() - started)
+        except asyncio.CancelledError:
+            self.tally.failed(transport)
+            raise
         finally:
             peer.idle.put_nowait(channel)
-        result = replace(pulled, seconds=time.perf_counter() - started)
-        self.num_transfers += 1
-        self.num_transfers_verified += result.verified
-        self.num_transferred_bytes += result.num_bytes
-        self.transfer_seconds += result.seconds
+        result = replace(pulled, transport=transport, seconds=time.perf_counter() - started)
+        self.tally.done(transport, result.num_bytes, result.seconds, result.verified)
         return result
 
-    async def _pull(self, client: PrefillWorkerClient, channel: _Channel, handle: KvHandle, block_ids: list[int],
-                    trace_metadata) -> ReceiveResult:
+    def _refused(self, peer: _Peer, address: str, error: TransportRefusedError) -> None:
+        """A pair no transport can join: the request is prefilled here. Loud once per reason."""
+        self.last_refusal = str(error)
+        self.tally.metrics.channel_refusals.inc()
+        level = logging.DEBUG if self.last_refusal in peer.refusals_logged else logging.ERROR
+        peer.refusals_logged.add(self.last_refusal)
+        logger.log(level, "no KV channel to prefill worker %s: %s; its requests are prefilled here", address, error)
+
+    def _settle(self, channel: _Channel, handle: KvHandle) -> asyncio.Future:
+        """Take a transport whose last receive failed in doubt off its channel (the next pull
+        there opens a new one); the returned future is done once it has settled."""
+        transport, channel.transport = channel.transport, None
+        settled = asyncio.get_running_loop().create_future()
+        logger.warning("KV pull of %s from %s failed with the sender perhaps still writing: its %d blocks stay "
+                       "out of use until the sender answers or exits", handle.request_id, handle.prefill_address,
+                       handle.num_blocks)
+
+        async def wait() -> None:
+            try:
+                while not self._closing:
+                    if await asyncio.to_thread(transport.wait_settled, SETTLE_POLL_S):
+                        settled.set_result(None)
+                        return
+            finally:
+                await asyncio.to_thread(transport.close)
+
+        task = asyncio.create_task(wait())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return settled
+
+    async def _pull(self, client: PrefillWorkerClient, channel: _Channel, transport: str, handle: KvHandle,
+                    block_ids: list[int], trace_metadata) -> ReceiveResult:
         """The pull (its seconds left for the caller to time); raises on any failure."""
         if len(block_ids) != handle.num_blocks:
             raise ValueError(f"allocated {len(block_ids)} blocks for {handle.num_blocks} held")
-        if channel.transport is None or channel.transport.is_broken:
-            await self._open(client, channel, trace_metadata)
+        current = channel.transport
+        if current is None or current.is_broken or current.backend != transport:
+            await self._open(client, channel, transport, trace_metadata)
         loop = asyncio.get_running_loop()
         request = SendKv(channel.channel_id, handle.request_id, channel.next_tag(), len(block_ids), block_ids,
                          self.verify, handle.kv_token)
@@ -194,8 +260,12 @@ class KvReceiver:
             except asyncio.CancelledError:
                 # NOTE: the receive writes into the request's blocks until it ends (the channel's
                 # timeout bounds it): a pull cancelled meanwhile returns only then, so that
-                # its blocks are never freed under it.
+                # its blocks are never freed under it. A receive that ended in doubt says so
+                # instead: its blocks must outlive even that.
                 await asyncio.wait([receiving])
+                failure = None if receiving.cancelled() else receiving.exception()
+                if isinstance(failure, KvTransferError) and failure.in_doubt:
+                    raise failure from None
                 raise
             done = await call.next_event()
             if not isinstance(done, SendKvDone):
@@ -217,22 +287,25 @@ class KvReceiver:
                 channel.drop_transport()
             raise
 
-    async def _open(self, client: PrefillWorkerClient, channel: _Channel, trace_metadata) -> None:
-        """Offer a channel to the prefill worker and wait until it has joined."""
+    async def _open(self, client: PrefillWorkerClient, channel: _Channel, transport: str, trace_metadata) -> None:
+        """Offer a channel of `transport` to the prefill worker and wait until it has joined.
+        TransportRefusedError if the prefill worker refuses it (FAILED_PRECONDITION)."""
         channel.drop_transport()
         channel_id = f"{self._channel_prefix}-{next(self._channel_ids)}"
-        offer = listen(channel_id, self.host, self.kv_cache.blocks.device, self.timeout_s)
+        offer = listen(channel_id, transport, self.host, self.kv_cache, self.timeout_s)
         joining = asyncio.get_running_loop().run_in_executor(channel.executor, offer.accept)
         try:
-            await client.open_kv_channel(OpenKvChannel(offer.rendezvous, self.layout, self.worker_id),
-                                              timeout=self.timeout_s * 2, metadata=trace_metadata)
-        except BaseException:
+            await client.open_kv_channel(OpenKvChannel(offer.rendezvous, self.layout, self.worker_id, self.endpoint),
+                                         timeout=self.timeout_s * 2, metadata=trace_metadata)
+        except BaseException as error:
             # Our side of the rendezvous times out on its own; its thread is then free.
             joining.add_done_callback(lambda f: f.exception())
+            if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise TransportRefusedError(f"the prefill worker refused the channel: {error.details()}") from None
             raise
         channel.transport = await joining
         channel.channel_id = channel_id
-        logger.info("opened KV channel %s to prefill worker %s", channel_id, client.address)
+        logger.info("opened KV channel %s to prefill worker %s over %s", channel_id, client.address, transport)
 
 
 def _describe(error: BaseException) -> str:

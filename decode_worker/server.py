@@ -6,6 +6,7 @@ chunked and mixed with decodes."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import replace
 
@@ -38,6 +39,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         self._handles: dict[str, KvHandle] = {}
         self._spans: dict[str, object] = {}  # traced requests' decode spans, for their kv_transfer
         self._pulls: dict[str, asyncio.Task] = {}  # KV pulls under way, cancelled if their call ends
+        self._fence_ids = itertools.count()
         self._background = BackgroundTasks()
 
     async def load(self, address: str) -> None:
@@ -46,9 +48,11 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             self.worker_id,
             self.llm.kv_cache,
             self.layout,
+            self.kv_endpoint,
             host=self.settings.transfer_host,
             timeout_s=self.settings.transfer_timeout_s,
             verify=self.settings.verify_kv,
+            tally=self.transfers,
             tls=self.settings.tls,
         )
         allowlist = self.settings.prefill_allowlist
@@ -167,6 +171,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         handle = self._handles.get(request_id)
         if handle is None:  # the Decode call already ended; the engine aborts it when told
             self._end_pull(request_id)
+            self.transfers.failed("")
             result = ReceiveResult(ok=False, error="request gone")
         else:
             try:
@@ -175,16 +180,21 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 result = ReceiveResult(ok=False, error="the Decode call ended")
             finally:
                 self._end_pull(request_id)
-            if result.ok:
-                self.metrics.record_transfer(result.num_bytes, result.seconds)
-            else:
-                self.metrics.transfer_failures.inc()
         # NOTE: the engine keeps the blocks of a request aborted meanwhile until this call,
-        # so the receive above never writes into blocks that belong to someone else.
-        await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok))
+        # so the receive above never writes into blocks that belong to someone else; blocks
+        # a sender may still be writing into stay under a fence until it no longer can.
+        fence_id = None if result.settled is None else f"{request_id}#fence-{next(self._fence_ids)}"
+        await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok, fence_id))
+        if fence_id is not None:
+            self._background.spawn(self._release_fence(fence_id, result.settled))
         if handle is not None and not result.ok:
             # Tell the prefill worker to drop its lease if the send never happened.
             self._background.spawn(self._release_remote(handle))
+
+    async def _release_fence(self, fence_id: str, settled: asyncio.Future) -> None:
+        await settled
+        freed = await self.engine.call(lambda llm: llm.release_fence(fence_id))
+        logger.info("the sender of a failed KV transfer is done writing: %d blocks back in use (%s)", freed, fence_id)
 
     def _end_pull(self, request_id: str) -> None:
         if self._pulls.get(request_id) is asyncio.current_task():  # not a later request's, same id
@@ -209,10 +219,12 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             elif result.ok:
                 span.set_attributes(tracing.transfer_attributes(
                     num_blocks=len(receive.block_ids), num_bytes=result.num_bytes, seconds=result.seconds,
-                    verified=result.verified,
+                    verified=result.verified, transport=result.transport,
                 ))
                 tracing.end_span(span)
             else:
+                if result.transport:
+                    span.set_attribute("baton.kv.transport", result.transport)
                 tracing.end_span(span, grpc.StatusCode.UNAVAILABLE, result.error)
         return result
 

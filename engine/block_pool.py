@@ -132,6 +132,8 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._rows: dict[str, int] = {}
         self._swapped: dict[str, list[int]] = {}
+        # Blocks no request owns that may still be written from outside (see fence()).
+        self._fenced: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ device
     @property
@@ -206,6 +208,33 @@ class KVCacheManager:
         self.block_tables = grown
         self._free_rows.extend(range(old * 2 - 1, old - 1, -1))
 
+    # ----------------------------------------------------------------- fences
+    def fence(self, request_id: str, fence_id: str) -> int:
+        """Take the request's device blocks from it without freeing them: another process
+        may still be writing into them (a KV transfer whose sender stopped answering
+        mid-copy). They stay out of the pool under `fence_id` until release_fence();
+        returns how many."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return 0
+        if fence_id in self._fenced:
+            raise ValueError(f"fence {fence_id!r} exists")
+        self._release_table(request_id)
+        self._fenced[fence_id] = table
+        return len(table)
+
+    def release_fence(self, fence_id: str) -> int:
+        """Return a fence's blocks to the pool (nothing writes into them any more); how many."""
+        table = self._fenced.pop(fence_id, None)
+        if table is None:
+            return 0
+        self.pool.free(table)
+        return len(table)
+
+    @property
+    def num_fenced_blocks(self) -> int:
+        return sum(len(table) for table in self._fenced.values())
+
     # -------------------------------------------------------------------- swap
     def can_swap_out(self, request_id: str) -> bool:
         return self.swap_pool.can_allocate(len(self._tables.get(request_id, ())))
@@ -246,12 +275,15 @@ class KVCacheManager:
         return set(self._tables) | set(self._swapped)
 
     def check_integrity(self) -> None:
-        """Every block is free or in exactly one table; rows and tables agree."""
+        """Every block is free, in exactly one table or in one fence; rows and tables agree."""
         held: dict[int, int] = {}
         for request_id, table in self._tables.items():
             row = self._rows[request_id]
             if list(self.block_tables[row, : len(table)]) != table:
                 raise AssertionError(f"row {row} of {request_id} disagrees with its table")
+            for block_id in table:
+                held[block_id] = held.get(block_id, 0) + 1
+        for table in self._fenced.values():
             for block_id in table:
                 held[block_id] = held.get(block_id, 0) + 1
         self.pool.check_integrity(held)

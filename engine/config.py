@@ -74,6 +74,9 @@ class CacheConfig:
     num_swap_blocks: int | None = None
     swap_space_bytes: int = 256 * 1024**2
     gpu_memory_utilization: float = 0.9
+    # Another process on this host may map the device blocks and write KV into them
+    # (kvtransfer's ipc transport; see KVCache). A decode worker's cache is shareable.
+    shareable: bool = False
 
     DEFAULT_KV_CACHE_MEMORY_BYTES = 1024**3
 

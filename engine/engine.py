@@ -78,7 +78,8 @@ class LLMEngine:
             max_blocks_per_seq=cdiv(self.max_model_len, block_size),
             initial_rows=min(config.scheduler.max_num_seqs, 1024),
         )
-        self.kv_cache = KVCache(self.kv_layout, num_blocks, num_swap_blocks, self.device)
+        self.kv_cache = KVCache(self.kv_layout, num_blocks, num_swap_blocks, self.device,
+                                shareable=config.cache.shareable)
         self.cost_model = PreemptionCostModel(bytes_per_block)
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, self.cost_model, self.max_model_len
@@ -168,10 +169,18 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request
 
-    def complete_kv_receive(self, request_id: str, ok: bool) -> bool:
+    def complete_kv_receive(self, request_id: str, ok: bool, fence_id: str | None = None) -> bool:
         """The KV of a `kv_receives` entry is in place (`ok`), or never will be: the request
-        then prefills its prompt here. False if the request is gone (aborted meanwhile)."""
-        return self.scheduler.complete_kv_receive(request_id, ok) is not None
+        then prefills its prompt here. False if the request is gone (aborted meanwhile).
+
+        `fence_id`: the receive failed with its blocks in doubt (the sender may still
+        write into them): they stay out of the pool under that id, whether or not the
+        request is gone, until `release_fence(fence_id)`."""
+        return self.scheduler.complete_kv_receive(request_id, ok, fence_id) is not None
+
+    def release_fence(self, fence_id: str) -> int:
+        """Free the blocks of a fence: nothing writes into them any more. How many."""
+        return self.kv_manager.release_fence(fence_id)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the KV a prefill_only request holds (after the handoff, or when given up)."""

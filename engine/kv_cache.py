@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_pool import BlockCopy
+from engine.shared_memory import SharedMemory
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,11 @@ class KVCache:
     compute stream: the host never waits for them, and stream order keeps them
     between the forward passes that read and write the same blocks. Nothing
     reads the swap pool on the host.
+
+    `shareable`: another process on this host may map the device blocks and write
+    into them (kvtransfer's ipc transport). On CPU they then live in a memfd segment
+    (`shared_memory`, engine/shared_memory.py); a CUDA allocation is shareable as it
+    is, through CUDA IPC handles.
     """
 
     def __init__(
@@ -53,12 +59,19 @@ class KVCache:
         num_blocks: int,
         num_swap_blocks: int,
         device: torch.device | str = "cpu",
+        *,
+        shareable: bool = False,
     ) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
         pin = torch.device(device).type == "cuda"
-        self.blocks = torch.zeros(self._shape(num_blocks), dtype=layout.dtype, device=device)
+        self.shared_memory: SharedMemory | None = None
+        if shareable and torch.device(device).type == "cpu":
+            self.shared_memory = SharedMemory(num_blocks * layout.bytes_per_block, "baton-kv-cache")
+            self.blocks = self.shared_memory.tensor(layout.dtype).view(self._shape(num_blocks))  # zero-filled
+        else:
+            self.blocks = torch.zeros(self._shape(num_blocks), dtype=layout.dtype, device=device)
         self.swap_blocks = torch.zeros(self._shape(num_swap_blocks), dtype=layout.dtype, pin_memory=pin)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = self._layer_views(self.blocks)
 

@@ -1,6 +1,8 @@
-"""KV handoff data plane: the transport interface (transport.py, opened by connect.py) and today's transport,
-two-rank torch.distributed channels (Gloo for CPU caches, NCCL for CUDA); the layout
-both ends must share, per-block checksums, and the prefill side's leases.
+"""KV handoff data plane: the transport interface (transport.py, opened by connect.py,
+chosen by endpoint.py) and its transports: ipc within a host (ipc.py: shared memory or
+CUDA IPC), two-rank torch.distributed channels across hosts (channel.py: Gloo for CPU
+caches, NCCL for CUDA); the layout both ends must share, per-block checksums, and the
+prefill side's leases.
 
 The names below are imported from their modules when first used: the wire records
 read `KvLayoutSpec` and `Rendezvous` without loading torch.distributed.
@@ -18,6 +20,8 @@ if TYPE_CHECKING:  # for type checkers only: never run
     from kvtransfer.layout import KvLayoutMismatchError, KvLayoutSpec
     from kvtransfer.lease import KvLease, KvLeaseTable, LeaseState
     from kvtransfer.connect import ChannelOffer, join, listen
+    from kvtransfer.endpoint import KvEndpoint, TransportRefusedError, choose_transport, check_transport
+    from kvtransfer.ipc import IpcChannel
     from kvtransfer.transport import KvTransferError, KvTransport, Rendezvous, TransferStats
 
 _LOCATIONS = {
@@ -29,6 +33,11 @@ _LOCATIONS = {
     "KvLeaseTable": "kvtransfer.lease",
     "LeaseState": "kvtransfer.lease",
     "ChannelOffer": "kvtransfer.connect",
+    "IpcChannel": "kvtransfer.ipc",
+    "KvEndpoint": "kvtransfer.endpoint",
+    "TransportRefusedError": "kvtransfer.endpoint",
+    "check_transport": "kvtransfer.endpoint",
+    "choose_transport": "kvtransfer.endpoint",
     "KvTransferError": "kvtransfer.transport",
     "KvTransport": "kvtransfer.transport",
     "Rendezvous": "kvtransfer.transport",

@@ -24,15 +24,14 @@ import torch.distributed as dist
 
 from engine.kv_cache import KVCache
 from kvtransfer.group import StoreServer, abort_group, join_group
-from kvtransfer.layout import KvLayoutSpec
-from kvtransfer.transport import KvTransferError, KvTransport, TransferStats
+from kvtransfer.transport import KvTransferError, KvTransport, TransferStats, first_line
 from kvtransfer.wire import (
     HEADER_CAPACITY,
     HEADER_LEN,
     MIN_RUN_BYTES,
     TransferHeader,
-    plan_digest,
-    plan_messages,
+    prepare_transfer,
+    wide_rows,
     wire_tag,
 )
 
@@ -129,7 +128,7 @@ class KvChannel(KvTransport):
             raise KvTransferError(f"channel {channel_id}: {error}") from error
         except (RuntimeError, OSError) as error:  # DistStoreError, DistNetworkError, refused, unresolvable
             raise KvTransferError(
-                f"channel {channel_id}: peer did not join within {timeout_s:g} s: {_first_line(error)}"
+                f"channel {channel_id}: peer did not join within {timeout_s:g} s: {first_line(error)}"
             ) from error
         return cls(channel_id=channel_id, group=group, store=prefixed, store_server=store, rank=rank,
                    device=device, timeout_s=timeout_s, message_bytes=message_bytes)
@@ -179,7 +178,7 @@ class KvChannel(KvTransport):
                 if plan.staged:  # gathered while the runs are on the wire
                     staging = self._staging_rows(len(plan.staged), rows)
                     positions = torch.tensor([block_ids[p] for p in plan.staged], device=rows.device)
-                    torch.index_select(_wide(rows), 0, positions, out=_wide(staging))
+                    torch.index_select(wide_rows(rows), 0, positions, out=wide_rows(staging))
                     for k, (begin, end) in enumerate(plan.staged_slices()):
                         works.append(self._group.send([staging[begin:end].view(-1)], 1,
                                                       wire_tag(tag, len(plan.runs) + k + 1)))
@@ -241,7 +240,7 @@ class KvChannel(KvTransport):
                     self._wait(work)
                 for k, (begin, end) in enumerate(slices):  # each staged message scattered as it lands
                     self._wait(works[1 + len(plan.runs) + k])
-                    _wide(rows).index_copy_(0, positions[begin:end], _wide(staging[begin:end]))
+                    wide_rows(rows).index_copy_(0, positions[begin:end], wide_rows(staging[begin:end]))
                 if self._stream is not None:
                     self._stream.synchronize()  # in the cache before we say so
             except Exception as error:
@@ -296,21 +295,11 @@ class KvChannel(KvTransport):
         """Check the arguments before anything touches the wire.
 
         Returns (layout, message plan, plan digest, src_ids, dst_ids as lists of int)."""
-        if not isinstance(tag, int) or tag < 0:
-            raise ValueError(f"tag must be a non-negative int, got {tag!r}")
         if kv_cache.blocks.device != self.device:
             raise ValueError(f"cache on {kv_cache.blocks.device}, channel on {self.device}")
-        src_ids, dst_ids = [int(i) for i in src_ids], [int(i) for i in dst_ids]
-        mine = src_ids if self.rank == 0 else dst_ids
-        if any(not 0 <= i < kv_cache.num_blocks for i in mine):
-            raise ValueError(f"block id out of range 0..{kv_cache.num_blocks - 1}")
-        if any(i < 0 for i in src_ids + dst_ids):
-            raise ValueError("block ids must be non-negative")
-        if len(set(dst_ids)) != len(dst_ids):
-            raise ValueError("duplicate receiver block ids: two blocks would land in one")
-        spec = KvLayoutSpec.from_kv_layout(kv_cache.layout)
-        plan = plan_messages(src_ids, dst_ids, spec.bytes_per_block, self.message_bytes)
-        return spec, plan, plan_digest(src_ids, dst_ids), src_ids, dst_ids
+        prepared = prepare_transfer(kv_cache, src_ids, dst_ids, tag, is_sender=self.rank == 0,
+                                    message_bytes=self.message_bytes)
+        return prepared.spec, prepared.plan, prepared.digest, prepared.src_ids, prepared.dst_ids
 
     def _check_usable(self) -> None:
         if self._broken_reason is not None or self._group is None:
@@ -359,35 +348,15 @@ class KvChannel(KvTransport):
         its works in `works` only, and the traceback, whose frames hold the one that
         failed, is dropped (the backend's message says what happened).
         """
-        self._broken_reason = f"{type(error).__name__}: {_first_line(error)}"
+        self._broken_reason = f"{type(error).__name__}: {first_line(error)}"
         works.clear()
         error.__traceback__ = None
         self._release()
         if isinstance(error, ValueError):  # the header disagreed (KvLayoutMismatchError included)
             return KvTransferError(f"channel {self.channel_id}: sender and receiver disagree: {error}")
-        message = _first_line(error)
+        message = first_line(error)
         if isinstance(error, TimeoutError) or "imed out" in message:
             return KvTransferError(
                 f"channel {self.channel_id}: timed out after {self.timeout_s:g} s: {message}"
             )
         return KvTransferError(f"channel {self.channel_id}: transfer failed: {message}")
-
-
-# On the CPU index_copy_ moves one element at a time: viewing rows as the widest
-# element that divides them (16-byte complex128 where possible) makes the scatter
-# about 2x faster than float32 elements. Bits are only copied, never interpreted.
-_WIDE_DTYPES = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
-
-
-def _wide(rows: torch.Tensor) -> torch.Tensor:
-    """The same bytes as [n, row] of the widest dtype dividing a row."""
-    row_bytes = rows.shape[-1] * rows.element_size()
-    for size, dtype in _WIDE_DTYPES:
-        if row_bytes % size == 0 and (rows.device.type == "cpu" or not dtype.is_complex):
-            return rows.view(dtype)
-    return rows.view(torch.uint8)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

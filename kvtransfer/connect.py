@@ -1,8 +1,8 @@
 """Opening a channel: the receiver `listen`s and the sender `join`s (see transport.py).
 
-Which transport a channel gets is decided here, by the caches' device: today a
-two-rank torch.distributed group (kvtransfer/channel.py), Gloo for CPU caches and
-NCCL for CUDA ones.
+The transport (endpoint.py chooses it) decides what is built: "ipc" an IpcChannel
+(ipc.py) over an abstract Unix socket; "gloo" and "nccl" a two-rank torch.distributed
+group (channel.py) whose TCP store the receiver hosts.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
+from engine.kv_cache import KVCache
 from kvtransfer.channel import KvChannel
-from kvtransfer.group import SECRET_BYTES
+from kvtransfer.endpoint import GLOO, IPC, NCCL
+from kvtransfer.ipc import IpcChannel
+from kvtransfer.proof import SECRET_BYTES
 from kvtransfer.transport import KvTransport, Rendezvous
 
 
@@ -28,20 +29,42 @@ class ChannelOffer:
     accept: Callable[[], KvTransport]
 
 
-def listen(channel_id: str, host: str, device: torch.device | str, timeout_s: float) -> ChannelOffer:
-    """Receiver side: start hosting a channel on `host` for a cache on `device`, with a
-    fresh secret only the sender this offer is sent to learns."""
+def listen(channel_id: str, transport: str, host: str, kv_cache: KVCache, timeout_s: float) -> ChannelOffer:
+    """Receiver side: start hosting a channel of `transport` into `kv_cache` (gloo and nccl
+    host their store on `host`), with a fresh secret only the sender this offer is sent
+    to learns. KvTransferError if the cache cannot be reached that way (ipc: a CPU cache
+    not in shared memory); ValueError for a transport the cache's device cannot use."""
+    secret = secrets.token_bytes(SECRET_BYTES)
+    device = kv_cache.blocks.device
+    _check_device(transport, device.type)
+    if transport == IPC:
+        name, accept = IpcChannel.listen(channel_id, kv_cache, timeout_s, secret)
+        return ChannelOffer(Rendezvous(channel_id, "", 0, timeout_s, secret, IPC, name), accept)
     store = KvChannel.host_store(host)
-    rendezvous = Rendezvous(channel_id, host, store.port, timeout_s, secrets.token_bytes(SECRET_BYTES))
+    rendezvous = Rendezvous(channel_id, host, store.port, timeout_s, secret, transport)
     return ChannelOffer(rendezvous, lambda: KvChannel.connect(
         channel_id=channel_id, host=host, port=store.port, rank=1, device=device, timeout_s=timeout_s,
         secret=rendezvous.secret, store=store,
     ))
 
 
-def join(rendezvous: Rendezvous, device: torch.device | str) -> KvTransport:
-    """Sender side: join the channel `rendezvous` names, for a cache on `device`."""
+def join(rendezvous: Rendezvous, kv_cache: KVCache) -> KvTransport:
+    """Sender side: join the channel `rendezvous` names, sending from `kv_cache`."""
+    device = kv_cache.blocks.device
+    _check_device(rendezvous.transport, device.type)
+    if rendezvous.transport == IPC:
+        return IpcChannel.join(rendezvous.channel_id, rendezvous.socket, kv_cache, rendezvous.timeout_s,
+                               rendezvous.secret)
     return KvChannel.connect(
         channel_id=rendezvous.channel_id, host=rendezvous.host, port=rendezvous.port, rank=0, device=device,
         timeout_s=rendezvous.timeout_s, secret=rendezvous.secret,
     )
+
+
+def _check_device(transport: str, device_type: str) -> None:
+    # KvChannel picks its backend by device: gloo for CPU caches, nccl for CUDA ones.
+    wanted = {GLOO: "cpu", NCCL: "cuda"}.get(transport)
+    if transport not in (IPC, GLOO, NCCL):
+        raise ValueError(f"unknown kv transport {transport!r}")
+    if wanted is not None and device_type != wanted:
+        raise ValueError(f"the {transport} transport moves {wanted} caches, not {device_type} ones")

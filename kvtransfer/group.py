@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
-import hmac
 import socket
 import time
 
 import torch
 import torch.distributed as dist
 
-
-SECRET_BYTES = 32
-PROOF_BYTES = hashlib.sha256().digest_size
+from kvtransfer.proof import PROOF_BYTES, channel_proof, check_secret, is_proof
 
 
 class StoreServer:
@@ -66,8 +62,7 @@ def join_group(
     not). `agree`: settings both sides must share; ValueError naming those that differ.
     Raises RuntimeError / OSError on a store or rendezvous timeout or a refused connection.
     """
-    if len(secret) < SECRET_BYTES // 2:
-        raise ValueError(f"a channel secret needs at least {SECRET_BYTES // 2} bytes")
+    check_secret(secret)
     timeout = datetime.timedelta(seconds=timeout_s)
     # A client connection of our own (also on the hosting side), so the store's
     # timeout is this channel's.
@@ -99,10 +94,6 @@ def join_group(
     return group, store
 
 
-def _proof(secret: bytes, channel_id: str, rank: int) -> bytes:
-    return hmac.new(secret, f"baton-kv-channel/{channel_id}/{rank}".encode(), hashlib.sha256).digest()
-
-
 def _exchange_proofs(group: dist.ProcessGroup, channel_id: str, rank: int, device: torch.device,
                      secret: bytes, timeout_s: float) -> bool:
     """Send our proof over the group, receive the peer's; whether it is right. Runs
@@ -110,7 +101,7 @@ def _exchange_proofs(group: dist.ProcessGroup, channel_id: str, rank: int, devic
     posted either way. The sender sends first and the receiver receives first, the
     order NCCL's in-order streams need."""
     comm = device if device.type == "cuda" else torch.device("cpu")
-    mine = torch.frombuffer(bytearray(_proof(secret, channel_id, rank)), dtype=torch.uint8).to(comm)
+    mine = torch.frombuffer(bytearray(channel_proof(secret, channel_id, rank)), dtype=torch.uint8).to(comm)
     theirs = torch.zeros(PROOF_BYTES, dtype=torch.uint8, device=comm)
     if rank == 0:
         works = [group.send([mine], 1, 0), group.recv([theirs], 1, 0)]
@@ -118,7 +109,7 @@ def _exchange_proofs(group: dist.ProcessGroup, channel_id: str, rank: int, devic
         works = [group.recv([theirs], 0, 0), group.send([mine], 0, 0)]
     for work in works:
         _wait(work, device, timeout_s)
-    return hmac.compare_digest(bytes(theirs.cpu().tolist()), _proof(secret, channel_id, 1 - rank))
+    return is_proof(bytes(theirs.cpu().tolist()), secret, channel_id, 1 - rank)
 
 
 def _wait(work, device: torch.device, timeout_s: float) -> None:

@@ -13,10 +13,13 @@ under a tag both were given:
 
 (`listen` and `join`, which build the transport for a device, are in connect.py.)
 
-Today's transport is a two-rank torch.distributed group (`KvChannel`: Gloo for
-CPU caches, NCCL for CUDA ones); transports that copy within a host (shared
-memory, CUDA IPC) implement the same interface. Callers above kvtransfer
-(prefill_worker/kv_sender.py, decode_worker/kv_receiver.py) see only this module.
+Three transports implement it (the `transport` of a channel, chosen by
+endpoint.py): "ipc" on one host (`IpcChannel`, ipc.py: the sender copies straight
+into the receiver's cache, shared as a memfd segment or through CUDA IPC), and a
+two-rank torch.distributed group across hosts (`KvChannel`, channel.py: "gloo" for
+CPU caches, "nccl" for CUDA ones). Callers above kvtransfer
+(prefill_worker/kv_sender.py, decode_worker/kv_receiver.py) see only this module,
+connect.py and endpoint.py.
 """
 
 from __future__ import annotations
@@ -34,7 +37,15 @@ if TYPE_CHECKING:
 
 class KvTransferError(RuntimeError):
     """A rendezvous or transfer failed or timed out. The transport is then broken: close
-    it and open a new channel (under a new channel id)."""
+    it and open a new channel (under a new channel id).
+
+    `in_doubt`: a receive failed while the sender may still be writing into its blocks
+    (a sender that writes into the receiver's memory itself, and stopped answering
+    mid-copy). The blocks must not be reused until `KvTransport.wait_settled`."""
+
+    def __init__(self, message: str, *, in_doubt: bool = False) -> None:
+        super().__init__(message)
+        self.in_doubt = in_doubt
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +59,21 @@ class TransferStats:
 
 @dataclass(frozen=True, slots=True)
 class Rendezvous:
-    """What the sender needs to join a channel the receiver offers: its id, where the
-    receiver hosts the rendezvous, the timeout of the join and of every later wait, and
-    the channel's one-time secret. The store is open to whoever reaches its port, so
-    each side proves it holds the secret before it trusts the other (group.py); it
-    travels only over the control plane, which TLS authenticates."""
+    """What the sender needs to join a channel the receiver offers: its id, the
+    transport, where the receiver waits for the sender (gloo, nccl: the host and port
+    of its TCP store; ipc: the name of its abstract Unix socket), the timeout of the
+    join and of every later wait, and the channel's one-time secret. Store and socket
+    are open to whoever reaches them, so each side proves it holds the secret before it
+    trusts the other (group.py, ipc.py); it travels only over the control plane, which
+    TLS authenticates."""
 
     channel_id: str
     host: str
     port: int
     timeout_s: float
     secret: bytes = field(repr=False)
+    transport: str = "gloo"
+    socket: str = ""  # ipc: the abstract socket's name (without the leading NUL)
 
 
 class KvTransport(ABC):
@@ -71,7 +86,7 @@ class KvTransport(ABC):
     checks that both agree before any byte lands in its cache.
     """
 
-    backend: str  # what moves the bytes, e.g. "gloo" or "nccl"
+    backend: str  # the transport: "ipc", "gloo" or "nccl"
 
     @property
     @abstractmethod
@@ -94,3 +109,15 @@ class KvTransport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the transport; idempotent, any thread, never waits for the peer."""
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """After a receive failed `in_doubt`: wait up to `timeout_s` until nothing can write
+        into its blocks any more (the sender stopped or is gone); whether it has. A
+        transport whose bytes land only in receives it posted is always settled."""
+        return True
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message, first line only (its type's name if it has none)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -148,6 +148,46 @@ def plan_messages(
     return plan
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedTransfer:
+    """A transfer checked on one side before anything moves: the layout of this side's
+    cache, the message plan, the digest of both id lists, and the lists as ints."""
+
+    spec: KvLayoutSpec
+    plan: TransferPlan
+    digest: int
+    src_ids: list[int]
+    dst_ids: list[int]
+
+
+def prepare_transfer(
+    kv_cache,
+    src_ids: Sequence[int],
+    dst_ids: Sequence[int],
+    tag: int,
+    *,
+    is_sender: bool,
+    message_bytes: int,
+    min_run_bytes: int = MIN_RUN_BYTES,
+) -> PreparedTransfer:
+    """Check a transfer's arguments on one side (this side's ids against `kv_cache`, an
+    engine.kv_cache.KVCache) and plan it. ValueError on a bad tag, an id out of range,
+    two blocks landing in one, or a plan too long."""
+    if not isinstance(tag, int) or tag < 0:
+        raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+    src_ids, dst_ids = [int(i) for i in src_ids], [int(i) for i in dst_ids]
+    mine = src_ids if is_sender else dst_ids
+    if any(not 0 <= i < kv_cache.num_blocks for i in mine):
+        raise ValueError(f"block id out of range 0..{kv_cache.num_blocks - 1}")
+    if any(i < 0 for i in src_ids + dst_ids):
+        raise ValueError("block ids must be non-negative")
+    if len(set(dst_ids)) != len(dst_ids):
+        raise ValueError("duplicate receiver block ids: two blocks would land in one")
+    spec = KvLayoutSpec.from_kv_layout(kv_cache.layout)
+    plan = plan_messages(src_ids, dst_ids, spec.bytes_per_block, message_bytes, min_run_bytes)
+    return PreparedTransfer(spec, plan, plan_digest(src_ids, dst_ids), src_ids, dst_ids)
+
+
 def plan_digest(src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
     """A 63-bit digest of both id lists: equal on both sides iff they planned the same transfer."""
     data = torch.tensor([len(src_ids), *src_ids, *dst_ids], dtype=torch.int64).numpy().tobytes()
@@ -185,3 +225,18 @@ class TransferHeader:
             raise ValueError(f"not a KV transfer header of this version (magic {magic:#x})")
         dtype = words[_NUM_FIELDS:].numpy().tobytes().rstrip(b"\0").decode("ascii", "replace")
         return cls(KvLayoutSpec(num_layers, block_size, num_kv_heads, head_dim, dtype), num_blocks, tag, digest)
+
+
+# On the CPU index_copy_ moves one element at a time: viewing rows as the widest
+# element that divides them (16-byte complex128 where possible) makes the scatter
+# about 2x faster than float32 elements. Bits are only copied, never interpreted.
+_WIDE_DTYPES = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def wide_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The same bytes as [n, row] of the widest dtype dividing a row."""
+    row_bytes = rows.shape[-1] * rows.element_size()
+    for size, dtype in _WIDE_DTYPES:
+        if row_bytes % size == 0 and (rows.device.type == "cpu" or not dtype.is_complex):
+            return rows.view(dtype)
+    return rows.view(torch.uint8)

@@ -4,7 +4,8 @@ opens it), and the send of one request's blocks over it.
 
     Prefill       -> claim(): the request's kv_token owns it from now on
     Prefill done  -> hold(): the blocks stay pinned under a lease
-    OpenKvChannel -> open_channel(): join the channel the decode worker hosts
+    OpenKvChannel -> open_channel(): check the transport the decode worker chose, and
+                     join the channel it hosts
     SendKv        -> send(): accepted (lease pinned) ... blocks sent ... done
                      then the blocks are freed, sent or not (the decode side re-prefills)
     ReleaseKv, or the lease expiring -> the blocks are freed unsent
@@ -29,11 +30,22 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from baton.runtime.metrics import WorkerMetrics
+from baton.runtime.metrics import TransferTally
 from baton.wire.records import KvChannelOpened, OpenKvChannel, ReleaseKv, SendKv, SendKvAccepted, SendKvDone
 from engine.async_engine import AsyncEngine
 from engine.kv_cache import KVCache
-from kvtransfer import KvLayoutSpec, KvLeaseTable, KvTransferError, KvTransport, block_checksums, join
+from kvtransfer import (
+    KvEndpoint,
+    KvLayoutSpec,
+    KvLeaseTable,
+    KvTransferError,
+    KvTransport,
+    TransportRefusedError,
+    block_checksums,
+    check_transport,
+    choose_transport,
+    join,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,24 +99,22 @@ class KvSender:
     """Holds prefilled KV under leases and sends it to the decode workers that pull it."""
 
     def __init__(self, worker_id: str, engine: AsyncEngine, kv_cache: KVCache, layout: KvLayoutSpec,
-                 lease_s: float, metrics: WorkerMetrics) -> None:
+                 endpoint: KvEndpoint, lease_s: float, tally: TransferTally) -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.kv_cache = kv_cache
         self.layout = layout
+        self.endpoint = endpoint  # our side, which a decode worker's transport choice must fit
         self.lease_s = lease_s
-        self.metrics = metrics
+        self.tally = tally
         self.leases = KvLeaseTable()
         # Each request's kv_token, from its Prefill until its KV is freed (disown).
         self._owners: dict[str, str] = {}
         self._channels: dict[str, _Channel] = {}
         self._sweeper: asyncio.Task | None = None
         # Counters (WorkerStats).
-        self.num_transfers = 0
-        self.num_transfer_failures = 0
-        self.num_transferred_bytes = 0
-        self.transfer_seconds = 0.0
         self.num_leases_expired = 0
+        self.last_refusal = ""  # why the last OpenKvChannel was refused its transport
 
     def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep_leases())
@@ -117,13 +127,8 @@ class KvSender:
         self._channels.clear()
 
     def counters(self) -> dict:
-        return dict(
-            num_transfers=self.num_transfers,
-            num_transfer_failures=self.num_transfer_failures,
-            num_transferred_bytes=self.num_transferred_bytes,
-            transfer_seconds=self.transfer_seconds,
-            num_leases_expired=self.num_leases_expired,
-        )
+        return dict(self.tally.counters(), num_leases_expired=self.num_leases_expired,
+                    kv_channel_refusal=self.last_refusal)
 
     # ------------------------------------------------------------------ owners
     def claim(self, request_id: str, kv_token: str) -> None:
@@ -162,9 +167,16 @@ class KvSender:
         return True  # or it is being sent: the send frees it when done
 
     async def _sweep_leases(self) -> None:
-        """Free KV nobody pulled in time (a decode worker that vanished, a gateway that gave up)."""
+        """Free KV nobody pulled in time (a decode worker that vanished, a gateway that gave up),
+        and close the channels whose peer is gone (an ipc channel maps the peer's cache)."""
         while True:
             await asyncio.sleep(LEASE_SWEEP_S)
+            for channel_id, channel in list(self._channels.items()):
+                if channel.transport.is_broken:
+                    logger.info("closed KV channel %s to decode worker %s: it is broken", channel_id,
+                                channel.decode_worker_id)
+                    del self._channels[channel_id]
+                    channel.close()
             expired = self.leases.expired(time.monotonic())
             if not expired:
                 continue
@@ -177,10 +189,23 @@ class KvSender:
     # ------------------------------------------------------------------ channels
     async def open_channel(self, request: OpenKvChannel) -> KvChannelOpened:
         """Join the channel a decode worker hosts. KvLayoutMismatchError if its cache blocks
-        differ from ours; ChannelInUse if a working channel has its id; KvTransferError if
-        the rendezvous fails."""
+        differ from ours; TransportRefusedError if its transport cannot join us (or is not
+        the one both sides' settings give); ChannelInUse if a working channel has its id;
+        KvTransferError if the rendezvous fails."""
         self.layout.check_matches(request.layout)
         rendezvous = request.rendezvous
+        try:
+            check_transport(rendezvous.transport, request.decode_endpoint, self.endpoint)
+            expected = choose_transport(request.decode_endpoint, self.endpoint)
+            if expected != rendezvous.transport:
+                raise TransportRefusedError(f"the decode worker chose {rendezvous.transport}, where this prefill "
+                                            f"worker's settings give {expected}")
+        except TransportRefusedError as error:
+            self.last_refusal = str(error)
+            self.tally.metrics.channel_refusals.inc()
+            logger.error("refused KV channel %s from decode worker %s: %s", rendezvous.channel_id,
+                         request.decode_worker_id, error)
+            raise
         old = self._channels.get(rendezvous.channel_id)
         if old is not None and not old.transport.is_broken:
             raise ChannelInUse(f"KV channel {rendezvous.channel_id!r} is open; a new channel needs a new id")
@@ -188,9 +213,8 @@ class KvSender:
             del self._channels[rendezvous.channel_id]
             old.close()
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-send-{rendezvous.channel_id}")
-        device = self.kv_cache.blocks.device
         try:
-            transport = await asyncio.get_running_loop().run_in_executor(executor, join, rendezvous, device)
+            transport = await asyncio.get_running_loop().run_in_executor(executor, join, rendezvous, self.kv_cache)
         except BaseException:
             executor.shutdown(wait=False)
             raise
@@ -227,25 +251,22 @@ class KvSender:
         except ValueError:
             raise AlreadySending(f"KV of {request_id!r} is already being sent") from None
         block_ids = list(lease.block_ids)
+        transport = channel.transport
         try:
             yield SendKvAccepted(block_ids)
             loop = asyncio.get_running_loop()
             try:
-                stats = await loop.run_in_executor(channel.executor, channel.transport.send_blocks,
+                stats = await loop.run_in_executor(channel.executor, transport.send_blocks,
                                                    self.kv_cache, block_ids, request.tag, request.block_ids)
                 checksums = []
                 if request.verify:  # the receiver compares them with its own
                     checksums = await loop.run_in_executor(channel.executor, block_checksums, self.kv_cache,
                                                            block_ids)
-            except KvTransferError as error:
-                self.num_transfer_failures += 1
-                self.metrics.transfer_failures.inc()
+            except (KvTransferError, ValueError) as error:  # ValueError: ids out of the peer's range
+                self.tally.failed(transport.backend)
                 logger.warning("KV send of %s failed: %s", request_id, error)
-                raise
-            self.num_transfers += 1
-            self.num_transferred_bytes += stats.num_bytes
-            self.transfer_seconds += stats.seconds
-            self.metrics.record_transfer(stats.num_bytes, stats.seconds)
+                raise KvTransferError(str(error)) if not isinstance(error, KvTransferError) else error
+            self.tally.done(transport.backend, stats.num_bytes, stats.seconds)
             yield SendKvDone(checksums, stats.num_bytes, stats.seconds)
         finally:
             self.leases.end_send(request_id)

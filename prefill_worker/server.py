@@ -11,11 +11,11 @@ import grpc
 from baton.runtime import tracing
 from baton.runtime.settings import PrefillWorkerSettings
 from baton.runtime.worker import WorkerBase, abort_invalid, abort_refused, serve_worker
-from baton.wire import convert
+from baton.wire import convert, kv_convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import KvHandle, PrefillResult, SendKvDone, WorkRequest
 from engine.async_engine import EngineDeadError
-from kvtransfer import KvLayoutMismatchError, KvTransferError
+from kvtransfer import KvLayoutMismatchError, KvTransferError, TransportRefusedError
 from prefill_worker.kv_sender import (
     AlreadyClaimed,
     AlreadySending,
@@ -48,8 +48,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def load(self, address: str) -> None:
         await super().load(address)
-        self.sender = KvSender(self.worker_id, self.engine, self.llm.kv_cache, self.layout, self.settings.lease_s,
-                               self.metrics)
+        self.sender = KvSender(self.worker_id, self.engine, self.llm.kv_cache, self.layout, self.kv_endpoint,
+                               self.settings.lease_s, self.transfers)
         self.sender.start()
 
     async def stop(self) -> None:
@@ -136,20 +136,21 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             layout=self.layout,
             lease_s=self.settings.lease_s,
             kv_token=work.kv_token,
+            prefill_endpoint=self.kv_endpoint,
         )
         return PrefillResult(output.new_token_ids[0], first_logprob, kv_handle=handle)
 
     async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context) -> worker_pb2.ReleaseKvResponse:
         await self._require_engine(context)
-        return convert.released_to_pb(await self.sender.release(convert.release_kv_from_pb(request)))
+        return kv_convert.released_to_pb(await self.sender.release(kv_convert.release_kv_from_pb(request)))
 
     # -------------------------------------------------------------- KV handoff
     async def OpenKvChannel(self, request: worker_pb2.OpenKvChannelRequest, context):
         await self._require_engine(context)
         try:
             opened = await self.sender.open_channel(
-                convert.open_kv_channel_from_pb(request, self.settings.transfer_timeout_s))
-        except KvLayoutMismatchError as error:
+                kv_convert.open_kv_channel_from_pb(request, self.settings.transfer_timeout_s))
+        except (KvLayoutMismatchError, TransportRefusedError) as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ChannelInUse as error:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
@@ -157,7 +158,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             await abort_invalid(context, error)
         except KvTransferError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV channel rendezvous failed: {error}")
-        return convert.kv_channel_opened_to_pb(opened)
+        return kv_convert.kv_channel_opened_to_pb(opened)
 
     async def SendKv(self, request: worker_pb2.SendKvRequest, context):
         span = self._start_span("kv_transfer", context, request.request_id,
@@ -167,7 +168,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def _send_kv(self, request: worker_pb2.SendKvRequest, context, span):
         await self._require_engine(context)
-        send = convert.send_kv_from_pb(request)
+        send = kv_convert.send_kv_from_pb(request)
         events = self.sender.send(send)
         try:
             async for event in events:
@@ -176,8 +177,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
                     span.set_attributes(tracing.transfer_attributes(
                         num_blocks=len(send.block_ids), num_bytes=event.num_bytes, seconds=event.seconds))
                     span.set_attributes({"baton.kv.checksummed": send.verify,
-                                         "baton.kv.backend": self.sender.backend(send.channel_id)})
-                yield convert.send_kv_event_to_pb(event)
+                                         "baton.kv.transport": self.sender.backend(send.channel_id)})
+                yield kv_convert.send_kv_event_to_pb(event)
         except SendRefused as refusal:
             await context.abort(_REFUSALS[type(refusal)], str(refusal))
         except KvTransferError as error:

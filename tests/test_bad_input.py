@@ -253,7 +253,8 @@ def work(request_id: str, prompt: list[int] = PROMPT, **sampling) -> worker_pb2.
 
 def handle(request_id: str, address: str, **fields) -> worker_pb2.KvHandle:
     values = dict(prefill_worker_id="p", prefill_address=address, request_id=request_id, num_tokens=len(PROMPT),
-                  num_blocks=2, layout=LAYOUT, lease_ms=30_000, kv_token=secrets.token_hex(16))
+                  num_blocks=2, layout=LAYOUT, lease_ms=30_000, kv_token=secrets.token_hex(16),
+                  prefill_endpoint=worker_pb2.KvEndpoint(hostname="p", host_id="elsewhere/net:1", device="cpu"))
     return worker_pb2.KvHandle(**{**values, **fields})
 
 

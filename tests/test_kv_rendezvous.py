@@ -1,6 +1,7 @@
-"""The KV channel's rendezvous accepts only the peer introduced over the control plane:
-a TCPStore is open to whoever reaches its port, so each side proves it holds the
-channel's one-time secret (kvtransfer/group.py)."""
+"""A KV channel accepts only the peer introduced over the control plane: a TCPStore (gloo,
+nccl) or an abstract Unix socket (ipc) is open to whoever reaches it, so each side
+proves it holds the channel's one-time secret (kvtransfer/proof.py) before it trusts
+the other, and the ipc receiver shows its cache to nobody else."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ import dataclasses
 import threading
 
 import pytest
+import torch
 
+from engine.kv_cache import KVCache, KVLayout
 from kvtransfer import KvTransferError
 from kvtransfer.connect import join, listen
 
+LAYOUT = KVLayout(2, 4, 2, 8, torch.float32)
 
-def test_a_stranger_at_the_store_cannot_join_as_the_peer():
-    """The store is open to anyone who reaches its port, and its keys can be listed; a
-    stranger who joins an offered channel under its id, without the secret that went
-    to the real sender over the control plane, is refused, and so is its own side."""
-    offer = listen("offered", "127.0.0.1", "cpu", timeout_s=10)
-    outcome: dict[str, BaseException | object] = {}
+
+def _cache(transport: str) -> KVCache:
+    return KVCache(LAYOUT, 8, 0, shareable=transport == "ipc")
+
+
+def _accept_in_thread(offer) -> tuple[threading.Thread, dict]:
+    outcome: dict[str, object] = {}
 
     def accept() -> None:
         try:
@@ -26,24 +31,57 @@ def test_a_stranger_at_the_store_cannot_join_as_the_peer():
         except BaseException as error:
             outcome["receiver"] = error
 
-    receiver_thread = threading.Thread(target=accept)
-    receiver_thread.start()
+    thread = threading.Thread(target=accept)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_stranger_at_the_store_cannot_join_as_the_peer():
+    """The store is open to anyone who reaches its port, and its keys can be listed; a
+    stranger who joins an offered channel under its id, without the secret that went
+    to the real sender over the control plane, is refused, and so is its own side."""
+    offer = listen("offered", "gloo", "127.0.0.1", _cache("gloo"), timeout_s=10)
+    thread, outcome = _accept_in_thread(offer)
     stranger = dataclasses.replace(offer.rendezvous, secret=bytes(32))
     with pytest.raises(KvTransferError, match="secret"):
-        join(stranger, "cpu")
-    receiver_thread.join(timeout=15)
+        join(stranger, _cache("gloo"))
+    thread.join(timeout=15)
     assert isinstance(outcome.get("receiver"), KvTransferError), outcome
     assert "does not hold the channel's secret" in str(outcome["receiver"])
 
 
-def test_the_sender_given_the_offer_joins():
-    offer = listen("introduced", "127.0.0.1", "cpu", timeout_s=10)
-    accepted: list = []
-    receiver_thread = threading.Thread(target=lambda: accepted.append(offer.accept()))
-    receiver_thread.start()
-    sender = join(offer.rendezvous, "cpu")
-    receiver_thread.join(timeout=15)
-    assert accepted and not accepted[0].is_broken and not sender.is_broken
+def test_a_stranger_at_the_ipc_socket_is_turned_away_and_the_sender_gets_in():
+    """Anyone in the host's network namespace can connect to the abstract socket. One
+    without the secret is refused before the receiver shows its cache, and the receiver
+    waits on for the sender it was told of."""
+    receiver_cache = _cache("ipc")
+    offer = listen("offered", "ipc", "", receiver_cache, timeout_s=10)
+    thread, outcome = _accept_in_thread(offer)
+    stranger = dataclasses.replace(offer.rendezvous, secret=bytes(32))
+    with pytest.raises(KvTransferError, match="secret was not proved"):
+        join(stranger, _cache("ipc"))
+    sender = join(offer.rendezvous, _cache("ipc"))
+    thread.join(timeout=15)
+    receiver = outcome.get("receiver")
+    assert not isinstance(receiver, BaseException) and not receiver.is_broken and not sender.is_broken
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.parametrize("transport", ["gloo", "ipc"])
+def test_the_sender_given_the_offer_joins(transport):
+    offer = listen("introduced", transport, "127.0.0.1", _cache(transport), timeout_s=10)
+    thread, outcome = _accept_in_thread(offer)
+    sender = join(offer.rendezvous, _cache(transport))
+    thread.join(timeout=15)
+    receiver = outcome.get("receiver")
+    assert not isinstance(receiver, BaseException) and not receiver.is_broken and not sender.is_broken
+    assert receiver.backend == sender.backend == transport
     assert "secret" not in repr(offer.rendezvous)
     sender.close()
-    accepted[0].close()
+    receiver.close()
+
+
+def test_an_ipc_receiver_whose_cache_is_not_shared_refuses_to_offer():
+    with pytest.raises(KvTransferError, match="not in shared memory"):
+        listen("private", "ipc", "", KVCache(LAYOUT, 8, 0), timeout_s=1)

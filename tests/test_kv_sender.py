@@ -11,8 +11,13 @@ import torch
 
 from baton.wire.records import OpenKvChannel, ReleaseKv, SendKv
 from engine.kv_cache import KVCache, KVLayout
-from kvtransfer import KvLayoutSpec, Rendezvous
+from kvtransfer import KvEndpoint, KvLayoutSpec, Rendezvous
 from prefill_worker.kv_sender import AlreadyClaimed, BlockCountMismatch, ChannelInUse, KvSender, NotHeld, _Channel
+
+
+# Two CPU workers on different hosts: their channels are gloo.
+PREFILL_SIDE = KvEndpoint("prefill-host", "boot-a/net:1", "cpu")
+DECODE_SIDE = KvEndpoint("decode-host", "boot-b/net:1", "cpu")
 
 
 class _Transport:
@@ -34,10 +39,12 @@ def test_an_open_working_channel_cannot_be_reopened_by_its_id():
     is now refused; the channel stays open."""
     cache = KVCache(KVLayout(2, 4, 2, 16, torch.float32), 8, 0)
     layout = KvLayoutSpec.from_kv_layout(cache.layout)
-    sender = KvSender("p-0", engine=None, kv_cache=cache, layout=layout, lease_s=30.0, metrics=None)
+    sender = KvSender("p-0", engine=None, kv_cache=cache, layout=layout, endpoint=PREFILL_SIDE, lease_s=30.0,
+                      tally=None)
     live = _Transport(is_broken=False)
     sender._channels["decode-0-abc-0"] = _Channel(live, ThreadPoolExecutor(1), "decode-0")
-    request = OpenKvChannel(Rendezvous("decode-0-abc-0", "127.0.0.1", 1, 1.0, bytes(32)), layout, "intruder")
+    request = OpenKvChannel(Rendezvous("decode-0-abc-0", "127.0.0.1", 1, 1.0, bytes(32)), layout, "intruder",
+                            DECODE_SIDE)
 
     with pytest.raises(ChannelInUse):
         asyncio.run(sender.open_channel(request))
@@ -68,7 +75,8 @@ def _owned_sender() -> tuple[KvSender, _Engine]:
     cache = KVCache(KVLayout(2, 4, 2, 16, torch.float32), 8, 0)
     layout = KvLayoutSpec.from_kv_layout(cache.layout)
     engine = _Engine()
-    sender = KvSender("p-0", engine=engine, kv_cache=cache, layout=layout, lease_s=30.0, metrics=None)
+    sender = KvSender("p-0", engine=engine, kv_cache=cache, layout=layout, endpoint=PREFILL_SIDE, lease_s=30.0,
+                      tally=None)
     sender._channels["c-0"] = _Channel(_Transport(is_broken=False), ThreadPoolExecutor(1), "decode-0")
     return sender, engine
 

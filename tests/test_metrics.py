@@ -55,6 +55,11 @@ def value(samples, name: str, **labels) -> float:
     return matches[0]
 
 
+def total(samples, name: str) -> float:
+    """The sum of a metric's series, whatever their labels (0 when it has none yet)."""
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
 def request(prompt: list[int], max_tokens: int, **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt),
@@ -101,11 +106,14 @@ def test_counters_match_the_workload_and_kv_returns_to_zero(system):
         assert value(samples, "baton_kv_cache_blocks_total") == 300, role
         assert value(samples, "baton_num_requests_waiting") == 0, role
         assert value(samples, "baton_preemptions_total", kind="recompute") == 0, role
-        assert value(samples, "baton_kv_transfer_failures_total") == 0, role
-    # Every request but the cancelled one may have been handed off; both sides counted the same bytes.
-    sent, got = (value(workers[r], "baton_kv_transferred_bytes_total") for r in ("prefill", "decode"))
-    assert sent == got > 0
-    assert value(workers["decode"], "baton_kv_transfer_seconds_count") == system.stats("decode").num_transfers
+        assert total(samples, "baton_kv_transfer_failures_total") == 0, role
+        assert total(samples, "baton_kv_channel_refusals_total") == 0, role
+    # Every request but the cancelled one may have been handed off; both sides counted the same bytes,
+    # all over ipc (one host).
+    sent, got = (value(workers[r], "baton_kv_transferred_bytes_total", transport="ipc") for r in ("prefill", "decode"))
+    assert sent == got > 0 and total(workers["decode"], "baton_kv_transferred_bytes_total") == got
+    num_transfers = system.stats("decode").num_transfers
+    assert value(workers["decode"], "baton_kv_transfer_seconds_count", transport="ipc") == num_transfers
     # Queue and prefill time: every request was prefilled on the prefill worker, none on the
     # decode worker. The cancelled request counts on both: it was admitted on each.
     assert value(workers["prefill"], "baton_request_queue_time_seconds_count") == 9

@@ -122,6 +122,11 @@ def test_32_concurrent_streams_of_mixed_lengths(system, stub, tiny_chat_model):
     assert decode.num_transfer_failures == 0 and prefill.num_transfer_failures == 0
     assert prefill.num_transfers == decode.num_transfers
     assert prefill.num_transferred_bytes == decode.num_transferred_bytes > 0
+    # One host: every transfer went over ipc, the decode worker's cache shared with the prefill worker.
+    for stats in (decode, prefill):
+        assert [(t.transport, t.num_transfers, t.num_failures) for t in stats.kv_transports] == [
+            ("ipc", stats.num_transfers, 0)]
+        assert stats.kv_channel_refusal == "" and stats.num_kv_blocks_fenced == 0
 
 
 def test_cancelling_a_stream_frees_blocks_on_both_workers(system, stub, tiny_chat_model):
@@ -413,6 +418,12 @@ def test_messages_a_chat_template_rejects_are_invalid_argument(system, tiny_chat
         ({"store_host": ""}, "store_host"),
         ({"secret": b""}, "secret"),  # a channel nobody needs to prove anything to join
         ({"secret": b"short"}, "secret"),
+        ({"transport": ""}, "transport"),
+        ({"transport": "carrier-pigeon"}, "transport"),
+        ({"transport": "ipc"}, "ipc_socket"),  # where to connect is missing
+        ({"decode_endpoint": None}, "decode_endpoint"),
+        ({"decode_endpoint": {"hostname": "h", "host_id": "b", "device": "cpu", "kv_transport": "udp"}},
+         "decode_endpoint"),
     ],
 )
 def test_a_malformed_kv_channel_rendezvous_is_invalid_argument(system, stub, fields, fragment):
@@ -422,9 +433,15 @@ def test_a_malformed_kv_channel_rendezvous_is_invalid_argument(system, stub, fie
 
     stats = system.stats("prefill")
     layout = worker_pb2.KvLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=16, dtype="float64")
-    request = worker_pb2.OpenKvChannelRequest(
-        **{"channel_id": "probe", "store_host": "127.0.0.1", "store_port": 1, "layout": layout,
-           "decode_worker_id": "probe", "timeout_seconds": 1.0, "secret": bytes(32), **fields})
+    endpoint = {"hostname": "elsewhere", "host_id": "boot/net:1", "device": "cpu", "kv_transport": "auto"}
+    values = {"channel_id": "probe", "store_host": "127.0.0.1", "store_port": 1, "layout": layout,
+              "decode_worker_id": "probe", "timeout_seconds": 1.0, "secret": bytes(32), "transport": "gloo",
+              "decode_endpoint": endpoint, **fields}
+    if values["decode_endpoint"] is None:
+        del values["decode_endpoint"]
+    else:
+        values["decode_endpoint"] = worker_pb2.KvEndpoint(**values["decode_endpoint"])
+    request = worker_pb2.OpenKvChannelRequest(**values)
     with grpc.insecure_channel(system.worker("prefill").address) as channel:
         with pytest.raises(grpc.RpcError) as error:
             worker_pb2_grpc.PrefillWorkerStub(channel).OpenKvChannel(request, timeout=30)
@@ -443,8 +460,10 @@ def test_a_local_decode_worker_pulls_kv_from_its_prefill_worker_only(system, stu
     from baton.wire.status import error_details_from_trailers
 
     layout = worker_pb2.KvLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=16, dtype="float64")
+    endpoint = worker_pb2.KvEndpoint(hostname="elsewhere", host_id="boot/net:1", device="cpu", kv_transport="auto")
     handle = worker_pb2.KvHandle(prefill_worker_id="p", prefill_address="127.0.0.1:1", request_id="elsewhere",
-                                 num_tokens=8, num_blocks=2, layout=layout, lease_ms=30_000, kv_token="t" * 32)
+                                 num_tokens=8, num_blocks=2, layout=layout, lease_ms=30_000, kv_token="t" * 32,
+                                 prefill_endpoint=endpoint)
     work = worker_pb2.WorkRequest(request_id="elsewhere", prompt_token_ids=list(range(11, 19)),
                                   sampling=pb.SamplingParams(temperature=0.0, max_tokens=4))
     request = worker_pb2.DecodeRequest(request=work, first_token_id=3, kv_handle=handle)

@@ -34,11 +34,18 @@ def parse(cls, argv: list[str], env: dict[str, str] | None = None):
 
 def test_worker_defaults_are_the_engine_configs():
     decode = parse(DecodeWorkerSettings, [])
+    # A decode worker's cache is shareable: prefill workers on its host copy KV into it (ipc).
     assert decode.engine == EngineConfig(
-        model=DEFAULT_MODEL, cache=CacheConfig(), scheduler=SchedulerConfig(), attention_backend="auto")
+        model=DEFAULT_MODEL, cache=CacheConfig(shareable=True), scheduler=SchedulerConfig(), attention_backend="auto")
     prefill = parse(PrefillWorkerSettings, [])
     assert prefill.engine.scheduler.max_num_batched_tokens == 512  # a prefill worker's own budget
-    assert prefill.engine.cache == decode.engine.cache
+    assert prefill.engine.cache == CacheConfig()
+    assert not parse(DecodeWorkerSettings, ["--kv-transport", "gloo"]).engine.cache.shareable
+
+
+def test_a_kv_transport_of_no_name_is_refused():
+    with pytest.raises(SettingsError, match="kv_transport must be one of auto, ipc, nccl, gloo"):
+        parse(DecodeWorkerSettings, ["--kv-transport", "tcp"])
 
 
 def test_flag_over_environment_over_default():

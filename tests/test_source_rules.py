@@ -35,17 +35,18 @@ GATEWAY_LIBRARY = {
     "engine", "engine.lazy", "engine.config", "engine.sampling_params", "engine.outputs", "engine.tokenizer",
     "engine.dummy_models",
     "engine.detokenizer", "engine.scheduler", "engine.scheduler.stats", "engine.preemption", "engine.timeline",
-    "kvtransfer", "kvtransfer.layout", "kvtransfer.transport",
+    "kvtransfer", "kvtransfer.layout", "kvtransfer.transport", "kvtransfer.endpoint",  # records read by the gateway; no torch
 }
 # The modules that may build or read protobuf messages: the conversion module, and the
 # servicers (which hand messages between grpc and it).
 PROTOBUF_EDGE = {
-    "baton.wire.convert", "baton.wire.stats_convert", "baton.wire.status",
+    "baton.wire.convert", "baton.wire.kv_convert", "baton.wire.stats_convert", "baton.wire.status",
     "gateway.service", "gateway.admin", "gateway.server",
     "prefill_worker.server", "decode_worker.server",
 }
 # The modules that call or register gRPC services: the clients, and the servicers.
-GRPC_EDGE = (PROTOBUF_EDGE - {"baton.wire.convert", "baton.wire.stats_convert", "baton.wire.status"}
+GRPC_EDGE = (PROTOBUF_EDGE - {"baton.wire.convert", "baton.wire.kv_convert", "baton.wire.stats_convert",
+                               "baton.wire.status"}
              | {"baton.runtime.clients"})
 MAX_LINES = 500
 

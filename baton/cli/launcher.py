@@ -1,5 +1,10 @@
 """`baton up`: a gateway, a prefill worker and a decode worker as child processes on
-this machine, stopped together."""
+this machine, stopped together.
+
+On CPU the workers share the cores. On CUDA they share one GPU (`--device cuda`), its
+memory split between them by `--prefill-memory-fraction`, or each has its own
+(`--devices 0,1`). Either way they are on one host, so KV moves over ipc unless
+`--kv-transport` says otherwise."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from baton.runtime.settings import (
     TLS_SERVER_NAME_HELP,
     SettingsError,
     default_of,
+    parse_list,
     format_size,
     from_args,
     load_api_key,
@@ -36,6 +42,7 @@ from baton.runtime.settings import (
     setting,
 )
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, device_type
+from kvtransfer.endpoint import IPC, TRANSPORT_CHOICES
 
 STARTUP_TIMEOUT_S = 900.0
 
@@ -56,7 +63,13 @@ class UpSettings:
     kv_cache_memory: int | None = setting(None, "KV cache budget per worker, e.g. 512M, 2G", parse=parse_size,
                                           shown=KV_CACHE_MEMORY_SHOWN)
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
+    kv_transport: str = setting("auto", "how KV moves from the prefill to the decode worker: auto (ipc: they "
+                                        "share this host), ipc, nccl (two GPUs) or gloo (CPU)")
     colocated: bool = setting(False, "no prefill worker: the decode worker prefills")
+    devices: tuple[str, ...] = setting((), "CUDA: the prefill worker's GPU and the decode worker's, e.g. 0,1",
+                                       parse=parse_list, shown="both on --device")
+    prefill_memory_fraction: float = setting(0.4, "workers sharing one GPU: the prefill worker's share of "
+                                                  "--gpu-memory-utilization (the decode worker has the rest)")
     split_cores: bool = setting(False, "bind the prefill worker to half the cores and the decode worker to "
                                        "the other half, as if each had a host of its own (--threads is then "
                                        "one per core)", shown="off: both may use every core")
@@ -79,11 +92,26 @@ class UpSettings:
         object.__setattr__(self, "bearer_key", load_api_key(self.api_key, self.api_key_file))
         if self.split_cores and len(os.sched_getaffinity(0)) < 2:
             raise SettingsError("--split-cores needs at least 2 cores")
-        if device_type(self.device) == "cuda" and not self.colocated:
-            # Two workers' caches on GPUs need the GPU-to-GPU KV handoff (CUDA IPC on
-            # one GPU, NCCL across GPUs), which the workers do not have yet.
-            raise SettingsError("--device cuda needs --colocated: the prefill-to-decode KV handoff "
-                                "between GPU workers is not there yet")
+        if self.kv_transport not in TRANSPORT_CHOICES:
+            raise SettingsError(f"--kv-transport must be one of {', '.join(TRANSPORT_CHOICES)}")
+        if not 0.0 < self.prefill_memory_fraction < 1.0:
+            raise SettingsError("--prefill-memory-fraction must lie in (0, 1)")
+        if self.devices:
+            if len(self.devices) != 2 or not all(index.isdigit() for index in self.devices):
+                raise SettingsError("--devices takes two GPU indices: the prefill worker's and the decode worker's")
+            if device_type(self.device) != "cuda":
+                raise SettingsError("--devices needs --device cuda")
+
+    @property
+    def shares_a_gpu(self) -> bool:
+        """Both workers on one GPU: each sizes its KV cache from what the one before left."""
+        return device_type(self.device) == "cuda" and not self.colocated and len(set(self.devices)) < 2
+
+    def worker_devices(self) -> tuple[str, str]:
+        """The prefill worker's device and the decode worker's."""
+        if self.devices:
+            return f"cuda:{self.devices[0]}", f"cuda:{self.devices[1]}"
+        return self.device, self.device
 
 
 def up_command(args: argparse.Namespace) -> int:
@@ -97,13 +125,23 @@ class RoleArgs:
     """What `baton up` gives the processes it starts, besides their addresses."""
 
     worker: list[str]  # both workers' flags
+    prefill: list[str]  # the prefill worker's own (over `worker`)
+    decode: list[str]  # the decode worker's own
     gateway: list[str]
     env: dict[str, str]  # every process's extra environment
 
 
 def role_args(settings: UpSettings) -> RoleArgs:
     worker = ["--log-level", settings.log_level, "--device", settings.device, "--dtype", settings.dtype,
-              "--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+              "--gpu-memory-utilization", str(settings.gpu_memory_utilization), "--kv-transport", settings.kv_transport]
+    prefill_device, decode_device = settings.worker_devices()
+    prefill, decode = ["--device", prefill_device], ["--device", decode_device]
+    if settings.shares_a_gpu:
+        # The prefill worker starts first and takes its share; the decode worker, started once
+        # it serves, counts the prefill worker's memory as taken (engine/memory.py) and sizes
+        # its cache from the rest of the same utilization.
+        share = settings.gpu_memory_utilization * settings.prefill_memory_fraction
+        prefill += ["--gpu-memory-utilization", f"{share:.4f}"]
     if settings.kv_cache_memory is not None:
         worker += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
     if settings.verify_kv:
@@ -118,7 +156,7 @@ def role_args(settings: UpSettings) -> RoleArgs:
     # A key given as such goes in the environment, not on a command line anyone can read
     # (the workers have no such setting and ignore it).
     env = {} if settings.api_key is None else {"BATON_API_KEY": settings.api_key}
-    return RoleArgs([*worker, *tls], gateway, env)
+    return RoleArgs([*worker, *tls], prefill, decode, gateway, env)
 
 
 def up(settings: UpSettings) -> int:
@@ -139,7 +177,10 @@ def up(settings: UpSettings) -> int:
             gateway_address=f"127.0.0.1:{settings.port}",
             prefill=not settings.colocated,
             worker_args=args.worker,
+            prefill_args=args.prefill,
+            decode_args=args.decode,
             gateway_args=args.gateway,
+            stagger=settings.shares_a_gpu,
             threads=threads,
             split_cores=settings.split_cores,
             timeout_s=STARTUP_TIMEOUT_S,
@@ -152,7 +193,8 @@ def up(settings: UpSettings) -> int:
         print(f"baton up: {error}", file=sys.stderr)
         return 1
     gateway = deployment.gateway
-    mode = "colocated" if settings.colocated else "disaggregated"
+    transport = IPC if settings.kv_transport == "auto" else settings.kv_transport  # one host
+    mode = "colocated" if settings.colocated else f"disaggregated, KV over {transport}"
     client_flags = "".join([
         f" --tls-ca {settings.tls_ca}" if settings.tls_ca else "",
         " --api-key <key>" if settings.bearer_key else "",

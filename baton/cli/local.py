@@ -220,6 +220,7 @@ def start_deployment(
     admin_address: str | None = None,
     tls: TlsConfig | None = None,
     api_key: str | None = None,
+    stagger: bool = False,
 ) -> Deployment:
     """Start the processes (logs to `log_dir`, or to our stdout when None) and wait
     until the gateway and every worker are SERVING. `metrics`: each serves Prometheus
@@ -232,7 +233,9 @@ def start_deployment(
     default a free port; their --allowed-prefill-workers, which `decode_args` may override).
     `split_cores`: the prefill worker is bound to the first half of our cores and the
     decode workers to the rest (--cpus), each with a thread per core, as if each role
-    had a host of its own; otherwise every worker may use every core, with `threads`."""
+    had a host of its own; otherwise every worker may use every core, with `threads`.
+    `stagger`: the decode workers start once the prefill worker serves (workers sharing a
+    GPU: each sizes its KV cache from the memory the ones before it left)."""
 
     def metrics_args() -> list[str]:
         return ["--metrics-port", str(free_port())] if metrics else []
@@ -268,6 +271,12 @@ def start_deployment(
                 *common, *metrics_args(), *prefill_args]
         deployment.processes.append(_spawn("prefill", args, log_dir, env))
         gateway_args += ["--prefill-workers", prefill_address]
+        if stagger:
+            try:
+                wait_serving(prefill_address, deployment, timeout_s)
+            except BaseException:
+                deployment.stop()
+                raise
         kv_peers = ["--allowed-prefill-workers", prefill_address]
     for i, decode_address in enumerate(decode_addresses):
         args = ["decode-worker", "--listen", decode_address, "--worker-id", f"decode-{i}", *kv_peers,

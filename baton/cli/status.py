@@ -88,6 +88,21 @@ def diagnose(status: WorkerStatus, queue_slo_s: float) -> list[Finding]:
             "check the link between the workers and --transfer-timeout-s; a failed handoff is "
             "prefilled again on the decode worker, which costs it a prefill",
         ))
+    if stats.kv_channel_refusal:
+        findings.append(Finding(
+            name, "KV channel refused",
+            f"no transport could join it to a peer: {stats.kv_channel_refusal}",
+            "give both workers the same --kv-transport, or auto; ipc needs them on one host, nccl on two GPUs, "
+            "gloo CPU caches. Meanwhile every prompt handed between them is prefilled again on the decode worker",
+        ))
+    if stats.num_kv_blocks_fenced:
+        findings.append(Finding(
+            name, "KV blocks fenced",
+            f"{stats.num_kv_blocks_fenced} KV blocks are kept out of use: a prefill worker stopped answering in "
+            "the middle of copying into them, and may still write",
+            "they return when that prefill worker answers or exits: find it (its log says it stalled) and "
+            "restart it",
+        ))
     if stats.num_leases_expired:
         findings.append(Finding(
             name, "KV leases expiring",
@@ -204,9 +219,12 @@ def _render_worker(worker: WorkerStatus) -> list[str]:
     else:
         window = f" in the last {recent.window_s:.0f} s" if recent is not None else ""
         lines.append(f"  recent      idle: no steps{window}")
-    if stats.num_transfers or stats.num_transfer_failures:
-        lines.append(f"  transfers   {stats.num_transfers} done, {stats.num_transfer_failures} failed, "
-                     f"{stats.num_transferred_bytes / 2**20:.1f} MiB")
+    for transport in stats.kv_transports:
+        rate = (transport.num_transferred_bytes / transport.transfer_seconds / 1e9
+                if transport.transfer_seconds > 0 else 0.0)
+        name = transport.transport if transport.transport != "none" else "no channel"
+        lines.append(f"  KV {name:<8} {transport.num_transfers} transfers, {transport.num_failures} failed, "
+                     f"{transport.num_transferred_bytes / 2**20:.1f} MiB at {rate:.2f} GB/s")
     return lines
 
 

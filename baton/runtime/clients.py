@@ -15,7 +15,7 @@ import grpc
 
 from baton.runtime.security import TlsConfig, bearer_metadata
 from baton.runtime.server import open_channel
-from baton.wire import convert, stats_convert
+from baton.wire import convert, kv_convert, stats_convert
 from baton.wire.internal.v1 import worker_pb2_grpc
 from baton.wire.v1 import generation_pb2_grpc
 from baton.wire.records import (
@@ -72,19 +72,19 @@ class PrefillWorkerClient(WorkerClient):
                 call.cancel()
 
     async def release_kv(self, request: ReleaseKv, *, timeout: float, metadata: Metadata = None) -> bool:
-        response = await self._stub.ReleaseKv(convert.release_kv_to_pb(request), timeout=timeout,
+        response = await self._stub.ReleaseKv(kv_convert.release_kv_to_pb(request), timeout=timeout,
                                               metadata=metadata)
-        return convert.released_from_pb(response)
+        return kv_convert.released_from_pb(response)
 
     async def open_kv_channel(self, request: OpenKvChannel, *, timeout: float,
                               metadata: Metadata = None) -> KvChannelOpened:
-        response = await self._stub.OpenKvChannel(convert.open_kv_channel_to_pb(request), timeout=timeout,
+        response = await self._stub.OpenKvChannel(kv_convert.open_kv_channel_to_pb(request), timeout=timeout,
                                                   metadata=metadata)
-        return convert.kv_channel_opened_from_pb(response)
+        return kv_convert.kv_channel_opened_from_pb(response)
 
     def send_kv(self, request: SendKv, *, timeout: float, metadata: Metadata = None) -> SendKvCall:
         """Start a send; read its events from the returned call."""
-        return SendKvCall(self._stub.SendKv(convert.send_kv_to_pb(request), timeout=timeout, metadata=metadata))
+        return SendKvCall(self._stub.SendKv(kv_convert.send_kv_to_pb(request), timeout=timeout, metadata=metadata))
 
 
 class SendKvCall:
@@ -98,7 +98,7 @@ class SendKvCall:
         message = await self._call.read()
         if message is grpc.aio.EOF:
             return None
-        return convert.send_kv_event_from_pb(message)
+        return kv_convert.send_kv_event_from_pb(message)
 
     def cancel(self) -> None:
         """Stop the send on the prefill worker (it then frees the blocks unsent)."""

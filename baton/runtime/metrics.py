@@ -10,7 +10,8 @@ measures is what it sees:
 - workers: the engine's state, read at scrape time (requests running, waiting and
   swapped, KV blocks used and total, preemptions by kind, steps); each request's
   queue time and prefill time, from the timings on its last output; and, on the
-  transfer path, KV bytes, transfer time and failures.
+  transfer path, KV bytes, transfer time and failures, each with a `transport`
+  label (ipc, gloo, nccl), and channels refused for want of a transport.
 
 The worker's engine state is read by a collector that asks the engine thread for a
 snapshot between steps (`AsyncEngine.call`), on the scrape's thread: a scrape never
@@ -28,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from baton.runtime.server import listen_host
+from baton.wire.records import KvTransportStats
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +94,17 @@ class WorkerMetrics:
         self.role = role
         self.registry = registry or CollectorRegistry()
         labels = ["model"]
+        transfer_labels = ["model", "transport"]  # ipc, gloo, nccl; "none" for a pull that got no channel
         r = self.registry
         self.transfer_time = Histogram("baton_kv_transfer_seconds", "One KV handoff, on this side",
-                                       labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
+                                       transfer_labels, registry=r, buckets=_LATENCY_BUCKETS)
         self.transferred_bytes = Counter("baton_kv_transferred_bytes", "KV bytes sent or received",
-                                         labels, registry=r).labels(model)
+                                         transfer_labels, registry=r)
         self.transfer_failures = Counter("baton_kv_transfer_failures", "KV handoffs that failed",
-                                         labels, registry=r).labels(model)
+                                         transfer_labels, registry=r)
+        self.channel_refusals = Counter("baton_kv_channel_refusals",
+                                        "KV channels refused at open: no transport can join the two workers",
+                                        labels, registry=r).labels(model)
         self.queue_time = Histogram("baton_request_queue_time_seconds",
                                     "Arrival at the engine to admission into the batch",
                                     labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
@@ -119,9 +125,50 @@ class WorkerMetrics:
         if timings.prefill_time is not None:
             self.prefill_time.observe(timings.prefill_time)
 
-    def record_transfer(self, num_bytes: int, seconds: float) -> None:
-        self.transferred_bytes.inc(num_bytes)
-        self.transfer_time.observe(seconds)
+    def record_transfer(self, transport: str, num_bytes: int, seconds: float) -> None:
+        self.transferred_bytes.labels(self.model, transport).inc(num_bytes)
+        self.transfer_time.labels(self.model, transport).observe(seconds)
+
+    def record_transfer_failure(self, transport: str) -> None:
+        self.transfer_failures.labels(self.model, transport or "none").inc()
+
+
+class TransferTally:
+    """A worker's KV transfers since start, in all and by transport (its WorkerStats),
+    each also recorded in its Prometheus metrics. Used on the event loop only."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
+        self._by_transport: dict[str, list] = {}  # transport: [transfers, failures, bytes, seconds]
+        self.num_transfers_verified = 0
+
+    def done(self, transport: str, num_bytes: int, seconds: float, verified: bool = False) -> None:
+        tally = self._tally(transport)
+        tally[0] += 1
+        tally[2] += num_bytes
+        tally[3] += seconds
+        self.num_transfers_verified += verified
+        self.metrics.record_transfer(transport, num_bytes, seconds)
+
+    def failed(self, transport: str) -> None:
+        """A transfer failed (`transport` "": no channel could be had for it)."""
+        self._tally(transport or "none")[1] += 1
+        self.metrics.record_transfer_failure(transport)
+
+    def _tally(self, transport: str) -> list:
+        return self._by_transport.setdefault(transport, [0, 0, 0, 0.0])
+
+    def counters(self) -> dict:
+        """WorkerStats' transfer fields."""
+        rows = self._by_transport.items()
+        return dict(
+            num_transfers=sum(t[0] for _, t in rows),
+            num_transfer_failures=sum(t[1] for _, t in rows),
+            num_transfers_verified=self.num_transfers_verified,
+            num_transferred_bytes=sum(t[2] for _, t in rows),
+            transfer_seconds=sum(t[3] for _, t in rows),
+            kv_transports=tuple(KvTransportStats(name, *t) for name, t in sorted(rows)),
+        )
 
 
 class _EngineCollector(Collector):

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 from baton.runtime.addresses import AddressAllowlist
 from baton.runtime.security import TlsConfig, read_secret_file
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, engine_config
+from kvtransfer.endpoint import receiver_shares_cache
 
 ENV_PREFIX = "BATON_"
 DEFAULT_GATEWAY_ADDRESS = "127.0.0.1:50051"
@@ -316,7 +317,8 @@ class WorkerSettings:
     lease_s: float = setting(30.0, "prefill: seconds held KV waits to be pulled")
     transfer_timeout_s: float = setting(30.0, "timeout of each KV rendezvous and transfer")
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
-    transfer_host: str = setting("127.0.0.1", "decode: host of the KV rendezvous store")
+    transfer_host: str = setting("127.0.0.1", "decode: host of the KV rendezvous store (gloo, nccl)")
+    kv_transport: str = setting("auto", "KV handoff: auto (ipc on one host, else gloo or nccl), ipc, nccl, gloo")
     grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
     stall_report_s: float = setting(60.0, "liveness turns NOT_SERVING when the engine thread has been stuck "
                                           "in a step this long")
@@ -376,6 +378,7 @@ class WorkerSettings:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             overlap_scheduling=self.overlap_scheduling,
+            shareable=receiver_shares_cache(self.kv_transport) and self.role == "decode",
         ))
 
 

@@ -363,9 +363,11 @@ def set_timings(span: Span, timings) -> None:
     span.set_attribute("baton.num_preemptions", timings.num_preemptions)
 
 
-def transfer_attributes(*, num_blocks: int, num_bytes: int, seconds: float, verified: bool | None = None) -> dict:
+def transfer_attributes(*, num_blocks: int, num_bytes: int, seconds: float, verified: bool | None = None,
+                        transport: str | None = None) -> dict:
     """A KV transfer's attributes (either side; only the receiver can say `verified`)."""
-    attributes = {
+    attributes = {} if transport is None else {"baton.kv.transport": transport}
+    attributes |= {
         "baton.kv.blocks": num_blocks,
         "baton.kv.bytes": num_bytes,
         "baton.kv.duration_s": seconds,

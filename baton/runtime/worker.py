@@ -12,7 +12,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 
 from baton.runtime import tracing
 from baton.runtime.admission import AdmissionLimits, AdmissionQueue, Overloaded
-from baton.runtime.metrics import WorkerMetrics, engine_snapshot, serve_metrics
+from baton.runtime.metrics import TransferTally, WorkerMetrics, engine_snapshot, serve_metrics
 from baton.runtime.server import GrpcServer, install_uvloop
 from baton.runtime.settings import WorkerSettings
 from baton.wire import convert, stats_convert, status
@@ -25,7 +25,8 @@ from engine.outputs import KvReceive, RequestOutput
 from engine.request import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerStats
-from kvtransfer import KvLayoutSpec
+from kvtransfer import KvEndpoint, KvLayoutSpec
+from kvtransfer.endpoint import gpu_uuid, local_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def worker_stats(stats: SchedulerStats, **fields) -> WorkerStats:
         num_kv_blocks_total=stats.num_kv_blocks_total,
         num_kv_blocks_used=stats.num_kv_blocks_used,
         num_kv_blocks_free=stats.num_kv_blocks_free,
+        num_kv_blocks_fenced=stats.num_kv_blocks_fenced,
         num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
         num_kv_handoffs_pending=stats.num_held + stats.num_receiving,
         num_preemptions_recompute=stats.num_preemptions_recompute,
@@ -127,7 +129,9 @@ class WorkerBase:
         self.engine: AsyncEngine | None = None
         self.model_info: ModelInfo | None = None
         self.layout: KvLayoutSpec | None = None
+        self.kv_endpoint: KvEndpoint | None = None  # where our cache lives, for choosing KV transports
         self.metrics: WorkerMetrics | None = None  # set by load
+        self.transfers: TransferTally | None = None  # set by load
         self.admission: AdmissionQueue | None = None  # set by load
         # Set if the engine thread dies (a step raised): the worker then stops and exits
         # non-zero, so that a supervisor restarts it, instead of staying up unable to serve.
@@ -143,7 +147,11 @@ class WorkerBase:
         self.llm = llm
         self.model_info = model_info(llm)
         self.layout = KvLayoutSpec.from_kv_layout(llm.kv_layout)
+        device = llm.kv_cache.blocks.device
+        self.kv_endpoint = local_endpoint(device.type, self.settings.kv_transport,
+                                          gpu_uuid(device) if device.type == "cuda" else "")
         self.metrics = WorkerMetrics(self.model_info.model, self.settings.role)
+        self.transfers = TransferTally(self.metrics)
         self.admission = AdmissionQueue(worker_limits(self.settings, llm.kv_cache.num_blocks, llm.max_model_len))
         self.engine = AsyncEngine(llm, on_kv_receive=self._on_kv_receive,
                                   on_last_output=lambda output: self.metrics.record_timings(output.timings),

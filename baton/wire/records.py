@@ -3,7 +3,7 @@
 Servicers and clients hand these to `baton.wire.convert`, the one module that
 builds and reads the protobuf messages (protos/ says what each field means on the
 wire). Records of the engine and of kvtransfer are used as they are where they fit
-(SamplingParams, TokenLogprobs, RecentStats, KvLayoutSpec, Rendezvous).
+(SamplingParams, TokenLogprobs, RecentStats, KvLayoutSpec, KvEndpoint, Rendezvous).
 
 Finish reasons are the engine's words: "stop" or "length" once finished, None before.
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler.stats import RecentStats
+from kvtransfer.endpoint import KvEndpoint
 from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.transport import Rendezvous
 
@@ -133,6 +134,7 @@ class KvHandle:
     layout: KvLayoutSpec
     lease_s: float
     kv_token: str  # the secret SendKv presents (WorkRequest.kv_token)
+    prefill_endpoint: KvEndpoint | None = None  # the holder's side, for choosing the transport (always sent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,15 +172,16 @@ class TokenEvent:
 class OpenKvChannel:
     """A decode worker asks a prefill worker to join the data channel it hosts."""
 
-    rendezvous: Rendezvous
+    rendezvous: Rendezvous  # its transport, chosen by the decode worker
     layout: KvLayoutSpec  # the decode worker's cache blocks; must equal the prefill worker's
     decode_worker_id: str
+    decode_endpoint: KvEndpoint  # the decode worker's side, to check the transport against
 
 
 @dataclass(frozen=True, slots=True)
 class KvChannelOpened:
     prefill_worker_id: str
-    backend: str  # the transport the channel uses, e.g. "gloo" or "nccl"
+    backend: str  # the transport the channel uses: "ipc", "gloo" or "nccl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +256,21 @@ class WorkerStats:
     num_transferred_bytes: int = 0
     transfer_seconds: float = 0.0
     num_leases_expired: int = 0
+    kv_transports: tuple[KvTransportStats, ...] = ()  # the transfers above, by transport
+    kv_channel_refusal: str = ""  # why the last channel this worker tried to open was refused
+    num_kv_blocks_fenced: int = 0  # kept out of use: a sender stopped answering mid-copy
     recent: RecentStats | None = None  # the scheduler's last minute of steps
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransportStats:
+    """A worker's KV transfers over one transport, since start."""
+
+    transport: str  # "ipc", "gloo" or "nccl"
+    num_transfers: int = 0
+    num_failures: int = 0
+    num_transferred_bytes: int = 0
+    transfer_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from dataclasses import fields
 from google.protobuf import json_format
 
 from baton.wire.internal.v1 import worker_pb2
-from baton.wire.records import DeploymentStatus, WorkerStats, WorkerStatus
+from baton.wire.records import DeploymentStatus, KvTransportStats, WorkerStats, WorkerStatus
 from engine.scheduler.stats import RecentStats
 
 _RECENT_RENAMED = {"window_s": "window_seconds", "mean_queue_time": "mean_queue_seconds"}
@@ -24,18 +24,27 @@ def recent_stats_from_pb(message: worker_pb2.RecentStats) -> RecentStats:
     return RecentStats(**{f.name: getattr(message, _RECENT_RENAMED.get(f.name, f.name)) for f in fields(RecentStats)})
 
 
+_NESTED = ("recent", "kv_transports")
+
+
 def worker_stats_to_pb(stats: WorkerStats) -> worker_pb2.WorkerStats:
-    values = {f.name: getattr(stats, f.name) for f in fields(WorkerStats) if f.name != "recent"}
+    values = {f.name: getattr(stats, f.name) for f in fields(WorkerStats) if f.name not in _NESTED}
     message = worker_pb2.WorkerStats(**values)
+    message.kv_transports.extend(
+        worker_pb2.KvTransportStats(**{f.name: getattr(t, f.name) for f in fields(KvTransportStats)})
+        for t in stats.kv_transports
+    )
     if stats.recent is not None:
         message.recent.CopyFrom(recent_stats_to_pb(stats.recent))
     return message
 
 
 def worker_stats_from_pb(message: worker_pb2.WorkerStats) -> WorkerStats:
-    values = {f.name: getattr(message, f.name) for f in fields(WorkerStats) if f.name != "recent"}
+    values = {f.name: getattr(message, f.name) for f in fields(WorkerStats) if f.name not in _NESTED}
     recent = recent_stats_from_pb(message.recent) if message.HasField("recent") else None
-    return WorkerStats(**values, recent=recent)
+    transports = tuple(KvTransportStats(**{f.name: getattr(t, f.name) for f in fields(KvTransportStats)})
+                       for t in message.kv_transports)
+    return WorkerStats(**values, kv_transports=transports, recent=recent)
 
 
 def deployment_status_to_pb(status: DeploymentStatus) -> worker_pb2.DeploymentStatus:

@@ -177,11 +177,15 @@ class Scheduler:
             self.finish_request(request, RequestStatus.FINISHED_HANDED_OFF)
         return request
 
-    def complete_kv_receive(self, request_id: str, ok: bool) -> Request | None:
-        """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here)."""
+    def complete_kv_receive(self, request_id: str, ok: bool, fence_id: str | None = None) -> Request | None:
+        """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here). With
+        `fence_id`, the failed receive's blocks go under that fence (KVCacheManager.fence)."""
         request = self.receiving.get(request_id)
         if request is None:
             return None
+        if fence_id is not None:
+            assert not ok, "a completed receive has nothing to fence"
+            self.kv.fence(request_id, fence_id)
         if request.abort_requested:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
             return None

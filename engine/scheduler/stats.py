@@ -81,6 +81,7 @@ class SchedulerStats:
     num_kv_blocks_total: int
     num_kv_blocks_used: int
     num_kv_blocks_free: int
+    num_kv_blocks_fenced: int  # used, but by no request: kept from a transfer in doubt (KVCacheManager.fence)
     num_swap_blocks_used: int
     num_preemptions_recompute: int
     num_preemptions_swap: int
@@ -232,6 +233,7 @@ def snapshot_stats(scheduler: Scheduler, with_queue_times: bool) -> SchedulerSta
         num_kv_blocks_total=kv.pool.num_blocks,
         num_kv_blocks_used=kv.num_used_blocks,
         num_kv_blocks_free=kv.num_free_blocks,
+        num_kv_blocks_fenced=kv.num_fenced_blocks,
         num_swap_blocks_used=kv.swap_pool.num_used,
         num_preemptions_recompute=counters.num_preemptions[PreemptionKind.RECOMPUTE],
         num_preemptions_swap=counters.num_preemptions[PreemptionKind.SWAP],

@@ -42,7 +42,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("prefill_worker_id", "prefill_address", "request_id", "num_tokens", "num_blocks", "layout", "lease_ms", "kv_token")
+    __slots__ = ("prefill_worker_id", "prefill_address", "request_id", "num_tokens", "num_blocks", "layout", "lease_ms", "kv_token", "prefill_endpoint")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class KvHandle(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     prefill_address: str
     request_id: str
@@ -59,7 +60,22 @@ class KvHandle(_message.Message):
     layout: KvLayout
     lease_ms: int
     kv_token: str
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ..., kv_token: _Optional[str] = ...) -> None: ...
+    prefill_endpoint: KvEndpoint
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ..., kv_token: _Optional[str] = ..., prefill_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ...) -> None: ...
+
+class KvEndpoint(_message.Message):
+    __slots__ = ("hostname", "host_id", "device", "gpu_uuid", "kv_transport")
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    host_id: str
+    device: str
+    gpu_uuid: str
+    kv_transport: str
+    def __init__(self, hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
@@ -90,7 +106,7 @@ class ReleaseKvResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class OpenKvChannelRequest(_message.Message):
-    __slots__ = ("channel_id", "store_host", "store_port", "layout", "decode_worker_id", "timeout_seconds", "secret")
+    __slots__ = ("channel_id", "store_host", "store_port", "layout", "decode_worker_id", "timeout_seconds", "secret", "transport", "ipc_socket", "decode_endpoint")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +114,9 @@ class OpenKvChannelRequest(_message.Message):
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    IPC_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     store_host: str
     store_port: int
@@ -105,7 +124,10 @@ class OpenKvChannelRequest(_message.Message):
     decode_worker_id: str
     timeout_seconds: float
     secret: bytes
-    def __init__(self, channel_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., secret: _Optional[bytes] = ...) -> None: ...
+    transport: str
+    ipc_socket: str
+    decode_endpoint: KvEndpoint
+    def __init__(self, channel_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., secret: _Optional[bytes] = ..., transport: _Optional[str] = ..., ipc_socket: _Optional[str] = ..., decode_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ...) -> None: ...
 
 class OpenKvChannelResponse(_message.Message):
     __slots__ = ("prefill_worker_id", "backend")
@@ -186,7 +208,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "num_finished", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "recent", "oldest_queued_seconds", "block_size")
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "num_finished", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "recent", "oldest_queued_seconds", "block_size", "kv_transports", "kv_channel_refusal", "num_kv_blocks_fenced")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +238,9 @@ class WorkerStats(_message.Message):
     RECENT_FIELD_NUMBER: _ClassVar[int]
     OLDEST_QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CHANNEL_REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FENCED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -245,7 +270,24 @@ class WorkerStats(_message.Message):
     recent: RecentStats
     oldest_queued_seconds: float
     block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., oldest_queued_seconds: _Optional[float] = ..., block_size: _Optional[int] = ...) -> None: ...
+    kv_transports: _containers.RepeatedCompositeFieldContainer[KvTransportStats]
+    kv_channel_refusal: str
+    num_kv_blocks_fenced: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., oldest_queued_seconds: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_transports: _Optional[_Iterable[_Union[KvTransportStats, _Mapping]]] = ..., kv_channel_refusal: _Optional[str] = ..., num_kv_blocks_fenced: _Optional[int] = ...) -> None: ...
+
+class KvTransportStats(_message.Message):
+    __slots__ = ("transport", "num_transfers", "num_failures", "num_transferred_bytes", "transfer_seconds")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERRED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    num_transfers: int
+    num_failures: int
+    num_transferred_bytes: int
+    transfer_seconds: float
+    def __init__(self, transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., num_failures: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class RecentStats(_message.Message):
     __slots__ = ("window_seconds", "seconds", "seconds_since_last_step", "num_steps", "mean_batch_size", "mean_tokens_per_step", "mean_kv_usage", "mean_num_waiting", "num_admissions", "num_preemptions_recompute", "num_preemptions_swap", "num_swapped_blocks_out", "num_queued", "mean_queue_seconds", "num_steps_kv_blocked", "num_steps_seq_capped")

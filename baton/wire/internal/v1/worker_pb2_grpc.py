@@ -90,10 +90,12 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenKvChannel(self, request, context):
-        """Opens the torch.distributed channel of one (prefill, decode) pair: the
-        prefill worker joins the two-rank group whose store the decode worker
-        hosts, after checking that both caches have the same block layout.
-        Returns once the group is up.
+        """Opens a KV channel of one (prefill, decode) pair over the transport the
+        decode worker chose (ipc: the prefill worker maps the decode worker's
+        cache; gloo, nccl: it joins the two-rank group whose store the decode
+        worker hosts), after checking that both caches have the same block layout
+        and that the transport can join them (FAILED_PRECONDITION if not).
+        Returns once the channel is up.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,81 @@
+"""Sharing a KV cache with another process on this host, for the ipc transport (ipc.py):
+the receiver exports its cache's blocks (a memfd descriptor, or a CUDA IPC handle as
+plain fields: what torch.multiprocessing's reductions send for a CUDA tensor, with no
+pickle), the sender maps them as rows it copies into."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.shared_memory import SharedMemory
+from kvtransfer.endpoint import gpu_uuid
+from kvtransfer.layout import KvLayoutSpec
+from kvtransfer.transport import KvTransferError
+
+
+def export_cache(kv_cache: KVCache) -> tuple[dict, list[int]]:
+    """What the sender needs to map our cache's blocks, and the descriptors to pass it.
+    KvTransferError if this cache cannot be shared."""
+    blocks = kv_cache.blocks
+    if blocks.device.type == "cpu":
+        memory = kv_cache.shared_memory
+        if memory is None or memory.fd is None:
+            raise KvTransferError("this worker's KV cache is not in shared memory (an engine built without "
+                                  "CacheConfig.shareable): the ipc transport cannot reach it")
+        return {"memory": "memfd", "num_bytes": memory.num_bytes}, [memory.fd]
+    storage = blocks.untyped_storage()
+    # NOTE: torch.multiprocessing's reduce_tensor sends these same fields for a CUDA tensor.
+    (device, handle, storage_bytes, storage_offset_bytes, ref_counter_handle, ref_counter_offset,
+     event_handle, event_sync_required) = storage._share_cuda_()
+    return {
+        "memory": "cuda",
+        "gpu_uuid": gpu_uuid(blocks.device),
+        "handle": bytes(handle).hex(),
+        "storage_bytes": int(storage_bytes),
+        "storage_offset_bytes": int(storage_offset_bytes),
+        "ref_counter_handle": bytes(ref_counter_handle).hex(),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": bytes(event_handle or b"").hex(),
+        "event_sync_required": bool(event_sync_required),
+        "tensor_offset": blocks.storage_offset(),
+    }, []
+
+
+def map_cache(cache: dict, fds: list[int], spec: KvLayoutSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """The receiver's cache mapped here, as rows [num_blocks, block row] of its dtype."""
+    row = spec.bytes_per_block // spec.element_size
+    num_bytes = num_blocks * spec.bytes_per_block
+    if cache["memory"] == "memfd":
+        if device.type != "cpu":
+            raise ValueError("the receiver's cache is in host memory and ours on CUDA")
+        if len(fds) != 1:
+            raise ValueError(f"expected one descriptor of the receiver's cache, got {len(fds)}")
+        if int(cache["num_bytes"]) != num_bytes:
+            raise ValueError(f"the receiver's cache has {cache['num_bytes']} bytes, not {num_bytes}")
+        return SharedMemory.attach(fds[0], num_bytes).tensor(spec.torch_dtype).view(num_blocks, row)
+    if cache["memory"] != "cuda" or device.type != "cuda":
+        raise ValueError(f"cannot map a receiver's cache in {cache['memory']!r} memory from {device}")
+    index = _local_gpu(cache["gpu_uuid"])
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index,
+        bytes.fromhex(cache["handle"]),
+        int(cache["storage_bytes"]),
+        int(cache["storage_offset_bytes"]),
+        bytes.fromhex(cache["ref_counter_handle"]),
+        int(cache["ref_counter_offset"]),
+        bytes.fromhex(cache["event_handle"]),
+        bool(cache["event_sync_required"]),
+    )
+    if storage.nbytes() < (int(cache["tensor_offset"]) + num_blocks * row) * spec.element_size:
+        raise ValueError("the receiver's CUDA allocation is smaller than its cache")
+    rows = torch.empty(0, dtype=spec.torch_dtype, device=torch.device("cuda", index))
+    return rows.set_(storage, int(cache["tensor_offset"]), (num_blocks, row), (row, 1))
+
+
+def _local_gpu(uuid: str) -> int:
+    """This process's index of the GPU with `uuid`; ValueError if it does not see it."""
+    for index in range(torch.cuda.device_count()):
+        if gpu_uuid(torch.device("cuda", index)) == uuid:
+            return index
+    raise ValueError(f"the receiver's GPU {uuid} is not visible to this process (CUDA_VISIBLE_DEVICES?)")
