@@ -14,6 +14,8 @@ short keeps what finished; a section that fails is recorded and the rest still r
              tokens over scattered blocks: KV bytes of one layer over kernel time
   offline    output tokens per second of baton-continuous, baton-static, hf-static and
              hf-continuous on a ShareGPT-like and on the mixed workload (benchmarks/workload.py)
+  handoff    the KV handoff on one GPU (benchmarks/gpu_handoff.py): ipc between two processes
+             against a same-process copy, and serving disaggregated on the GPU against colocated
 
 Targets are printed PASS/FAIL and recorded in gpu.json, never asserted: the exit code
 is 0 unless a section raised. Targets: the roofline point at batch 256 x context 1024
@@ -21,7 +23,9 @@ reads >= 60% of the copy bandwidth; every attention shape >= 70%; batch-1 decode
 token within 1.25x of the weights' read time at copy bandwidth (>= 0.8 of it); CUDA
 graphs >= 1.5x faster than eager at batch 1; the GPU idle <= 10% between steady decode
 steps at batch 64; baton-continuous >= 3x hf-static and >= 1.5x hf-continuous
-(transformers' generate_batch) on the mixed workload, and >= 2.5x baton-static on each workload.
+(transformers' generate_batch) on the mixed workload, and >= 2.5x baton-static on each workload;
+KV over ipc at >= 0.8x a same-process copy's speed, checksums equal; disaggregated on one
+GPU at >= 0.85x colocated output tokens/s, with no fallback and no block left held.
 Plots (PNG, matplotlib) go beside gpu.json when matplotlib is installed. An existing
 gpu.json in --out (same model and device) keeps the sections this run does not measure.
 
@@ -52,6 +56,7 @@ from benchmarks.gpu_bandwidth import (
     measure_decode,
     num_streaming_multiprocessors,
 )
+from benchmarks.gpu_handoff import section_handoff
 from benchmarks.gpu_latency import section_latency
 from benchmarks.gpu_offline import (
     ALL_SYSTEMS,
@@ -67,7 +72,7 @@ from benchmarks.gpu_offline import (
 from benchmarks.gpu_sizes import FULL, QUICK, TINY, BenchSizes
 from benchmarks.workload import make_workload, total_output_tokens, total_prompt_tokens
 
-SECTIONS = ("bandwidth", "decode", "roofline", "latency", "attention", "offline")
+SECTIONS = ("bandwidth", "decode", "roofline", "latency", "attention", "offline", "handoff")
 WORKLOADS = ("mixed", "sharegpt")  # mixed first: it carries the hf-static target
 JSON_NAME = "gpu.json"
 
@@ -373,7 +378,8 @@ def offline_targets(workloads: dict) -> list[dict]:
 
 
 SECTION_RUNNERS = {"bandwidth": section_bandwidth, "decode": section_decode, "roofline": section_roofline,
-                   "latency": section_latency, "attention": section_attention, "offline": section_offline}
+                   "latency": section_latency, "attention": section_attention, "offline": section_offline,
+                   "handoff": section_handoff}
 
 
 # ----------------------------------------------------------------------------- main

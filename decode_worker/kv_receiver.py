@@ -179,7 +179,7 @@ class KvReceiver:
         channel = await peer.idle.get()
         try:
             pulled = await self._pull(peer.client, channel, transport, handle, block_ids, trace_metadata)
-        except (KvTransferError, grpc.aio.AioRpcError, asyncio.TimeoutError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - any failure is reported; the prompt is prefilled here
             self.tally.failed(transport)
             settled = None
             if isinstance(error, TransportRefusedError):
@@ -190,6 +190,8 @@ class KvReceiver:
                 # The peer may not know our channel any more (it restarted on its address:
                 # FAILED_PRECONDITION to every send, for good). The next pull opens a new one.
                 channel.drop_transport()
+            elif not isinstance(error, (KvTransferError, grpc.aio.AioRpcError, asyncio.TimeoutError, ValueError)):
+                channel.drop_transport()  # unforeseen (a socket or thread we could not have): start afresh
             message = _describe(error)
             logger.warning("KV pull of %s from %s over %s failed: %s", handle.request_id, handle.prefill_address,
                            transport, message)
@@ -228,6 +230,8 @@ class KvReceiver:
                         settled.set_result(None)
                         return
             finally:
+                if not settled.done():  # shutting down: the fence is never lifted, the process ends
+                    settled.cancel()
                 await asyncio.to_thread(transport.close)
 
         task = asyncio.create_task(wait())
@@ -255,18 +259,24 @@ class KvReceiver:
             # (lease expired, released) never leaves a receive pending on the channel.
             receiving = loop.run_in_executor(channel.executor, channel.transport.recv_blocks, self.kv_cache,
                                              block_ids, request.tag, accepted.block_ids)
-            try:
-                stats = await asyncio.shield(receiving)
-            except asyncio.CancelledError:
-                # NOTE: the receive writes into the request's blocks until it ends (the channel's
-                # timeout bounds it): a pull cancelled meanwhile returns only then, so that
-                # its blocks are never freed under it. A receive that ended in doubt says so
-                # instead: its blocks must outlive even that.
-                await asyncio.wait([receiving])
-                failure = None if receiving.cancelled() else receiving.exception()
+            # NOTE: the receive writes into the request's blocks until it ends (the channel's
+            # timeout bounds it): a pull cancelled meanwhile (once or more) returns only then,
+            # so that its blocks are never freed under it. A receive that ended in doubt says
+            # so instead: its blocks must outlive even that.
+            cancelled = False
+            while not receiving.done():
+                try:
+                    await asyncio.shield(receiving)
+                except asyncio.CancelledError:
+                    cancelled = True
+                except Exception:  # noqa: BLE001 - read from the future below
+                    pass
+            failure = None if receiving.cancelled() else receiving.exception()
+            if cancelled:
                 if isinstance(failure, KvTransferError) and failure.in_doubt:
                     raise failure from None
-                raise
+                raise asyncio.CancelledError
+            stats = receiving.result()
             done = await call.next_event()
             if not isinstance(done, SendKvDone):
                 raise ValueError("prefill worker did not confirm the send")
@@ -298,8 +308,10 @@ class KvReceiver:
             await client.open_kv_channel(OpenKvChannel(offer.rendezvous, self.layout, self.worker_id, self.endpoint),
                                          timeout=self.timeout_s * 2, metadata=trace_metadata)
         except BaseException as error:
-            # Our side of the rendezvous times out on its own; its thread is then free.
-            joining.add_done_callback(lambda f: f.exception())
+            # Our side gives up now where it can (ipc), else times out on its own; either way
+            # the channel's thread is then free for the next open.
+            offer.cancel()
+            joining.add_done_callback(lambda f: f.cancelled() or f.exception())
             if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise TransportRefusedError(f"the prefill worker refused the channel: {error.details()}") from None
             raise

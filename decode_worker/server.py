@@ -178,6 +178,9 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 result = await self._receive(handle, receive)
             except asyncio.CancelledError:  # its Decode call ended
                 result = ReceiveResult(ok=False, error="the Decode call ended")
+            except Exception as error:  # noqa: BLE001 - the request must leave RECEIVING whatever happened
+                logger.exception("KV pull of %s failed unexpectedly", request_id)
+                result = ReceiveResult(ok=False, error=f"{type(error).__name__}: {error}")
             finally:
                 self._end_pull(request_id)
         # NOTE: the engine keeps the blocks of a request aborted meanwhile until this call,

@@ -15,7 +15,8 @@ from collections.abc import Collection
 def configure_process(num_threads: int | None = None, cpus: Collection[int] = ()) -> None:
     """Call once at a process's entry point, before the model loads.
 
-    Sets THP_MEM_ALLOC_ENABLE=1 unless the environment already sets it; with `cpus`,
+    Sets THP_MEM_ALLOC_ENABLE=1 and TORCH_NCCL_ASYNC_ERROR_HANDLING=2 unless the
+    environment already sets them; with `cpus`,
     binds the process (every thread it has, and so every thread it starts later:
     torch's, OpenMP's, gRPC's) to those cores; with `num_threads`, torch's intra-op
     thread count.
@@ -30,6 +31,11 @@ def configure_process(num_threads: int | None = None, cpus: Collection[int] = ()
     # (~3% end to end on the 2-core reference machine). torch reads the variable
     # at its first large allocation; set THP_MEM_ALLOC_ENABLE=0 to opt out.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    # A KV channel over NCCL whose peer dies, or aborts the group on its timeout, must
+    # fail that channel, not this process: NCCL's watchdog tears the process down on an
+    # asynchronous error by default (3), while 2 only aborts the communicator. Read
+    # when a group is made; set the variable to choose otherwise.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     if num_threads is not None:
         import torch
 

@@ -11,6 +11,7 @@ and it is charged to the process's memory like any allocation.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -41,10 +42,18 @@ class SharedMemory:
                     raise ValueError(f"the shared segment is smaller than the {num_bytes} bytes expected")
             else:
                 os.ftruncate(_fd, num_bytes)
-                # Reserve every page now: a segment the system cannot back fails here, at
-                # start, instead of killing the process with SIGBUS at its first touch.
+            # An attached segment's pages exist already: map them all now (MAP_POPULATE), so
+            # that copies into it do not stop at a page fault per 4 KB page the first time.
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if attached else 0)
+            self._map = mmap.mmap(_fd, num_bytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # before the pages exist; taken where the host allows it
+                with contextlib.suppress(OSError):
+                    self._map.madvise(mmap.MADV_HUGEPAGE)
+            if not attached:
+                # Allocate every page now rather than at its first touch: a segment the host
+                # cannot back then fails here, at start (ENOSPC), or meets the memory
+                # limit here, instead of in the middle of serving.
                 os.posix_fallocate(_fd, 0, num_bytes)
-            self._map = mmap.mmap(_fd, num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(_fd)
             raise
@@ -53,11 +62,6 @@ class SharedMemory:
         if attached:
             os.close(_fd)
             self.fd = None
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # taken where the host allows huge pages for shared memory
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
 
     @classmethod
     def attach(cls, fd: int, num_bytes: int) -> SharedMemory:

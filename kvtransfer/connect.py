@@ -23,10 +23,12 @@ from kvtransfer.transport import KvTransport, Rendezvous
 class ChannelOffer:
     """A channel the receiver hosts: send `rendezvous` to the sender, then `accept()`
     (blocking) returns the transport once the sender has joined, or raises
-    KvTransferError when it does not within the rendezvous timeout."""
+    KvTransferError when it does not within the rendezvous timeout. `cancel()` (any
+    thread) makes a waiting `accept()` give up early where the transport can."""
 
     rendezvous: Rendezvous
     accept: Callable[[], KvTransport]
+    cancel: Callable[[], None] = lambda: None
 
 
 def listen(channel_id: str, transport: str, host: str, kv_cache: KVCache, timeout_s: float) -> ChannelOffer:
@@ -38,8 +40,8 @@ def listen(channel_id: str, transport: str, host: str, kv_cache: KVCache, timeou
     device = kv_cache.blocks.device
     _check_device(transport, device.type)
     if transport == IPC:
-        name, accept = IpcChannel.listen(channel_id, kv_cache, timeout_s, secret)
-        return ChannelOffer(Rendezvous(channel_id, "", 0, timeout_s, secret, IPC, name), accept)
+        name, accept, cancel = IpcChannel.listen(channel_id, kv_cache, timeout_s, secret)
+        return ChannelOffer(Rendezvous(channel_id, "", 0, timeout_s, secret, IPC, name), accept, cancel)
     store = KvChannel.host_store(host)
     rendezvous = Rendezvous(channel_id, host, store.port, timeout_s, secret, transport)
     return ChannelOffer(rendezvous, lambda: KvChannel.connect(

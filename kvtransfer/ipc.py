@@ -77,6 +77,8 @@ logger = logging.getLogger(__name__)
 # that gave up is not written into for long; on CUDA copies are queued at once and
 # waited for together.
 COPY_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
+# How long a connection to the receiver's socket has to say HELLO.
+HELLO_TIMEOUT_S = 2.0
 # Runs of consecutive blocks shorter than this are gathered and scattered with one
 # index_select / index_copy_ per copy instead of a copy each (small blocks, scattered).
 MIN_RUN_BYTES = 64 << 10
@@ -110,14 +112,15 @@ class IpcChannel(KvTransport):
 
     @classmethod
     def listen(cls, channel_id: str, kv_cache: KVCache, timeout_s: float, secret: bytes,
-               ) -> tuple[str, Callable[[], IpcChannel]]:
+               ) -> tuple[str, Callable[[], IpcChannel], Callable[[], None]]:
         """Receiver: start waiting on a fresh abstract socket for the sender of this channel.
-        Returns the socket's name (for the Rendezvous) and `accept`, which blocks until the
-        sender has joined (KvTransferError if it does not within `timeout_s`). Raises
-        KvTransferError at once if the cache cannot be shared."""
+        Returns the socket's name (for the Rendezvous), `accept`, which blocks until the
+        sender has joined (KvTransferError if it does not within `timeout_s`), and `cancel`,
+        which makes a waiting `accept` give up now (the channel's open failed elsewhere).
+        Raises KvTransferError at once if the cache cannot be shared."""
         check_secret(secret)
         export, fds = export_cache(kv_cache)
-        name = f"baton-kv-{secrets.token_hex(16)}"  # unguessable; the proofs authenticate anyway
+        name = f"baton-kv-{secrets.token_hex(16)}"  # the proofs authenticate, whoever finds the name
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             listener.bind("\0" + name)
@@ -125,22 +128,30 @@ class IpcChannel(KvTransport):
         except BaseException:
             listener.close()
             raise
+        cancelled = threading.Event()
 
         def accept() -> IpcChannel:
             try:
-                return cls._accept(listener, channel_id, kv_cache, timeout_s, secret, export, fds)
+                return cls._accept(listener, channel_id, kv_cache, timeout_s, secret, export, fds, cancelled)
             finally:
                 listener.close()
 
-        return name, accept
+        def cancel() -> None:
+            cancelled.set()
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes an accept() blocked on it
+
+        return name, accept, cancel
 
     @classmethod
     def _accept(cls, listener: socket.socket, channel_id: str, kv_cache: KVCache, timeout_s: float, secret: bytes,
-                export: dict, fds: list[int]) -> IpcChannel:
+                export: dict, fds: list[int], cancelled: threading.Event) -> IpcChannel:
         deadline = time.monotonic() + timeout_s
         spec = KvLayoutSpec.from_kv_layout(kv_cache.layout)
         while True:
             remaining = deadline - time.monotonic()
+            if cancelled.is_set():
+                raise KvTransferError(f"channel {channel_id}: its opening was given up")
             if remaining <= 0:
                 raise KvTransferError(f"channel {channel_id}: peer did not join within {timeout_s:g} s")
             listener.settimeout(remaining)
@@ -148,7 +159,11 @@ class IpcChannel(KvTransport):
                 conn, _ = listener.accept()
             except socket.timeout:
                 continue
-            frames = Frames(conn, max(0.1, min(timeout_s, deadline - time.monotonic())))
+            except OSError:  # shut down by cancel()
+                continue
+            # A connection that does not say HELLO at once is not the sender we wait for (it sends
+            # HELLO right after connecting): it may not hold up the one that is.
+            frames = Frames(conn, max(0.1, min(HELLO_TIMEOUT_S, timeout_s, deadline - time.monotonic())))
             try:
                 _, payload, stray = frames.recv(HELLO)
                 close_fds(stray)
@@ -216,10 +231,8 @@ class IpcChannel(KvTransport):
             theirs = KvLayoutSpec(**welcome["layout"])
             spec.check_matches(theirs)
             peer_rows = map_cache(welcome["cache"], fds, theirs, int(welcome["num_blocks"]), kv_cache.blocks.device)
-            fds = []  # taken over by the mapping
             frames.send(READY)
         except BaseException as error:
-            close_fds(fds)
             if isinstance(error, (ValueError, KeyError, TypeError)):  # the layouts differ, or a malformed frame
                 with contextlib.suppress(OSError, KvTransferError):
                     frames.send(REFUSE, str(error).encode())
@@ -232,6 +245,8 @@ class IpcChannel(KvTransport):
                 raise KvTransferError(f"channel {channel_id}: peer did not answer within {timeout_s:g} s: "
                                       f"{first_line(error)}") from error
             raise
+        finally:
+            close_fds(fds)  # the mapping, if made, holds a descriptor of its own
         return cls(channel_id=channel_id, rank=0, frames=frames, device=kv_cache.blocks.device, timeout_s=timeout_s,
                    peer_rows=peer_rows)
 
@@ -301,7 +316,8 @@ class IpcChannel(KvTransport):
             try:
                 header = TransferHeader(prepared.spec, len(prepared.src_ids), tag, prepared.digest)
                 self._frames.send(HEADER, header.encode().numpy().tobytes())
-                kind, payload, _ = self._frames.recv(GO)
+                kind, payload, fds = self._frames.recv(GO)
+                close_fds(fds)
                 if kind == REFUSE:
                     raise ValueError(payload.decode(errors="replace"))
                 if tag_of(payload) != tag:
@@ -310,6 +326,7 @@ class IpcChannel(KvTransport):
                 self._frames.send(DONE, tag_bytes(tag) + struct.pack("<Q", len(prepared.src_ids) *
                                                                        prepared.spec.bytes_per_block))
             except Exception as error:
+                self._drain()  # nothing of ours may still land once we say we stopped, or close
                 raise self._fail(error) from None
         return TransferStats(len(prepared.src_ids), len(prepared.src_ids) * prepared.spec.bytes_per_block,
                              time.perf_counter() - started)
@@ -344,6 +361,11 @@ class IpcChannel(KvTransport):
                     with contextlib.suppress(OSError, KvTransferError):
                         self._frames.send(REFUSE, str(refusal).encode())
                     raise
+                if self.device.type == "cuda":
+                    # The blocks were this process's until now, and its queued work (a swap-out
+                    # reading blocks just freed, the step in flight) runs on the default
+                    # stream: the sender writes only after it has.
+                    torch.cuda.default_stream(self.device).synchronize()
                 self._frames.send(GO, tag_bytes(tag))
                 let_go = True
                 kind, payload, fds = self._frames.recv(DONE)
@@ -372,12 +394,23 @@ class IpcChannel(KvTransport):
         for begin, end in plan.staged_slices():
             self._check_abort(tag)
             positions = plan.staged[begin:end]
-            src = torch.tensor([src_ids[p] for p in positions], device=rows.device)
-            dst = torch.tensor([dst_ids[p] for p in positions], device=peer.device)
+            src = _index([src_ids[p] for p in positions], rows.device)
+            dst = _index([dst_ids[p] for p in positions], peer.device)
             gathered = wide_rows(rows).index_select(0, src)
             wide_rows(peer).index_copy_(0, dst, gathered.to(peer.device, non_blocking=cuda))
-        if cuda:
-            self._stream.synchronize()  # in the receiver's memory before we say DONE
+        self._drain()  # in the receiver's memory before we say DONE
+
+    def _drain(self) -> None:
+        """CUDA: wait for every copy this channel queued (on its stream, and a scatter on
+        another GPU on that GPU's current stream), so that none lands after we say DONE,
+        ABORTED, or close. A failure here is the device's: it is not ours to report."""
+        if self._stream is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            self._stream.synchronize()
+            peer = self._peer_rows
+            if peer is not None and peer.device != self.device:
+                torch.cuda.current_stream(peer.device).synchronize()
 
     def _check_abort(self, tag: int) -> None:
         """Between copies: stop if the receiver gave up (ABORT) or is gone."""
@@ -386,6 +419,7 @@ class IpcChannel(KvTransport):
         kind, payload, fds = self._frames.recv(ABORT)
         close_fds(fds)
         if kind == ABORT:
+            self._drain()
             with contextlib.suppress(OSError, KvTransferError):
                 self._frames.send(ABORTED, payload[:8])
             raise KvTransferError(f"the receiver gave up on transfer {tag} (its timeout)")
@@ -411,6 +445,7 @@ class IpcChannel(KvTransport):
         on is not settled yet: its socket is how we learn when it is."""
         if self._unsettled_tag is not None:
             return
+        self._drain()
         if self._frames is not None:
             self._frames.close()
             self._frames = None
@@ -441,6 +476,13 @@ class IpcChannel(KvTransport):
         else:
             text = f"channel {self.channel_id}: transfer failed: {message}"
         return KvTransferError(text, in_doubt=in_doubt)
+
+
+def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids as an index on `device`, copied from pinned memory without a host wait."""
+    if device.type != "cuda":
+        return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
 
 
 def _spec_dict(spec: KvLayoutSpec) -> dict:

@@ -1,9 +1,19 @@
 """Sharing a KV cache with another process on this host, for the ipc transport (ipc.py):
 the receiver exports its cache's blocks (a memfd descriptor, or a CUDA IPC handle as
 plain fields: what torch.multiprocessing's reductions send for a CUDA tensor, with no
-pickle), the sender maps them as rows it copies into."""
+pickle), the sender maps them as rows it copies into.
+
+Each side does it once per cache, whatever the number of channels between them: the
+receiver exports its cache once (a CUDA export takes an IPC event and a ref-counter
+slot each time), and the sender maps a receiver's segment once while any channel still
+uses it (a mapping of a large cache costs page tables, and the time to build them).
+"""
 
 from __future__ import annotations
+
+import os
+import threading
+import weakref
 
 import torch
 
@@ -14,9 +24,23 @@ from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.transport import KvTransferError
 
 
+_exports: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache: (export, fds)
+_mappings: dict[tuple, weakref.ref] = {}  # a receiver's segment (device, inode, size, dtype): its rows here
+_lock = threading.Lock()
+
+
 def export_cache(kv_cache: KVCache) -> tuple[dict, list[int]]:
-    """What the sender needs to map our cache's blocks, and the descriptors to pass it.
-    KvTransferError if this cache cannot be shared."""
+    """What the sender needs to map our cache's blocks, and the descriptors to pass it
+    (this process keeps them; the socket sends copies). KvTransferError if this cache
+    cannot be shared."""
+    with _lock:
+        exported = _exports.get(kv_cache)
+        if exported is None:
+            exported = _exports[kv_cache] = _export(kv_cache)
+    return exported
+
+
+def _export(kv_cache: KVCache) -> tuple[dict, list[int]]:
     blocks = kv_cache.blocks
     if blocks.device.type == "cpu":
         memory = kv_cache.shared_memory
@@ -43,7 +67,8 @@ def export_cache(kv_cache: KVCache) -> tuple[dict, list[int]]:
 
 
 def map_cache(cache: dict, fds: list[int], spec: KvLayoutSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """The receiver's cache mapped here, as rows [num_blocks, block row] of its dtype."""
+    """The receiver's cache mapped here, as rows [num_blocks, block row] of its dtype. The
+    caller keeps (and closes) `fds`. One mapping per segment while its rows are in use."""
     row = spec.bytes_per_block // spec.element_size
     num_bytes = num_blocks * spec.bytes_per_block
     if cache["memory"] == "memfd":
@@ -53,7 +78,17 @@ def map_cache(cache: dict, fds: list[int], spec: KvLayoutSpec, num_blocks: int, 
             raise ValueError(f"expected one descriptor of the receiver's cache, got {len(fds)}")
         if int(cache["num_bytes"]) != num_bytes:
             raise ValueError(f"the receiver's cache has {cache['num_bytes']} bytes, not {num_bytes}")
-        return SharedMemory.attach(fds[0], num_bytes).tensor(spec.torch_dtype).view(num_blocks, row)
+        stat = os.fstat(fds[0])
+        key = (stat.st_dev, stat.st_ino, num_bytes, spec.dtype, num_blocks)
+        with _lock:
+            for stale in [k for k, ref in _mappings.items() if ref() is None]:
+                del _mappings[stale]
+            rows = _mappings[key]() if key in _mappings else None
+            if rows is None:
+                memory = SharedMemory.attach(os.dup(fds[0]), num_bytes)
+                rows = memory.tensor(spec.torch_dtype).view(num_blocks, row)
+                _mappings[key] = weakref.ref(rows)
+        return rows
     if cache["memory"] != "cuda" or device.type != "cuda":
         raise ValueError(f"cannot map a receiver's cache in {cache['memory']!r} memory from {device}")
     index = _local_gpu(cache["gpu_uuid"])

@@ -262,7 +262,8 @@ class KvSender:
                 if request.verify:  # the receiver compares them with its own
                     checksums = await loop.run_in_executor(channel.executor, block_checksums, self.kv_cache,
                                                            block_ids)
-            except (KvTransferError, ValueError) as error:  # ValueError: ids out of the peer's range
+            # ValueError: ids out of the peer's range; RuntimeError: the channel was closed under us.
+            except (KvTransferError, ValueError, RuntimeError) as error:
                 self.tally.failed(transport.backend)
                 logger.warning("KV send of %s failed: %s", request_id, error)
                 raise KvTransferError(str(error)) if not isinstance(error, KvTransferError) else error

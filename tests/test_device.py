@@ -134,13 +134,15 @@ def test_backend_choice_by_device_and_dtype():
         get_attention_backend("cpu", "cuda", torch.float32)
 
 
-def baton_up_streams_text(tmp_path, args: list[str]) -> None:
-    """`baton up --colocated` with `args` serves a streamed text request, then stops cleanly."""
+def baton_up_streams_text(tmp_path, args: list[str], colocated: bool = True) -> str:
+    """`baton up` (`--colocated` unless told otherwise) with `args` serves a streamed text
+    request, then stops cleanly; returns what `baton status` printed meanwhile."""
     port = free_port()
     log_path = tmp_path / "baton-up.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--colocated", *args],
+            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), *(["--colocated"] if colocated else []),
+             *args],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
@@ -158,10 +160,14 @@ def baton_up_streams_text(tmp_path, args: list[str]) -> None:
         assert len(messages) > 1, "tokens are streamed one message at a time"
         assert "".join(m.text for m in messages), "the dummy tokenizer decodes every id"
         assert messages[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", f"127.0.0.1:{port}"],
+                                capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert status.returncode == 0, status.stderr
     finally:
         process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=120)
     assert code == 0, log_path.read_text()[-5000:]
+    return status.stdout
 
 
 @pytest.mark.timeout(900)

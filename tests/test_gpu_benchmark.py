@@ -17,7 +17,8 @@ from benchmarks.gpu_sizes import TINY
 SMOKE_ARGS = ["--device", "cpu", "--model", "dummy:smollm2-135m", "--quick", "--tiny"]
 TARGETS = {"roofline", "attention", "offline-mixed-vs-hf-static", "offline-mixed-vs-hf-continuous",
            "offline-sharegpt-vs-baton-static", "offline-mixed-vs-baton-static", "decode-batch1-vs-hbm-floor",
-           "graphs-vs-eager", "gpu-busy-between-steps"}
+           "graphs-vs-eager", "gpu-busy-between-steps", "handoff-ipc-vs-copy", "handoff-checksums",
+           "handoff-serving", "handoff-no-fallback", "handoff-no-held-blocks"}
 # Measured on CUDA only: no graphs, no device timeline on CPU.
 CUDA_TARGETS = {"graphs-vs-eager", "gpu-busy-between-steps"}
 
@@ -66,6 +67,13 @@ def test_cpu_smoke_writes_every_section(tmp_path):
             assert positive(result["output_tokens_per_second"])
         # Same weights: the first greedy token agrees with transformers' (float32 on CPU).
         assert entry["first_token_agreement_with_hf_static"]["baton-continuous"] == 1.0
+
+    handoff = sections["handoff"]
+    assert handoff["transfer"]["verified"] and set(handoff["transfer"]["results"]) == {"scattered", "contiguous"}
+    assert set(handoff["transfer"]["results"]["scattered"]["seconds"]) == {"ipc", "gloo", "raw_gloo", "copy"}
+    serving = handoff["serving"]
+    assert serving["fallbacks"] == 0 and serving["blocks_left_held"] == 0 and serving["handoffs_ok"] == 1.0
+    assert serving["systems"]["disaggregated"]["kv_transports"] == "ipc"
 
     targets = {t["name"]: t for t in payload["targets"]}
     assert set(targets) == TARGETS

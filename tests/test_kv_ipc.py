@@ -9,6 +9,7 @@ doubt until the sender answers. Nothing is ever left in /dev/shm.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -294,7 +295,7 @@ def test_a_sender_killed_mid_copy_fails_the_receiver_at_once_and_leaves_nothing_
     assert shm_entries() <= before, "a segment was left in /dev/shm"
 
 
-def freezing_sender(rendezvous_queue, mid_copy, resumed, sender_up) -> str:
+def freezing_sender(rendezvous_queue, mid_copy, resumed, sender_up, checked) -> str:
     cache = filled_cache(LARGE, seed=6)
     sender_up.set()  # started: the receiver's 2 s timeout may run from now
     channel = _join(rendezvous_queue, cache)
@@ -304,13 +305,14 @@ def freezing_sender(rendezvous_queue, mid_copy, resumed, sender_up) -> str:
     return str(raised.value)
 
 
-def waiting_receiver(rendezvous_queue, mid_copy, resumed, sender_up) -> dict:
+def waiting_receiver(rendezvous_queue, mid_copy, resumed, sender_up, checked) -> dict:
     cache = sentinel_cache(LARGE)
     sender_up.wait(30)
     channel = _offer(rendezvous_queue, cache, timeout_s=2.0)
     with pytest.raises(KvTransferError, match="timed out") as raised:
         channel.recv_blocks(cache, [5, 6, 7, 8, 9, 11], 1, [1, 2, 3, 10, 20, 30])
     frozen_settled = channel.wait_settled(0.5)  # the sender is stopped: nobody can tell
+    checked.set()
     resumed.wait(30)
     settled = channel.wait_settled(10.0)  # it answers the ABORT at its next copy
     snapshot = cache.blocks.view(torch.uint8).clone()  # bits: the blocks copied hold NaNs
@@ -321,11 +323,11 @@ def waiting_receiver(rendezvous_queue, mid_copy, resumed, sender_up) -> dict:
 
 def test_a_frozen_sender_leaves_its_blocks_in_doubt_until_it_answers():
     ctx = mp.get_context("spawn")
-    mid_copy, resumed, sender_up = ctx.Event(), ctx.Event(), ctx.Event()
-    processes, results, _queue = start_pair(freezing_sender, waiting_receiver, mid_copy, resumed, sender_up)
+    mid_copy, resumed, sender_up, checked = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
+    processes, results, _queue = start_pair(freezing_sender, waiting_receiver, mid_copy, resumed, sender_up, checked)
     try:
         assert mid_copy.wait(30)
-        time.sleep(3.5)  # the receiver times out (2 s) and asks whether it has settled (0.5 s)
+        assert checked.wait(60)  # the receiver timed out (2 s) and found the transfer unsettled
         os.kill(processes["freezing_sender"].pid, signal.SIGCONT)
         resumed.set()
         outcome = collect(processes, results, ["freezing_sender", "waiting_receiver"])
@@ -348,11 +350,14 @@ def surviving_sender(rendezvous_queue, receiver_gone) -> dict:
     receiver_gone.wait(30)
     # Between transfers the channel notices its peer is gone, and drops the dead cache's mapping.
     broken, released = channel.is_broken, channel._peer_rows is None
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        unmapped = "baton-kv-cache" not in maps.read()  # the memfd's name, as /proc shows its mappings
     # Still serving: the next channel, to another receiver, works.
     channel = _join(rendezvous_queue, cache)
     channel.send_blocks(cache, [1, 2, 3], 1, [4, 5, 6])
     channel.close()
-    return {"message": message, "broken": broken, "released": released}
+    return {"message": message, "broken": broken, "released": released, "unmapped": unmapped}
 
 
 def dying_receiver(rendezvous_queue, receiver_gone) -> None:
@@ -397,7 +402,7 @@ def test_a_receiver_killed_mid_transfer_leaves_the_sender_serving():
     finally:
         finish(processes)
     sender_side = outcome["surviving_sender"]
-    assert sender_side["broken"] and sender_side["released"], sender_side
+    assert sender_side["broken"] and sender_side["released"] and sender_side["unmapped"], sender_side
     assert sender_side["message"] == "" or "gone" in sender_side["message"], sender_side
     assert outcome["second_receiver"] is True
     assert shm_entries() <= before, "a segment was left in /dev/shm"

@@ -193,3 +193,37 @@ def test_the_command_reports_bad_values_in_one_line():
     result = run_baton("status", "--gateway", "127.0.0.1:1", "--timeout-s", "1", env={"BATON_THREADS": "abc"})
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("baton status: gateway 127.0.0.1:1: UNAVAILABLE")
+
+
+def test_baton_up_lays_the_workers_out_on_gpus():
+    """`baton up --device cuda`: both workers on one GPU split its memory, the prefill worker
+    first with its share; `--devices 0,1` gives each a GPU of its own; KV goes over ipc (one
+    host) unless --kv-transport says otherwise."""
+    from baton.cli.launcher import UpSettings, role_args
+
+    def flags(args: list[str], name: str) -> list[str]:
+        return [args[i + 1] for i, flag in enumerate(args) if flag == name]
+
+    shared = parse(UpSettings, ["--device", "cuda", "--gpu-memory-utilization", "0.8",
+                                "--prefill-memory-fraction", "0.25"])
+    assert shared.shares_a_gpu
+    roles = role_args(shared)
+    assert flags(roles.worker, "--kv-transport") == ["auto"]
+    assert flags(roles.worker + roles.prefill, "--gpu-memory-utilization")[-1] == "0.2000"  # 0.25 of 0.8
+    assert flags(roles.worker + roles.decode, "--gpu-memory-utilization")[-1] == "0.8"
+    assert flags(roles.prefill, "--device") == flags(roles.decode, "--device") == ["cuda"]
+
+    split = parse(UpSettings, ["--device", "cuda", "--devices", "0,1", "--kv-transport", "nccl"])
+    assert not split.shares_a_gpu
+    roles = role_args(split)
+    assert (flags(roles.prefill, "--device"), flags(roles.decode, "--device")) == (["cuda:0"], ["cuda:1"])
+    assert flags(roles.worker, "--kv-transport") == ["nccl"] and "--gpu-memory-utilization" not in roles.prefill
+    assert not parse(UpSettings, ["--device", "cuda", "--colocated"]).shares_a_gpu
+    assert not parse(UpSettings, []).shares_a_gpu  # CPU
+
+    for bad, message in ((["--devices", "0,1"], "--devices needs --device cuda"),
+                         (["--device", "cuda", "--devices", "0"], "two GPU indices"),
+                         (["--prefill-memory-fraction", "1.5"], "must lie in"),
+                         (["--kv-transport", "tcp"], "--kv-transport must be one of")):
+        with pytest.raises(SettingsError, match=message):
+            parse(UpSettings, bad)

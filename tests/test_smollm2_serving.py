@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,6 +56,13 @@ def test_baton_up_answers_capital_of_france(tmp_path):
         )
         assert result.returncode == 0, result.stderr
         assert "Paris" in result.stdout
+        # On one CPU host `baton up` hands KV over ipc: the banner says so, and the workers did.
+        assert "(disaggregated, KV over ipc)" in log_path.read_text()
+        status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", f"127.0.0.1:{port}"],
+                                capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert status.returncode == 0, status.stderr
+        assert re.search(r"KV ipc +[1-9][0-9]* transfers, 0 failed", status.stdout), status.stdout
+        assert "KV gloo" not in status.stdout and "refused" not in status.stdout
     finally:
         process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=120)

@@ -242,6 +242,7 @@ def test_kv_transfer_spans_on_both_sides_and_the_decode_timeline(traced):
         assert attributes["baton.kv.bandwidth_gbps"] == pytest.approx(
             attributes["baton.kv.bytes"] / attributes["baton.kv.duration_s"] / 1e9)
     assert receive["baton.kv.direction"] == "receive" and send["baton.kv.direction"] == "send"
+    assert receive["baton.kv.transport"] == send["baton.kv.transport"] == "ipc"  # one host
 
     decode = one(spans, "decode")
     names = [event.name for event in decode.events]

@@ -22,7 +22,14 @@ def can_pack(weight: torch.Tensor) -> bool:
         and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        # oneDNN packs bfloat16 only on CPUs with bf16 instructions (AVX-512 or AVX-NE-CONVERT).
+        and (weight.dtype != torch.bfloat16 or _cpu_has_bf16())
     )
+
+
+def _cpu_has_bf16() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 class PackedLinear(nn.Module):

@@ -1,0 +1,116 @@
+"""The decode worker's KV receiver, around its transport: a pull cancelled (once or twice)
+returns only once the receive writing into its blocks has ended, and a pull that fails
+in a way nobody foresaw is still reported, never raised (the request would otherwise
+stay RECEIVING with its blocks for good)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+import time
+
+import pytest
+
+from baton.wire.records import SendKvAccepted, SendKvDone
+from decode_worker import kv_receiver
+from decode_worker.kv_receiver import KvReceiver, _Channel
+from kvtransfer import KvEndpoint, TransferStats
+
+HERE = KvEndpoint("decode-host", "boot/net:1", "cpu")
+
+
+class _SlowTransport:
+    """A receive that keeps writing into its blocks for a second."""
+
+    backend = "ipc"
+    is_broken = False
+
+    def __init__(self) -> None:
+        self.finished = threading.Event()
+
+    def recv_blocks(self, kv_cache, block_ids, tag, peer_block_ids) -> TransferStats:
+        time.sleep(1.0)
+        self.finished.set()
+        return TransferStats(len(block_ids), 0, 1.0)
+
+    def close(self) -> None:
+        pass
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.events = iter([SendKvAccepted([1, 2]), SendKvDone([], 0, 0.0)])
+
+    async def next_event(self):
+        return next(self.events)
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Client:
+    address = "prefill:1"
+
+    def send_kv(self, request, timeout, metadata):
+        return _Call()
+
+
+class _Handle:
+    request_id = "r"
+    kv_token = "t" * 32
+    num_blocks = 2
+    prefill_address = "prefill:1"
+    prefill_endpoint = HERE
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def failed(self, transport: str) -> None:
+        self.failures.append(transport)
+
+
+def _receiver(tally=None) -> KvReceiver:
+    return KvReceiver("decode-0", kv_cache=None, layout=None, endpoint=HERE, host="", timeout_s=5.0, verify=False,
+                      tally=tally or _Tally())
+
+
+@pytest.mark.parametrize("cancels", [1, 2, 3])
+def test_a_cancelled_pull_returns_only_once_its_receive_has_ended(cancels):
+    async def scenario() -> bool:
+        channel = _Channel("prefill:1", 0)
+        transport = channel.transport = _SlowTransport()
+        pull = asyncio.create_task(_receiver()._pull(_Client(), channel, "ipc", _Handle(), [5, 6], None))
+        await asyncio.sleep(0.2)  # the receive is writing
+        for _ in range(cancels):
+            pull.cancel()
+            await asyncio.sleep(0.05)
+        with pytest.raises(asyncio.CancelledError):
+            await pull
+        channel.close()
+        return transport.finished.is_set()
+
+    assert asyncio.run(scenario()), "the pull returned while its receive was still writing into the blocks"
+
+
+def test_an_unforeseen_failure_is_reported_not_raised(monkeypatch):
+    """A socket the process cannot have (EMFILE) while offering a channel."""
+
+    def no_socket(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(kv_receiver, "listen", no_socket)
+    monkeypatch.setattr(kv_receiver, "PrefillWorkerClient", lambda address, tls: _Client())
+    tally = _Tally()
+
+    async def scenario():
+        receiver = _receiver(tally)
+        result = await receiver.receive(_Handle(), [5, 6])
+        await asyncio.sleep(0)
+        return result
+
+    result = asyncio.run(scenario())
+    assert not result.ok and "Too many open files" in result.error and result.settled is None
+    assert tally.failures == ["ipc"]
