@@ -202,6 +202,10 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[l
             gateway_args=[f"--{flag}={value}" for flag, value in (
                 ("max-local-prefill-tokens", args.max_local_prefill_tokens),
                 ("max-prefill-queue-tokens", args.max_prefill_queue_tokens),
+                # Throughput, not overload (benchmarks/overload.py): every request is served,
+                # as by the in-process engine; the gateway's default bound would refuse a
+                # Poisson burst's prompts.
+                ("max-queued-tokens", 1 << 30),
             ) if value is not None],
             threads=decode_threads,
             timeout_s=900,
