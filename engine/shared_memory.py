@@ -42,10 +42,10 @@ class SharedMemory:
                     raise ValueError(f"the shared segment is smaller than the {num_bytes} bytes expected")
             else:
                 os.ftruncate(_fd, num_bytes)
-            # An attached segment's pages exist already: map them all now (MAP_POPULATE), so
-            # that copies into it do not stop at a page fault per 4 KB page the first time.
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if attached else 0)
-            self._map = mmap.mmap(_fd, num_bytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # NOTE: no MAP_POPULATE for an attached segment: mapping every page of a cache of
+            # tens of GB at once would take longer than a channel may take to open. A page is
+            # mapped at its first copy, once per process (kvtransfer keeps one mapping).
+            self._map = mmap.mmap(_fd, num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             if hasattr(mmap, "MADV_HUGEPAGE"):  # before the pages exist; taken where the host allows it
                 with contextlib.suppress(OSError):
                     self._map.madvise(mmap.MADV_HUGEPAGE)

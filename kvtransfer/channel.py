@@ -31,6 +31,7 @@ from kvtransfer.wire import (
     MIN_RUN_BYTES,
     TransferHeader,
     prepare_transfer,
+    transfer_scope,
     wide_rows,
     wire_tag,
 )
@@ -265,14 +266,7 @@ class KvChannel(KvTransport):
 
     def _scope(self) -> contextlib.AbstractContextManager:
         """CUDA: this channel's device and side stream for the calling thread."""
-        if self._stream is None:
-            return contextlib.nullcontext()
-        scope = contextlib.ExitStack()
-        scope.enter_context(torch.cuda.device(self.device))
-        # The blocks to send were written on the default stream: order after it.
-        self._stream.wait_stream(torch.cuda.default_stream(self.device))
-        scope.enter_context(torch.cuda.stream(self._stream))
-        return scope
+        return transfer_scope(self._stream, self.device)
 
     def _raw(self, tensor: torch.Tensor, tag: int, send: bool) -> TransferStats:
         if not tensor.is_contiguous():

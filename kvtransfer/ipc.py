@@ -69,7 +69,7 @@ from kvtransfer.ipc_memory import export_cache, map_cache
 from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.proof import channel_proof, check_secret, is_proof
 from kvtransfer.transport import KvTransferError, KvTransport, TransferStats, first_line
-from kvtransfer.wire import HEADER_LEN, TransferHeader, prepare_transfer, wide_rows
+from kvtransfer.wire import HEADER_LEN, TransferHeader, prepare_transfer, transfer_scope, wide_rows
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +188,9 @@ class IpcChannel(KvTransport):
                 raise KvTransferError(f"channel {channel_id}: sender and receiver disagree: {error}") from error
             welcome = {"proof": channel_proof(secret, channel_id, 1).hex(), "layout": _spec_dict(spec),
                        "num_blocks": kv_cache.num_blocks, "cache": export}
+            # The sender proved itself: it has the channel's timeout to map the cache (a large
+            # one takes a while), not the stranger's allowance for HELLO.
+            frames.timeout_s = max(0.1, deadline - time.monotonic())
             try:
                 frames.send(WELCOME, json.dumps(welcome).encode(), fds)
                 kind, payload, stray = frames.recv(READY)
@@ -427,14 +430,7 @@ class IpcChannel(KvTransport):
 
     def _scope(self) -> contextlib.AbstractContextManager:
         """CUDA: this channel's device and side stream for the calling thread."""
-        if self._stream is None:
-            return contextlib.nullcontext()
-        scope = contextlib.ExitStack()
-        scope.enter_context(torch.cuda.device(self.device))
-        # The blocks to send were written on the default stream: order after it.
-        self._stream.wait_stream(torch.cuda.default_stream(self.device))
-        scope.enter_context(torch.cuda.stream(self._stream))
-        return scope
+        return transfer_scope(self._stream, self.device)
 
     def _check_usable(self) -> None:
         if self._broken_reason is not None or self._frames is None:

@@ -35,6 +35,7 @@ carries the full tag and the receiver checks it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -240,3 +241,19 @@ def wide_rows(rows: torch.Tensor) -> torch.Tensor:
         if row_bytes % size == 0 and (rows.device.type == "cpu" or not dtype.is_complex):
             return rows.view(dtype)
     return rows.view(torch.uint8)
+
+
+def transfer_scope(stream, device: torch.device) -> contextlib.AbstractContextManager:
+    """The calling thread's device and a transfer's side `stream` (CUDA; None: no scope).
+    The blocks to send were written on the default stream: the side stream waits for it."""
+    if stream is None:
+        return contextlib.nullcontext()
+    scope = contextlib.ExitStack()
+    scope.enter_context(torch.cuda.device(device))
+    try:
+        stream.wait_stream(torch.cuda.default_stream(device))
+    except BaseException:
+        scope.close()
+        raise
+    scope.enter_context(torch.cuda.stream(stream))
+    return scope

@@ -12,7 +12,6 @@ NCCL between two GPUs needs a machine with two: not covered here.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import re
 import signal
@@ -26,6 +25,7 @@ from kvtransfer import KvEndpoint, KvTransferError, TransportRefusedError, block
 from kvtransfer.connect import join, listen
 from kvtransfer.endpoint import gpu_uuid, local_endpoint
 from tests.test_device import baton_up_streams_text
+from tests.test_kv_ipc import die_right_after_go
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -167,16 +167,7 @@ def surviving_gpu_sender(rendezvous_queue, receiver_gone) -> dict:
 
 
 def dying_gpu_receiver(rendezvous_queue, receiver_gone) -> None:
-    from kvtransfer import ipc_frames
-
-    send = ipc_frames.Frames.send
-
-    def send_then_die(self, kind, payload=b"", fds=()):
-        send(self, kind, payload, fds)
-        if kind == ipc_frames.GO:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    ipc_frames.Frames.send = send_then_die
+    die_right_after_go()
     cache = _cache(seed=None, shareable=True)
     offer = listen("gpu-dying", "ipc", "", cache, 120.0)
     rendezvous_queue.put(offer.rendezvous)

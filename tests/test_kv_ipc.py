@@ -360,7 +360,8 @@ def surviving_sender(rendezvous_queue, receiver_gone) -> dict:
     return {"message": message, "broken": broken, "released": released, "unmapped": unmapped}
 
 
-def dying_receiver(rendezvous_queue, receiver_gone) -> None:
+def die_right_after_go() -> None:
+    """Make this process (an ipc receiver) kill itself (-9) the moment it has sent a GO."""
     from kvtransfer import ipc_frames
 
     send = ipc_frames.Frames.send
@@ -371,6 +372,10 @@ def dying_receiver(rendezvous_queue, receiver_gone) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     ipc_frames.Frames.send = send_then_die
+
+
+def dying_receiver(rendezvous_queue, receiver_gone) -> None:
+    die_right_after_go()
     cache = sentinel_cache(LARGE)
     channel = _offer(rendezvous_queue, cache)
     channel.recv_blocks(cache, [4, 5, 6], 1, [1, 2, 3])
