@@ -110,6 +110,7 @@ class _Peer:
     def __init__(self, address: str, tls: TlsConfig | None) -> None:
         self.client = PrefillWorkerClient(address, tls=tls)
         self.refusals_logged: set[str] = set()  # refusals logged as errors (once each)
+        self.ever_opened = False  # a channel to it opened once: it was reachable
         self.channels = [_Channel(address, i) for i in range(MAX_CHANNELS_PER_PEER)]
         self.idle: asyncio.LifoQueue[_Channel] = asyncio.LifoQueue()
         for channel in reversed(self.channels):
@@ -120,12 +121,14 @@ class KvReceiver:
     """Pulls handed-off KV into this worker's cache."""
 
     def __init__(self, worker_id: str, kv_cache: KVCache, layout: KvLayoutSpec, endpoint: KvEndpoint, *, host: str,
-                 timeout_s: float, verify: bool, tally: TransferTally, tls: TlsConfig | None = None) -> None:
+                 timeout_s: float, verify: bool, tally: TransferTally, tls: TlsConfig | None = None,
+                 ports: tuple[int, int] | None = None) -> None:
         self.worker_id = worker_id
         self.kv_cache = kv_cache
         self.layout = layout
         self.endpoint = endpoint  # our side of every channel
         self.host = host  # of the rendezvous store (gloo, nccl)
+        self.ports = ports  # the store's port range (--kv-ports); None: any free port
         self.timeout_s = timeout_s
         self.verify = verify
         self.tls = tls  # of the control plane's calls (OpenKvChannel, SendKv, ReleaseKv)
@@ -193,6 +196,9 @@ class KvReceiver:
             elif not isinstance(error, (KvTransferError, grpc.aio.AioRpcError, asyncio.TimeoutError, ValueError)):
                 channel.drop_transport()  # unforeseen (a socket or thread we could not have): start afresh
             message = _describe(error)
+            if (isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+                    and not peer.ever_opened):  # one that worked before is lost, not misconfigured
+                self._unreachable(peer, handle.prefill_address, transport, message)
             logger.warning("KV pull of %s from %s over %s failed: %s", handle.request_id, handle.prefill_address,
                            transport, message)
             return ReceiveResult(ok=False, transport=transport, error=message, settled=settled,
@@ -213,6 +219,19 @@ class KvReceiver:
         level = logging.DEBUG if self.last_refusal in peer.refusals_logged else logging.ERROR
         peer.refusals_logged.add(self.last_refusal)
         logger.log(level, "no KV channel to prefill worker %s: %s; its requests are prefilled here", address, error)
+
+    def _unreachable(self, peer: _Peer, address: str, transport: str, message: str) -> None:
+        """The two workers could not reach each other: the prefill worker's advertised address
+        from here (gRPC), or our KV rendezvous from there (it says so). Loud once per peer:
+        across hosts it is a deployment's error (an address advertised that peers cannot
+        reach, a port a firewall closes), and every handoff from there will fail alike."""
+        self.last_refusal = f"prefill worker {address} and this decode worker cannot reach each other: {message}"
+        if address in peer.refusals_logged:
+            return
+        peer.refusals_logged.add(address)
+        logger.error("prefill worker %s and this decode worker cannot reach each other over %s (%s): check the "
+                     "address it advertises (--advertise), ours (--advertise, --transfer-host), --kv-ports and "
+                     "the network between; its requests are prefilled here", address, transport, message)
 
     def _settle(self, channel: _Channel, handle: KvHandle) -> asyncio.Future:
         """Take a transport whose last receive failed in doubt off its channel (the next pull
@@ -302,7 +321,7 @@ class KvReceiver:
         TransportRefusedError if the prefill worker refuses it (FAILED_PRECONDITION)."""
         channel.drop_transport()
         channel_id = f"{self._channel_prefix}-{next(self._channel_ids)}"
-        offer = listen(channel_id, transport, self.host, self.kv_cache, self.timeout_s)
+        offer = listen(channel_id, transport, self.host, self.kv_cache, self.timeout_s, self.ports)
         joining = asyncio.get_running_loop().run_in_executor(channel.executor, offer.accept)
         try:
             await client.open_kv_channel(OpenKvChannel(offer.rendezvous, self.layout, self.worker_id, self.endpoint),
@@ -317,6 +336,9 @@ class KvReceiver:
             raise
         channel.transport = await joining
         channel.channel_id = channel_id
+        peer = self._peers.get(client.address)
+        if peer is not None:
+            peer.ever_opened = True
         logger.info("opened KV channel %s to prefill worker %s over %s", channel_id, client.address, transport)
 
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 import grpc
 
 from baton.runtime import tracing
+from baton.runtime.addresses import split_address
 from baton.runtime.settings import DecodeWorkerSettings
 from baton.runtime.tasks import BackgroundTasks
 from baton.runtime.worker import WorkerBase, abort_refused, serve_worker
@@ -49,16 +50,18 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             self.llm.kv_cache,
             self.layout,
             self.kv_endpoint,
-            host=self.settings.transfer_host,
+            host=self.settings.transfer_host or split_address(address)[0],
+            ports=self.settings.kv_ports,
             timeout_s=self.settings.transfer_timeout_s,
             verify=self.settings.verify_kv,
             tally=self.transfers,
             tls=self.settings.tls,
         )
         allowlist = self.settings.prefill_allowlist
+        await allowlist.refresh(force=True)
         logger.info("decode worker %s pulls KV from %s", self.worker_id,
                     "any address a handle names (--allowed-prefill-workers unset)" if allowlist.is_open
-                    else ", ".join(sorted(allowlist.addresses)))
+                    else ", ".join(target.text for target in allowlist.targets.targets))
 
     async def stop(self) -> None:
         await super().stop()
@@ -134,7 +137,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             return await self.engine.add_request(work.request_id, work.prompt_token_ids, work.params,
                                                  priority=work.priority, trace=traced,
                                                  num_generated_tokens=work.num_generated_tokens)
-        handle = self._check_prefill_worker(handle)
+        handle = await self._check_prefill_worker(handle)
         handle.layout.check_matches(self.layout)
         self._handles[work.request_id] = handle
         if span is not None:
@@ -144,11 +147,17 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                                                        priority=work.priority, trace=traced,
                                                        num_generated_tokens=work.num_generated_tokens)
 
-    def _check_prefill_worker(self, handle: KvHandle) -> KvHandle:
+    async def _check_prefill_worker(self, handle: KvHandle) -> KvHandle:
         """The handle, to be pulled from its listed address; FieldError if its prefill worker
         is not one of --allowed-prefill-workers, so that a forged handle cannot make this worker
-        dial an address of the caller's choosing."""
-        address = self.settings.prefill_allowlist.dial_address(handle.prefill_address)
+        dial an address of the caller's choosing. A list with DNS names is looked up again
+        (at most once a second) before a handle is refused: a prefill pod that just started
+        is not in the last lookup."""
+        allowlist = self.settings.prefill_allowlist
+        address = allowlist.dial_address(handle.prefill_address)
+        if address is None and allowlist.is_dynamic:
+            await allowlist.refresh()
+            address = allowlist.dial_address(handle.prefill_address)
         if address is None:  # forged, or --allowed-prefill-workers misses what a prefill worker advertises
             logger.warning("refused a KV handle naming prefill worker %r: not in --allowed-prefill-workers",
                            handle.prefill_address[:200])

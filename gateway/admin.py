@@ -30,6 +30,6 @@ class GatewayAdminService(worker_pb2_grpc.GatewayAdminServicer):
         try:
             stats = await worker.client.get_stats(timeout=STATS_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
-            return WorkerStatus(worker.address, worker.role, reachable=False, in_rotation=worker.is_up,
+            return WorkerStatus(worker.address, worker.role, reachable=False, in_rotation=worker.routable,
                                 error=f"{error.code().name}: {error.details()}")
-        return WorkerStatus(worker.address, worker.role, reachable=True, in_rotation=worker.is_up, stats=stats)
+        return WorkerStatus(worker.address, worker.role, reachable=True, in_rotation=worker.routable, stats=stats)

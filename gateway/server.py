@@ -36,7 +36,8 @@ ADMIN_SERVICE_NAME = ADMIN.full_name
 async def run_gateway(settings: GatewaySettings) -> None:
     tls = settings.tls
     pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers),
-                      RoutingPolicy.from_settings(settings), tls, settings.stall_timeout_s)
+                      RoutingPolicy.from_settings(settings), tls, settings.stall_timeout_s,
+                      settings.discovery_interval_s)
     service = GenerationService(pool, max_migrations=settings.max_migrations,
                                 admission=GatewayAdmission(pool, GatewayLimits.from_settings(settings)))
     admin = GatewayAdminService(pool)
@@ -105,7 +106,7 @@ async def _follow_decode_workers(pool: WorkerPool, server: GrpcServer) -> None:
     serving = True
     while True:
         await asyncio.sleep(POLL_INTERVAL_S)
-        any_up = any(worker.is_up for worker in pool.decode)
+        any_up = any(worker.routable for worker in pool.decode)
         if any_up != serving:
             serving = any_up
             logger.warning("gateway %s: %s", "serving again" if serving else "NOT_SERVING: no decode worker is up",

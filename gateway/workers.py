@@ -1,14 +1,24 @@
-"""The gateway's view of its workers: clients, load polled from each, and the routing choice.
+"""The gateway's view of its workers: who they are, clients, load polled from each, and
+the routing choice.
+
+The workers are the addresses `--prefill-workers` and `--decode-workers` give, where a
+`dns:///name:port` target stands for every address the name resolves to, looked up
+again every `--discovery-interval-s` (baton/runtime/discovery.py). A worker that
+appears joins the pool and is routed to from its first serving poll; one that is no
+longer listed is retired: routed no new request, its requests left to finish (or to
+move, if it then goes away), its client closed once none is left.
 
 Routing follows the load each worker reported at its last poll, corrected by
 what this gateway sent it since (so a burst between two polls spreads out):
 
 - decode: the worker with the most free KV blocks;
-- prefill: the prefill worker with the fewest queued prefill tokens, unless the
-  RoutingPolicy says the chosen decode worker should prefill the prompt itself
-  (conditional disaggregation): a prompt too short to be worth a handoff, or
-  prefill workers so backed up that the decode worker, with less prefill queued,
-  gets the prompt's first token out sooner.
+- prefill: the prefill worker with the fewest queued prefill tokens, counting
+  `--cross-host-tokens` more for one on another host than the decode worker
+  (same host: the KV moves over shared memory, ipc), unless the RoutingPolicy
+  says the chosen decode worker should prefill the prompt itself (conditional
+  disaggregation): a prompt too short to be worth a handoff, or prefill workers
+  so backed up that the decode worker, with less prefill queued, gets the
+  prompt's first token out sooner.
 
 A worker that fails a poll or a call is marked down and skipped until a
 later poll finds it serving again (the poller's, or one a request makes when
@@ -31,6 +41,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from baton.runtime.clients import DecodeWorkerClient, PrefillWorkerClient
+from baton.runtime.discovery import TargetSet
 from baton.runtime.security import TlsConfig
 from baton.runtime.settings import GatewaySettings
 from baton.wire.records import ModelInfo, WorkerStats
@@ -62,14 +73,17 @@ class RoutingPolicy:
 
     max_local_prefill_tokens: int
     max_prefill_queue_tokens: int
+    # A prefill worker on another host than the decode worker counts as this many more
+    # queued tokens: its handoff crosses the network instead of shared memory.
+    cross_host_tokens: int = 512
 
     def __post_init__(self) -> None:
-        if self.max_local_prefill_tokens < 0 or self.max_prefill_queue_tokens < 0:
+        if self.max_local_prefill_tokens < 0 or self.max_prefill_queue_tokens < 0 or self.cross_host_tokens < 0:
             raise ValueError("routing thresholds must be >= 0")
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> RoutingPolicy:
-        return cls(settings.max_local_prefill_tokens, settings.max_prefill_queue_tokens)
+        return cls(settings.max_local_prefill_tokens, settings.max_prefill_queue_tokens, settings.cross_host_tokens)
 
     def prefill_locally(self, num_prompt_tokens: int, prefill_queue: int, decode_queue: int) -> bool:
         """Whether a prompt goes to its decode worker, given the queued prefill tokens of
@@ -96,6 +110,8 @@ class Worker:
     min_stall_timeout_s: float = 1.0
     # Set when the worker is marked down; a fresh one once it is back.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # No longer listed (its DNS name no longer resolves to it): routed nothing new.
+    retired: bool = False
 
     @property
     def stall_timeout_s(self) -> float:
@@ -128,39 +144,65 @@ class Worker:
         """KV blocks `num_tokens` take in this worker's cache (its block size, from its stats)."""
         return -(-num_tokens // max(self.stats.block_size, 1))
 
+    @property
+    def routable(self) -> bool:
+        return self.is_up and not self.retired
+
+    def same_host(self, other: Worker) -> bool:
+        """Whether the two workers' caches share a host (a handoff between them can go over
+        ipc), as their last polls said."""
+        mine, theirs = self.stats.kv_endpoint, other.stats.kv_endpoint
+        return mine is not None and theirs is not None and mine.host_id == theirs.host_id
+
 
 class WorkerPool:
-    """A client for every configured worker, a background poller, and `pick_*`."""
+    """The workers (as discovered), a client for each, a background poller, and `pick_*`."""
 
-    def __init__(self, prefill_addresses: list[str], decode_addresses: list[str], policy: RoutingPolicy,
-                 tls: TlsConfig | None = None, stall_timeout_s: float = 1.0) -> None:
+    def __init__(self, prefill_targets: list[str], decode_targets: list[str], policy: RoutingPolicy,
+                 tls: TlsConfig | None = None, stall_timeout_s: float = 1.0,
+                 discovery_interval_s: float = 5.0) -> None:
         self.policy = policy
-        self.prefill = [Worker(address, "prefill", PrefillWorkerClient(address, tls=tls),
-                               min_stall_timeout_s=stall_timeout_s) for address in prefill_addresses]
-        self.decode = [Worker(address, "decode", DecodeWorkerClient(address, tls=tls),
-                              min_stall_timeout_s=stall_timeout_s)
-                       for address in decode_addresses]
+        self.tls = tls
+        self.stall_timeout_s = stall_timeout_s
+        self.discovery_interval_s = discovery_interval_s
+        self.targets = {"prefill": TargetSet(prefill_targets), "decode": TargetSet(decode_targets)}
+        self.prefill: list[Worker] = []
+        self.decode: list[Worker] = []
+        self._retired: list[Worker] = []  # no longer listed, requests still running there
+        self._update("prefill", self.targets["prefill"].current())
+        self._update("decode", self.targets["decode"].current())
         self._poller: asyncio.Task | None = None
+        self._discoverer: asyncio.Task | None = None
         self._refresh: asyncio.Future | None = None
 
     @property
     def workers(self) -> list[Worker]:
         return self.prefill + self.decode
 
+    @property
+    def is_dynamic(self) -> bool:
+        return any(targets.is_dynamic for targets in self.targets.values())
+
     async def start(self) -> None:
-        """Poll every worker, start the poller, and wait until a decode worker is up:
-        without one the gateway can serve nothing (the caller bounds the wait)."""
+        """Find and poll every worker, start the poller (and the discoverer), and wait
+        until a decode worker is up: without one the gateway can serve nothing (the
+        caller bounds the wait)."""
+        await self.discover()
         await self.poll_once()
         self._poller = asyncio.create_task(self._poll_forever())
-        while not any(worker.is_up for worker in self.decode):
-            if self._poller.done():  # it raised: report that, not a timeout
-                self._poller.result()
+        if self.is_dynamic:
+            self._discoverer = asyncio.create_task(self._discover_forever())
+        while not any(worker.routable for worker in self.decode):
+            for task in (self._poller, self._discoverer):
+                if task is not None and task.done():  # it raised: report that, not a timeout
+                    task.result()
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-        for worker in self.workers:
+        for task in (self._poller, self._discoverer):
+            if task is not None:
+                task.cancel()
+        for worker in self.workers + self._retired:
             await worker.client.close()
 
     async def model_info(self) -> ModelInfo:
@@ -173,6 +215,54 @@ class WorkerPool:
                 except grpc.aio.AioRpcError:
                     continue
             await asyncio.sleep(0.5)
+            await self.discover()
+
+    # ------------------------------------------------------------------ discovery
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.discovery_interval_s)
+            await self.discover()
+
+    async def discover(self) -> None:
+        """Resolve the targets again: workers that appeared join (routed to once a poll
+        finds them serving), workers that are gone are retired."""
+        for role, targets in self.targets.items():
+            if targets.is_dynamic:
+                self._update(role, await targets.resolve())
+        await self._close_retired()
+
+    def _update(self, role: str, addresses: tuple[str, ...]) -> None:
+        current = {worker.address: worker for worker in getattr(self, role)}
+        workers = []
+        for address in addresses:
+            worker = current.pop(address, None)
+            if worker is None:
+                worker = next((w for w in self._retired if w.address == address and w.role == role), None)
+                if worker is not None:  # listed again before its requests were done: keep its client
+                    self._retired.remove(worker)
+                    worker.retired = False
+                    logger.info("%s worker %s is listed again", role, address)
+                else:
+                    worker = self._new_worker(address, role)
+                    logger.info("%s worker %s joined", role, address)
+            workers.append(worker)
+        for worker in current.values():  # listed no longer
+            worker.retired = True
+            self._retired.append(worker)
+            logger.info("%s worker %s is no longer listed: no new requests, %d in flight finish there",
+                        role, worker.address, worker.num_in_flight)
+        setattr(self, role, workers)
+
+    def _new_worker(self, address: str, role: str) -> Worker:
+        client_type = PrefillWorkerClient if role == "prefill" else DecodeWorkerClient
+        return Worker(address, role, client_type(address, tls=self.tls), min_stall_timeout_s=self.stall_timeout_s)
+
+    async def _close_retired(self) -> None:
+        """Close the clients of retired workers with nothing left in flight."""
+        done = [worker for worker in self._retired if worker.num_in_flight == 0]
+        for worker in done:
+            self._retired.remove(worker)
+            await worker.client.close()
 
     # ------------------------------------------------------------------ polling
     async def _poll_forever(self) -> None:
@@ -181,7 +271,8 @@ class WorkerPool:
             await self.poll_once()
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(worker) for worker in self.workers))
+        # Retired workers too: requests still running there need to know if they are lost.
+        await asyncio.gather(*(self._poll(worker) for worker in self.workers + self._retired))
 
     async def refresh_decode(self) -> None:
         """Poll the decode workers now (a request found none up at the last poll; one
@@ -203,13 +294,13 @@ class WorkerPool:
         try:
             stats = await worker.client.get_stats(timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
-            if worker.is_up:
+            if worker.is_up and not worker.retired:
                 logger.warning("%s worker %s is down: %s", worker.role, worker.address, error.code().name)
             worker.set_up(False, lost=True)
             return False
-        if not worker.is_up and stats.serving:
+        if not worker.is_up and stats.serving and not worker.retired:
             logger.info("%s worker %s (%s) is up", worker.role, worker.address, stats.worker_id)
-        elif worker.is_up and not stats.serving:
+        elif worker.is_up and not stats.serving and not worker.retired:
             logger.warning("%s worker %s is not serving (draining or failed)", worker.role, worker.address)
         worker.set_up(stats.serving)
         worker.stats = stats
@@ -230,15 +321,21 @@ class WorkerPool:
     # ------------------------------------------------------------------ routing
     def pick_prefill(self, num_prompt_tokens: int, decode: Worker) -> Worker | None:
         """The prefill worker for a prompt whose decode worker is `decode`: the one with
-        the fewest queued prefill tokens, or None when none is up or the policy keeps
-        the prompt on `decode` (the caller then prefills there)."""
-        worker = min((w for w in self.prefill if w.is_up), key=Worker.load_key, default=None)
+        the fewest queued prefill tokens (a worker on another host than `decode` counting
+        the policy's `cross_host_tokens` more), or None when none is up or the policy
+        keeps the prompt on `decode` (the caller then prefills there)."""
+        worker = min((w for w in self.prefill if w.routable), key=lambda w: self._prefill_key(w, decode),
+                     default=None)
         if worker is not None and self.policy.prefill_locally(
             num_prompt_tokens, worker.queued_prefill_tokens, decode.queued_prefill_tokens
         ):
             worker = None
         (worker or decode).pending_prefill_tokens += num_prompt_tokens
         return worker
+
+    def _prefill_key(self, worker: Worker, decode: Worker) -> tuple[int, int]:
+        queued, in_flight = worker.load_key()
+        return (queued + (0 if worker.same_host(decode) else self.policy.cross_host_tokens), in_flight)
 
     @staticmethod
     def prefill_moved(prefill: Worker, decode: Worker, num_prompt_tokens: int) -> None:
@@ -249,7 +346,7 @@ class WorkerPool:
     def pick_decode(self, num_tokens: int, avoid: frozenset[str] = frozenset()) -> Worker | None:
         """The decode worker with the most free KV blocks, but those at the `avoid`
         addresses; None when none is up."""
-        worker = min((w for w in self.decode if w.is_up and w.address not in avoid), key=Worker.load_key,
+        worker = min((w for w in self.decode if w.routable and w.address not in avoid), key=Worker.load_key,
                      default=None)
         if worker is not None:
             worker.pending_blocks += worker.blocks_for(num_tokens)

@@ -84,9 +84,10 @@ class KvChannel(KvTransport):
     # ------------------------------------------------------------ lifecycle
 
     @staticmethod
-    def host_store(host: str = "127.0.0.1", port: int = 0) -> StoreServer:
-        """Start the rendezvous store (receiver side); its host and port go to the sender."""
-        return StoreServer(host, port)
+    def host_store(host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> StoreServer:
+        """Start the rendezvous store (receiver side; on a port of `ports`, if given); its
+        host and port go to the sender."""
+        return StoreServer(host, ports)
 
     @classmethod
     def connect(
@@ -128,6 +129,12 @@ class KvChannel(KvTransport):
         except ValueError as error:  # joined, but set up differently, or not the peer we were told of
             raise KvTransferError(f"channel {channel_id}: {error}") from error
         except (RuntimeError, OSError) as error:  # DistStoreError, DistNetworkError, refused, unresolvable
+            if rank == 0:  # the sender: most often, the receiver's address is not reachable from here
+                raise KvTransferError(
+                    f"channel {channel_id}: could not join the receiver's rendezvous at {host}:{port} within "
+                    f"{timeout_s:g} s ({first_line(error)}); check that this host reaches that address (the "
+                    "decode worker's --transfer-host or --advertise, its --kv-ports, firewalls)"
+                ) from error
             raise KvTransferError(
                 f"channel {channel_id}: peer did not join within {timeout_s:g} s: {first_line(error)}"
             ) from error

@@ -31,10 +31,11 @@ class ChannelOffer:
     cancel: Callable[[], None] = lambda: None
 
 
-def listen(channel_id: str, transport: str, host: str, kv_cache: KVCache, timeout_s: float) -> ChannelOffer:
+def listen(channel_id: str, transport: str, host: str, kv_cache: KVCache, timeout_s: float,
+           ports: tuple[int, int] | None = None) -> ChannelOffer:
     """Receiver side: start hosting a channel of `transport` into `kv_cache` (gloo and nccl
-    host their store on `host`), with a fresh secret only the sender this offer is sent
-    to learns. KvTransferError if the cache cannot be reached that way (ipc: a CPU cache
+    host their store on `host`, on a port of `ports` if given), with a fresh secret only
+    the sender this offer is sent to learns. KvTransferError if the cache cannot be reached that way (ipc: a CPU cache
     not in shared memory); ValueError for a transport the cache's device cannot use."""
     secret = secrets.token_bytes(SECRET_BYTES)
     device = kv_cache.blocks.device
@@ -42,7 +43,7 @@ def listen(channel_id: str, transport: str, host: str, kv_cache: KVCache, timeou
     if transport == IPC:
         name, accept, cancel = IpcChannel.listen(channel_id, kv_cache, timeout_s, secret)
         return ChannelOffer(Rendezvous(channel_id, "", 0, timeout_s, secret, IPC, name), accept, cancel)
-    store = KvChannel.host_store(host)
+    store = KvChannel.host_store(host, ports)
     rendezvous = Rendezvous(channel_id, host, store.port, timeout_s, secret, transport)
     return ChannelOffer(rendezvous, lambda: KvChannel.connect(
         channel_id=channel_id, host=host, port=store.port, rank=1, device=device, timeout_s=timeout_s,

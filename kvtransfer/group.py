@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import random
 import socket
 import time
 
@@ -29,16 +30,34 @@ from kvtransfer.proof import PROOF_BYTES, channel_proof, check_secret, is_proof
 class StoreServer:
     """The rendezvous TCPStore a receiver hosts, and the address it listens on.
 
-    Port 0 (the default) lets the OS pick a free port: no race with other listeners.
-    The store carries only rendezvous keys, never KV data.
+    With no `ports` the OS picks a free port: no race with other listeners. With a
+    range (`--kv-ports`, for a firewall or a NetworkPolicy that opens only those), the
+    first free port of it from a random start. The store carries only rendezvous keys,
+    never KV data.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        # No world size and no waiting for workers: it outlives any number of joins,
-        # and each channel checks for its own peer under its own prefix.
-        self.store = dist.TCPStore(
-            host, port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
-        )
+    def __init__(self, host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> None:
+        if ports is None:
+            candidates = [0]
+        else:
+            low, high = ports
+            count = high - low + 1
+            start = random.randrange(count)  # channels opened together try different ports first
+            candidates = [low + (start + i) % count for i in range(count)]
+        for port in candidates:
+            try:
+                # No world size and no waiting for workers: it outlives any number of joins,
+                # and each channel checks for its own peer under its own prefix.
+                self.store = dist.TCPStore(
+                    host, port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+                )
+                break
+            except dist.DistNetworkError as error:
+                if ports is None or "EADDRINUSE" not in str(error):
+                    raise
+        else:
+            raise OSError(f"no free port for a KV rendezvous in --kv-ports {ports[0]}-{ports[1]}: "
+                          f"{len(candidates)} ports, all in use")
         self.host = host
         self.port = self.store.port
 

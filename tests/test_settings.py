@@ -11,18 +11,16 @@ import sys
 import pytest
 
 from baton.cli.main import build_parser
-from baton.runtime.addresses import AddressAllowlist
+from baton.runtime.discovery import AddressAllowlist
 from baton.runtime.settings import (
     DecodeWorkerSettings,
     GatewaySettings,
     PrefillWorkerSettings,
     SettingsError,
     add_flags,
-    format_cpu_list,
     from_args,
-    parse_cpu_list,
-    parse_size,
 )
+from baton.runtime.values import format_cpu_list, parse_cpu_list, parse_port_range, parse_size
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 
 

@@ -33,14 +33,12 @@ from baton.runtime.settings import (
     TLS_SERVER_NAME_HELP,
     SettingsError,
     default_of,
-    parse_list,
-    format_size,
     from_args,
     load_api_key,
     load_tls,
-    parse_size,
     setting,
 )
+from baton.runtime.values import format_size, parse_list, parse_size
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, device_type
 from kvtransfer.endpoint import IPC, TRANSPORT_CHOICES
 

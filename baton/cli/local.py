@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.runtime.clients import GatewayAdminClient, worker_stats
 from baton.runtime.security import TlsConfig
 from baton.runtime.server import open_blocking_channel
-from baton.runtime.settings import child_environment, format_cpu_list
+from baton.runtime.settings import child_environment
+from baton.runtime.values import format_cpu_list
 from baton.wire.records import WorkerStats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,19 +1,27 @@
 """Worker addresses as `host:port`, normalized so that two spellings of one address
-compare equal, and the allowlist of prefill workers a decode worker pulls KV from.
+compare equal; the address a worker advertises; worker targets (an address, or a DNS
+name standing for every address it resolves to); the allowlist of prefill workers a
+decode worker pulls KV from (discovery.py).
 
     normalize_address(" Prefill-0.Baton:050061")  -> "prefill-0.baton:50061"
     normalize_address("[0:0::1]:50061")           -> "[::1]:50061"
 
-No name is resolved: `localhost:50061` and `127.0.0.1:50061` are different addresses.
-List the addresses the prefill workers advertise (their `--advertise`, else their
-`--listen`), which is what their KV handles carry.
+`normalize_address` resolves no name: `localhost:50061` and `127.0.0.1:50061` are
+different addresses. A target `dns:///name:port` is resolved (baton/runtime/discovery.py),
+each address it yields standing for one worker: a Kubernetes headless Service's name
+resolves to every ready pod behind it.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable
+import socket
+from dataclasses import dataclass
+
+# A target naming every address a DNS name resolves to (gRPC's spelling of a DNS target).
+DNS_SCHEME = "dns:///"
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 # A DNS name or an IPv4 address: letters, digits, dots, hyphens and underscores.
 _HOST_NAME = re.compile(r"[a-z0-9_][a-z0-9_.-]*")
@@ -45,38 +53,88 @@ def normalize_address(address: str) -> str:
     return f"{host}:{int(port)}"
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """(host, port) of a normalized address; an IPv6 host without its brackets."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def join_address(host: str, port: int) -> str:
+    """`host:port`, normalized (an IPv6 host in brackets)."""
+    return normalize_address(f"[{host}]:{port}" if _ipv6(host) is not None else f"{host}:{port}")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def primary_address() -> str | None:
+    """This host's address towards the rest of the network: the source address of its
+    default route (a UDP connect sends nothing), else its hostname's first address that
+    is not loopback; None if it has neither."""
+    for family, probe in ((socket.AF_INET, ("192.0.2.1", 9)), (socket.AF_INET6, ("2001:db8::1", 9))):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.connect(probe)
+                return sock.getsockname()[0]
+        except OSError:
+            continue
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    return next((info[4][0] for info in infos if not is_loopback(info[4][0])), None)
+
+
+def advertise_address(listening: str, advertise: str | None) -> str:
+    """The address peers reach a worker at: `advertise` if given; else the address it
+    listens on (`listening`, its port resolved), when that names one interface; else,
+    listening on every interface, this host's primary address (`primary_address`) on
+    the same port. Never loopback unless the worker listens on loopback only.
+    ValueError if nothing can be derived (set --advertise)."""
+    if advertise:
+        return normalize_address(advertise)
+    host, _, port = listening.rpartition(":")
+    if host not in WILDCARD_HOSTS:
+        return normalize_address(listening)
+    primary = primary_address()
+    if primary is None:
+        raise ValueError(f"listening on {listening}, every interface, and this host has no address but "
+                         "loopback to advertise: set --advertise to the address peers reach this worker at")
+    return join_address(primary, int(port))
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A worker, or a DNS name standing for as many workers as it has addresses."""
+
+    text: str  # as given, normalized
+    dns_name: str = ""  # set for `dns:///name:port`
+    port: int = 0
+
+    @property
+    def is_dns(self) -> bool:
+        return bool(self.dns_name)
+
+
+def parse_target(text: str) -> Target:
+    """`host:port` (one worker), or `dns:///name:port` (one worker per address the name
+    resolves to, re-resolved over time). ValueError if it is neither."""
+    stripped = text.strip()
+    if stripped.startswith(DNS_SCHEME):
+        address = normalize_address(stripped[len(DNS_SCHEME):])
+        name, port = split_address(address)
+        return Target(DNS_SCHEME + address, dns_name=name, port=port)
+    if "://" in stripped:
+        raise ValueError(f"{text!r}: a worker is host:port or {DNS_SCHEME}name:port")
+    return Target(normalize_address(stripped))
+
+
 def _ipv6(host: str) -> ipaddress.IPv6Address | None:
     try:
         return ipaddress.IPv6Address(host)
     except ValueError:
         return None
-
-
-class AddressAllowlist:
-    """The peers a worker dials on a caller's word (a decode worker: the prefill workers
-    named in KV handles). Empty: any address, unchecked (open, as plaintext is).
-
-    NOTE: the one place such an address is checked; a list of DNS names re-resolved
-    over time (issue 16) belongs here, behind `dial_address`.
-    """
-
-    def __init__(self, addresses: Iterable[str] = ()) -> None:
-        self.addresses = frozenset(normalize_address(address) for address in addresses)  # ValueError if one is bad
-
-    @property
-    def is_open(self) -> bool:
-        return not self.addresses
-
-    def dial_address(self, address: str) -> str | None:
-        """The address to dial for a peer named `address`: its listed, normalized form,
-        or None if the list does not have it; `address` itself when the list is open."""
-        if self.is_open:
-            return address
-        try:
-            normalized = normalize_address(address)
-        except ValueError:
-            return None
-        return normalized if normalized in self.addresses else None
-
-    def __repr__(self) -> str:
-        return f"AddressAllowlist({sorted(self.addresses)})"

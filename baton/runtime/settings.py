@@ -24,12 +24,22 @@ import os
 import types
 import typing
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from baton.runtime.addresses import AddressAllowlist
+from baton.runtime.addresses import parse_target
+from baton.runtime.discovery import AddressAllowlist
 from baton.runtime.security import TlsConfig, read_secret_file
+from baton.runtime.values import (
+    format_cpu_list,
+    format_size,
+    parse_bool,
+    parse_cpu_list,
+    parse_list,
+    parse_port_range,
+    parse_size,
+)
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, engine_config
 from kvtransfer.endpoint import receiver_shares_cache
 
@@ -82,66 +92,6 @@ def default_of(cls: type, name: str) -> Any:
                 raise TypeError(f"{cls.__name__}.{name} has no plain default")
             return f.default
     raise AttributeError(f"{cls.__name__} has no field {name!r}")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '512M', '2G', '1.5GiB', '1048576'."""
-    units = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-    value = text.strip().upper().removesuffix("B").removesuffix("I")
-    try:
-        if value and value[-1] in units:
-            return int(float(value[:-1]) * units[value[-1]])
-        return int(value)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512M, 2G or a number of bytes)") from None
-
-
-def format_size(num_bytes: int) -> str:
-    """The shortest exact form parse_size reads back: 1073741824 -> '1G'."""
-    for unit, size in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
-        if num_bytes and num_bytes % size == 0:
-            return f"{num_bytes // size}{unit}"
-    return str(num_bytes)
-
-
-def parse_list(text: str) -> tuple[str, ...]:
-    """'a, b,,c' -> ('a', 'b', 'c')."""
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """A Linux CPU list, '0-3,8' -> (0, 1, 2, 3, 8) (as taskset -c and cpuset files write them)."""
-    cpus: set[int] = set()
-    for part in parse_list(text):
-        first, dash, last = part.partition("-")
-        try:
-            low, high = int(first), int(last if dash else first)
-        except ValueError:
-            raise ValueError(f"not a CPU list: {text!r} (use e.g. 0-3,8)") from None
-        if not 0 <= low <= high:
-            raise ValueError(f"not a CPU list: {text!r} (ranges go low-high, from 0)")
-        cpus.update(range(low, high + 1))
-    return tuple(sorted(cpus))  # empty: every core
-
-
-def format_cpu_list(cpus: Iterable[int]) -> str:
-    """(0, 1, 2, 3, 8) -> '0-3,8', what parse_cpu_list reads back."""
-    runs: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(f"{low}-{high}" if high > low else str(low) for low, high in runs)
-
-
-def parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {text!r} (use true or false)")
 
 
 # ------------------------------------------------------------------ flags and env
@@ -317,7 +267,14 @@ class WorkerSettings:
     lease_s: float = setting(30.0, "prefill: seconds held KV waits to be pulled")
     transfer_timeout_s: float = setting(30.0, "timeout of each KV rendezvous and transfer")
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
-    transfer_host: str = setting("127.0.0.1", "decode: host of the KV rendezvous store (gloo, nccl)")
+    transfer_host: str | None = setting(None, "decode: the address prefill workers reach this worker's KV "
+                                              "rendezvous and Gloo socket at (gloo, nccl)",
+                                        shown="the advertised address's host")
+    kv_ports: tuple[int, int] | None = setting(None, "KV data plane ports, LOW-HIGH: the rendezvous store listens "
+                                                     "on one of them; give the process's ephemeral port range "
+                                                     "(net.ipv4.ip_local_port_range) the same, since Gloo and "
+                                                     "NCCL open theirs there", parse=parse_port_range,
+                                               shown="any free port")
     kv_transport: str = setting("auto", "KV handoff: auto (ipc on one host, else gloo or nccl), ipc, nccl, gloo")
     grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
     stall_report_s: float = setting(60.0, "liveness turns NOT_SERVING when the engine thread has been stuck "
@@ -417,8 +374,12 @@ class GatewaySettings:
     """The gateway process."""
 
     listen: str = setting(DEFAULT_GATEWAY_ADDRESS, "address to listen on")
-    prefill_workers: tuple[str, ...] = setting((), "comma-separated prefill worker addresses")
-    decode_workers: tuple[str, ...] = setting((), "comma-separated decode worker addresses (at least one)")
+    prefill_workers: tuple[str, ...] = setting((), "comma-separated prefill workers: host:port, or "
+                                                   "dns:///name:port for every address the name resolves to")
+    decode_workers: tuple[str, ...] = setting((), "comma-separated decode workers, as --prefill-workers "
+                                                  "(at least one)")
+    discovery_interval_s: float = setting(5.0, "seconds between lookups of dns:/// worker names (workers that "
+                                               "join are used, workers that leave are drained)")
     model: str = setting(DEFAULT_MODEL, "model whose tokenizer to load; the workers must serve it")
     startup_timeout_s: float = setting(600.0, "seconds to wait for a decode worker to serve before exiting "
                                               "with an error")
@@ -430,6 +391,9 @@ class GatewaySettings:
                                                "(no handoff)")
     max_prefill_queue_tokens: int = setting(2048, "above this many queued prefill tokens, prompts go to a "
                                                   "decode worker with fewer queued (0: never)")
+    cross_host_tokens: int = setting(512, "a prefill worker on another host than the decode worker (its KV "
+                                          "crosses the network, not shared memory) counts as this many more "
+                                          "queued prompt tokens")
     # Lost workers (gateway/workers.py, gateway/dispatch.py).
     stall_timeout_s: float = setting(1.0, "a worker silent this long (or 50 of its recent steps, if longer) "
                                           "and then failing a probe is lost: its requests move")
@@ -460,7 +424,15 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if not self.decode_workers:
             raise ValueError("the gateway needs at least one decode worker (--decode-workers)")
-        if self.max_local_prefill_tokens < 0 or self.max_prefill_queue_tokens < 0:
+        for flag, targets in (("--prefill-workers", self.prefill_workers), ("--decode-workers", self.decode_workers)):
+            for target in targets:
+                try:
+                    parse_target(target)
+                except ValueError as error:
+                    raise ValueError(f"{flag}: {error}") from None
+        if self.discovery_interval_s <= 0:
+            raise ValueError("discovery_interval_s must be positive")
+        if self.max_local_prefill_tokens < 0 or self.max_prefill_queue_tokens < 0 or self.cross_host_tokens < 0:
             raise ValueError("routing thresholds must be >= 0")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")

@@ -11,6 +11,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
 from baton.runtime import tracing
+from baton.runtime.addresses import advertise_address, normalize_address
 from baton.runtime.admission import AdmissionLimits, AdmissionQueue, Overloaded
 from baton.runtime.metrics import TransferTally, WorkerMetrics, engine_snapshot, serve_metrics
 from baton.runtime.server import GrpcServer, install_uvloop
@@ -252,6 +253,7 @@ class WorkerBase:
             kv_block_bytes=self.layout.bytes_per_block,
             max_num_seqs=scheduler.max_num_seqs,
             max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            kv_endpoint=self.kv_endpoint,
             **self.extra_stats(),
         )
 
@@ -288,7 +290,10 @@ async def run_worker(settings: WorkerSettings, service: WorkerBase, descriptor: 
     server = GrpcServer(settings.listen, [descriptor.full_name], credentials=credentials)
     server.add_service(service, descriptor)
     await server.start()
-    address = settings.advertise or server.address
+    address = advertise_address(server.address, settings.advertise)  # ValueError: nothing to advertise
+    if address != normalize_address(server.address):
+        logger.info("%s worker %s advertises %s", settings.role, settings.worker_id, address)
+    check_kv_ports(settings.kv_ports)
     logger.info("%s worker %s listening on %s; loading %s", settings.role,
                 settings.worker_id, server.address, settings.model)
     await service.load(address)
@@ -303,6 +308,23 @@ async def run_worker(settings: WorkerSettings, service: WorkerBase, descriptor: 
     finally:
         watchdog.cancel()
     return 1 if service.failed.is_set() else 0
+
+
+def check_kv_ports(ports: tuple[int, int] | None) -> None:
+    """Warn when `--kv-ports` is set but this network namespace's ephemeral ports (where
+    Gloo and NCCL listen: they take no port range) fall outside it: a firewall open to
+    those ports only would stop every cross-host transfer."""
+    if ports is None:
+        return
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            low, high = (int(part) for part in file.read().split())
+    except (OSError, ValueError):
+        return
+    if not ports[0] <= low <= high <= ports[1]:
+        logger.warning("--kv-ports %d-%d: the KV rendezvous listens there, but Gloo and NCCL take ephemeral "
+                       "ports, %d-%d here; set net.ipv4.ip_local_port_range to within %d-%d (a pod's "
+                       "securityContext.sysctls) or open those too", ports[0], ports[1], low, high, *ports)
 
 
 def serve_worker(settings: WorkerSettings, service: WorkerBase, descriptor: ServiceDescriptor) -> int:

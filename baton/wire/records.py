@@ -259,6 +259,7 @@ class WorkerStats:
     kv_transports: tuple[KvTransportStats, ...] = ()  # the transfers above, by transport
     kv_channel_refusal: str = ""  # why the last channel this worker tried to open was refused
     num_kv_blocks_fenced: int = 0  # kept out of use: a sender stopped answering mid-copy
+    kv_endpoint: KvEndpoint | None = None  # where its KV cache lives (routing pairs same-host workers)
     recent: RecentStats | None = None  # the scheduler's last minute of steps
 
 

@@ -8,6 +8,7 @@ from dataclasses import fields
 from google.protobuf import json_format
 
 from baton.wire.internal.v1 import worker_pb2
+from baton.wire.kv_convert import kv_endpoint_from_pb, kv_endpoint_to_pb
 from baton.wire.records import DeploymentStatus, KvTransportStats, WorkerStats, WorkerStatus
 from engine.scheduler.stats import RecentStats
 
@@ -24,7 +25,7 @@ def recent_stats_from_pb(message: worker_pb2.RecentStats) -> RecentStats:
     return RecentStats(**{f.name: getattr(message, _RECENT_RENAMED.get(f.name, f.name)) for f in fields(RecentStats)})
 
 
-_NESTED = ("recent", "kv_transports")
+_NESTED = ("recent", "kv_transports", "kv_endpoint")
 
 
 def worker_stats_to_pb(stats: WorkerStats) -> worker_pb2.WorkerStats:
@@ -36,6 +37,8 @@ def worker_stats_to_pb(stats: WorkerStats) -> worker_pb2.WorkerStats:
     )
     if stats.recent is not None:
         message.recent.CopyFrom(recent_stats_to_pb(stats.recent))
+    if stats.kv_endpoint is not None:
+        message.kv_endpoint.CopyFrom(kv_endpoint_to_pb(stats.kv_endpoint))
     return message
 
 
@@ -44,7 +47,8 @@ def worker_stats_from_pb(message: worker_pb2.WorkerStats) -> WorkerStats:
     recent = recent_stats_from_pb(message.recent) if message.HasField("recent") else None
     transports = tuple(KvTransportStats(**{f.name: getattr(t, f.name) for f in fields(KvTransportStats)})
                        for t in message.kv_transports)
-    return WorkerStats(**values, kv_transports=transports, recent=recent)
+    endpoint = kv_endpoint_from_pb(message.kv_endpoint, "kv_endpoint") if message.HasField("kv_endpoint") else None
+    return WorkerStats(**values, kv_transports=transports, recent=recent, kv_endpoint=endpoint)
 
 
 def deployment_status_to_pb(status: DeploymentStatus) -> worker_pb2.DeploymentStatus:
