@@ -118,6 +118,19 @@ class Dispatcher:
                                "no other decode worker is serving; the request's worker was lost" if avoid
                                else "no decode worker is serving")
         prefill = self.pool.pick_prefill(num_prompt, decode)
+        # Attached: a worker retired meanwhile (gone from DNS) keeps its client until then.
+        attached = [worker for worker in (decode, prefill) if worker is not None]
+        for worker in attached:
+            worker.num_attached += 1
+        try:
+            async for event in self._attempt_on(decode, prefill, work, span, time_remaining):
+                yield event
+        finally:
+            for worker in attached:
+                worker.num_attached -= 1
+
+    async def _attempt_on(self, decode: Worker, prefill: Worker | None, work: WorkRequest, span,
+                          time_remaining: Callable[[], float | None]) -> AsyncIterator[TokenEvent]:
         trace_metadata = tracing.metadata(span)
         if tracing.recording(span):
             tracing.set_route(span, decode.address, prefill.address if prefill is not None else None)
@@ -128,7 +141,7 @@ class Dispatcher:
             except asyncio.CancelledError:
                 # The worker may have held the KV just as the call was cancelled, and its
                 # answer is lost: drop the lease now, not at expiry.
-                self._background.spawn(self._release(prefill, work, trace_metadata))
+                self._release_later(prefill, work, trace_metadata)
                 raise
             if result is None and tracing.recording(span):
                 tracing.set_route(span, decode.address, None)  # the prefill worker was lost
@@ -143,7 +156,7 @@ class Dispatcher:
                     yield first  # TTFT does not wait for the handoff
                 except BaseException:  # closed at the first token (client gone, stop string)
                     if result.kv_handle is not None:
-                        self._background.spawn(self._release(prefill, work, trace_metadata))
+                        self._release_later(prefill, work, trace_metadata)
                     raise
                 if result.finish_reason is not None:
                     return
@@ -177,7 +190,7 @@ class Dispatcher:
                 return None
             raise RequestError.from_worker(error, "prefill failed") from None
         except ValueError as error:  # a KV handle no cache could have: a worker of another release
-            self._background.spawn(self._release(worker, work, trace_metadata))
+            self._release_later(worker, work, trace_metadata)
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"prefill worker {worker.address} sent an unusable KV handle: {error}") from None
         finally:
@@ -237,13 +250,19 @@ class Dispatcher:
             await events.aclose()  # the client went away or a stop string matched: abort on the worker
             if holder is not None and not got_event:
                 # The decode side may never have pulled the KV: drop the lease now, not at expiry.
-                self._background.spawn(self._release(holder, request.request, trace_metadata))
+                self._release_later(holder, request.request, trace_metadata)
+
+    def _release_later(self, prefill: Worker, work: WorkRequest, trace_metadata) -> None:
+        """Drop the KV `prefill` holds for a request that will not pull it, in the background
+        (best effort: the lease expires anyway); its kv_token proves the KV is ours."""
+        prefill.num_attached += 1
+        self._background.spawn(self._release(prefill, work, trace_metadata))
 
     async def _release(self, prefill: Worker, work: WorkRequest, trace_metadata) -> None:
-        """Drop the KV `prefill` holds for a request that will not pull it (best effort: the
-        lease expires anyway); its kv_token proves the KV is ours."""
         try:
             await prefill.client.release_kv(ReleaseKv(work.request_id, work.kv_token), timeout=RELEASE_TIMEOUT_S,
                                             metadata=trace_metadata)
         except grpc.aio.AioRpcError:
             pass
+        finally:
+            prefill.num_attached -= 1

@@ -107,6 +107,7 @@ class Worker:
     pending_prefill_tokens: int = 0
     pending_blocks: int = 0
     num_in_flight: int = 0
+    num_attached: int = 0  # requests that picked it and may still call it (in flight or about to be)
     min_stall_timeout_s: float = 1.0
     # Set when the worker is marked down; a fresh one once it is back.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -250,7 +251,7 @@ class WorkerPool:
             worker.retired = True
             self._retired.append(worker)
             logger.info("%s worker %s is no longer listed: no new requests, %d in flight finish there",
-                        role, worker.address, worker.num_in_flight)
+                        role, worker.address, worker.num_attached)
         setattr(self, role, workers)
 
     def _new_worker(self, address: str, role: str) -> Worker:
@@ -258,8 +259,8 @@ class WorkerPool:
         return Worker(address, role, client_type(address, tls=self.tls), min_stall_timeout_s=self.stall_timeout_s)
 
     async def _close_retired(self) -> None:
-        """Close the clients of retired workers with nothing left in flight."""
-        done = [worker for worker in self._retired if worker.num_in_flight == 0]
+        """Close the clients of retired workers no request will call again."""
+        done = [worker for worker in self._retired if worker.num_attached == 0 and worker.num_in_flight == 0]
         for worker in done:
             self._retired.remove(worker)
             await worker.client.close()

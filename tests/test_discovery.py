@@ -175,7 +175,7 @@ def test_workers_join_and_leave_through_dns(dns):
         picks = {pool.pick_decode(16).address for _ in range(4)}
         assert picks == {old.address, new.address}  # both take requests (by free blocks)
 
-        old.num_in_flight = 1  # a request still runs there
+        old.num_attached = 1  # a request still runs there
         dns.names["decode.test"] = ["127.0.0.3"]
         await _until(lambda: [w.address for w in pool.decode] == [new.address])
         assert old.retired and not old.routable
@@ -184,7 +184,7 @@ def test_workers_join_and_leave_through_dns(dns):
         await asyncio.sleep(0.3)
         assert first.calls > calls  # still polled: its request must learn if it is lost
         assert old in pool._retired
-        old.num_in_flight = 0
+        old.num_attached = 0
         await _until(lambda: old not in pool._retired)  # its client closed
 
         # Listed again: back in rotation.

@@ -202,11 +202,11 @@ def test_model_info(system, stub):
 def extra_gateway(model_path: str, log_dir, *flags: str):
     """A second gateway process in front of the module's workers (`flags` name them);
     yields a stub on it once it serves and every worker is marked up."""
-    from baton.cli.local import Deployment, _spawn, free_port, wait_in_rotation, wait_serving
+    from baton.cli.local import Deployment, free_port, spawn, wait_in_rotation, wait_serving
 
     address = f"127.0.0.1:{free_port()}"
     args = ["gateway", "--listen", address, "--model", model_path, *flags]
-    gateway = Deployment(address, [_spawn("gateway", args, log_dir, dict(os.environ))])
+    gateway = Deployment(address, [spawn("gateway", args, log_dir, dict(os.environ))])
     try:
         wait_serving(address, gateway, 120)
         wait_in_rotation(address, gateway, 120)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,12 +138,13 @@ def _held(stats: WorkerStats) -> str:
     return ", ".join(f"{num} {what}" for what, num in counts if num)
 
 
-def _spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str], name: str | None = None,
-           ) -> Process:
+def spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str], name: str | None = None,
+          wrap: Callable[[list[str]], list[str]] = lambda argv: argv) -> Process:
+    """Start `baton <args>` (`wrap` may run it elsewhere: another network namespace)."""
     log_path = None if log_dir is None else log_dir / f"{name or role}.log"
     log = None if log_path is None else open(log_path, "w")
     popen = subprocess.Popen(
-        [sys.executable, "-m", "baton.cli", *args],
+        wrap([sys.executable, "-m", "baton.cli", *args]),
         stdout=log,
         stderr=None if log is None else subprocess.STDOUT,
         env=env,
@@ -270,7 +272,7 @@ def start_deployment(
         prefill_address = prefill_address or f"127.0.0.1:{free_port()}"
         args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *prefill_cores,
                 *common, *metrics_args(), *prefill_args]
-        deployment.processes.append(_spawn("prefill", args, log_dir, env))
+        deployment.processes.append(spawn("prefill", args, log_dir, env))
         gateway_args += ["--prefill-workers", prefill_address]
         if stagger:
             try:
@@ -282,8 +284,8 @@ def start_deployment(
     for i, decode_address in enumerate(decode_addresses):
         args = ["decode-worker", "--listen", decode_address, "--worker-id", f"decode-{i}", *kv_peers,
                 *decode_cores[i], *common, *metrics_args(), *decode_args]
-        deployment.processes.append(_spawn("decode", args, log_dir, env, f"decode-{i}" if i else "decode"))
-    deployment.processes.append(_spawn("gateway", gateway_args, log_dir, env))
+        deployment.processes.append(spawn("decode", args, log_dir, env, f"decode-{i}" if i else "decode"))
+    deployment.processes.append(spawn("gateway", gateway_args, log_dir, env))
     try:
         wait_serving(gateway_address, deployment, timeout_s)
         for process in deployment.processes[:-1]:
