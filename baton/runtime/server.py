@@ -113,7 +113,8 @@ class GrpcServer:
     def __init__(self, address: str, service_names: Sequence[str], *,
                  credentials: grpc.ServerCredentials | None = None,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                 health_port: int | None = None) -> None:
         options = [(key, max_receive_bytes if key == "grpc.max_receive_message_length" else value)
                    for key, value in SERVER_OPTIONS]
         self.server = grpc.aio.server(options=options, interceptors=tuple(interceptors) or None)
@@ -133,6 +134,17 @@ class GrpcServer:
             raise OSError(f"could not listen on {address}")
         host = address.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
+        # Health alone, in plaintext, on a port of its own: Kubernetes' gRPC probes speak no
+        # TLS, so with TLS on the service port they would fail. It tells only what health
+        # tells on the service port (the same servicer), to anyone who can reach it.
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
+        if health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{health_port}")
+            if self.health_port == 0:
+                raise OSError(f"could not listen on {host}:{health_port} (--health-port)")
 
     def add_service(self, servicer, service: ServiceDescriptor) -> None:
         """Serve `service` (its descriptor, from the generated module) with `servicer`, as
@@ -146,6 +158,8 @@ class GrpcServer:
         await self.set_serving(False)
         await self.set_live(True)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
 
     async def set_serving(self, serving: bool) -> None:
         """Readiness: whether this process takes requests."""
@@ -193,6 +207,8 @@ class GrpcServer:
         else:
             logger.info("shutting down: %.1f s grace for in-flight calls", grace_s)
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         await on_shutdown()
         logger.info("stopped")
 

