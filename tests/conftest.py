@@ -16,8 +16,25 @@ from engine.envs import configure_process
 configure_process(num_threads=int(os.environ.get("BATON_TEST_THREADS", "2")))
 
 
+# Test files that run in this process only, compute-bound, with no timing and no other
+# process: `make test` runs them first, two at a time (pytest-xdist, one thread each),
+# then everything else one at a time (servers, deployments, deadlines, machine-wide checks
+# such as /dev/shm and network namespaces, which concurrency would disturb).
+PARALLEL_FILES = frozenset({
+    "test_admission.py", "test_attention.py", "test_block_pool_properties.py", "test_decode_graphs.py",
+    "test_deploy.py", "test_detokenizer.py", "test_engine.py", "test_gpu.py", "test_gpu_benchmark.py",
+    "test_handoff.py", "test_kernels.py", "test_model.py", "test_otlp_sink.py", "test_overlap.py",
+    "test_parity.py", "test_sampler.py", "test_sampling_params.py", "test_scheduler.py", "test_source_rules.py",
+    "test_triton_engine.py", "test_triton_kernels.py",
+})
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skipped where torch sees no GPU (`make test-gpu` runs them)."""
+    """Tests in PARALLEL_FILES are marked `parallel`. Tests marked `gpu` need CUDA: skipped
+    where torch sees no GPU (`make test-gpu` runs them)."""
+    for item in items:
+        if item.path.name in PARALLEL_FILES:
+            item.add_marker(pytest.mark.parallel)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu on a GPU machine)")

@@ -288,12 +288,18 @@ def set_prefill_result(span: Span, output) -> None:
     })
 
 
+# Spans (by id) of calls whose request has finished: a caller that hangs up once it has
+# the last message (a gateway closing a decode stream) does not fail them.
+_FINISHED: set[int] = set()
+
+
 def set_finish(span: Span, finish_reason: str | None, num_output_tokens: int) -> None:
     """A worker's span, at its request's last output."""
     span.set_attributes({
         "gen_ai.response.finish_reasons": [finish_reason],
         "gen_ai.usage.output_tokens": num_output_tokens,
     })
+    _FINISHED.add(id(span))
 
 
 def end_call_span(span: Span | None, context, error: BaseException | None) -> None:
@@ -301,13 +307,18 @@ def end_call_span(span: Span | None, context, error: BaseException | None) -> No
     the handler (an abort's code, CANCELLED for a cancelled call, else UNKNOWN)."""
     if span is None:
         return
-    if error is None:
-        span.end()
-        return
     import asyncio
 
     import grpc
 
+    finished = id(span) in _FINISHED
+    _FINISHED.discard(id(span))
+    # The request had finished and its last message was out when the caller hung up (it
+    # had what it wanted): not an error.
+    if error is None or (finished and isinstance(error, (asyncio.CancelledError, GeneratorExit))
+                         and _status_code(context.code()) in (None, grpc.StatusCode.CANCELLED)):
+        span.end()
+        return
     code = _status_code(context.code())
     if code is None:
         cancelled = isinstance(error, (asyncio.CancelledError, GeneratorExit))
