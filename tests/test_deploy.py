@@ -12,6 +12,7 @@ them applied, so the image's install is the Makefile's, line for line.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -200,8 +201,10 @@ def test_the_images_install_what_make_setup_installs(dockerfile):
     assert "pip" not in run.replace("/root/.cache/pip", "")  # nothing installed by another route
     assert "COPY . ." in instructions
     # The Makefile's recipe with those variables, line for line.
-    dry = subprocess.run(["make", "-n", "-B", "setup", *(f"{k}={v}" for k, v in variables.items())],
-                         cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "-B", "setup",
+                          *(f"{k}={v}" for k, v in variables.items())],
+                         cwd=REPO_ROOT, capture_output=True, text=True, check=True, env=env).stdout.splitlines()
     dry = [line.rstrip() for line in dry]
     venv = variables["VENV"]
     index = f" --index-url {variables['TORCH_INDEX']}" if "TORCH_INDEX" in variables else ""

@@ -114,3 +114,49 @@ def test_an_unforeseen_failure_is_reported_not_raised(monkeypatch):
     result = asyncio.run(scenario())
     assert not result.ok and "Too many open files" in result.error and result.settled is None
     assert tally.failures == ["ipc"]
+
+
+def test_a_prefill_worker_this_worker_cannot_reach_is_one_clear_error(monkeypatch, caplog):
+    """Across hosts, a prefill worker whose advertised address cannot be reached from here is
+    a deployment's error: every pull from it fails alike. Said once, loudly, with what to
+    check, and kept as the worker's refusal (a `baton status` finding); each request is
+    prefilled here. A peer that was reachable once and is gone later is lost, not that."""
+    import grpc
+
+    from kvtransfer.connect import ChannelOffer
+    from kvtransfer.transport import Rendezvous
+
+    class Unreachable(_Client):
+        address = "10.9.9.9:50061"
+
+        async def open_kv_channel(self, request, timeout, metadata):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="failed to connect to all addresses")
+
+    def offer(*args, **kwargs):
+        gone = threading.Event()
+
+        def accept():
+            gone.wait(5)
+            raise kv_receiver.KvTransferError("cancelled")
+
+        return ChannelOffer(Rendezvous("c", "10.0.0.2", 41000, 5.0, b"s" * 32, "gloo"), accept, gone.set)
+
+    monkeypatch.setattr(kv_receiver, "listen", offer)
+    monkeypatch.setattr(kv_receiver, "PrefillWorkerClient", lambda address, tls: Unreachable())
+
+    class Remote(_Handle):
+        prefill_address = "10.9.9.9:50061"
+        prefill_endpoint = KvEndpoint("prefill-host", "boot/net:2", "cpu")
+
+    async def scenario():
+        receiver = _receiver()
+        results = [await receiver.receive(Remote(), [5, 6]) for _ in range(3)]
+        return receiver, results
+
+    with caplog.at_level("ERROR", logger=kv_receiver.__name__):
+        receiver, results = asyncio.run(scenario())
+    assert all(not r.ok and r.transport == "gloo" and "UNAVAILABLE" in r.error for r in results)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "10.9.9.9:50061" in errors[0] and "--advertise" in errors[0], errors
+    assert "cannot reach each other" in receiver.last_refusal
