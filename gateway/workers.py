@@ -108,6 +108,7 @@ class Worker:
     pending_blocks: int = 0
     num_in_flight: int = 0
     num_attached: int = 0  # requests that picked it and may still call it (in flight or about to be)
+    num_polls: int = 0  # GetStats calls on it under way
     min_stall_timeout_s: float = 1.0
     # Set when the worker is marked down; a fresh one once it is back.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -222,7 +223,10 @@ class WorkerPool:
     async def _discover_forever(self) -> None:
         while True:
             await asyncio.sleep(self.discovery_interval_s)
-            await self.discover()
+            try:
+                await self.discover()
+            except Exception:  # noqa: BLE001 - the pool stays as it was; the next round tries again
+                logger.exception("worker discovery failed")
 
     async def discover(self) -> None:
         """Resolve the targets again: workers that appeared join (routed to once a poll
@@ -260,7 +264,9 @@ class WorkerPool:
 
     async def _close_retired(self) -> None:
         """Close the clients of retired workers no request will call again."""
-        done = [worker for worker in self._retired if worker.num_attached == 0 and worker.num_in_flight == 0]
+        # NOTE: closing a grpc.aio channel cancels the tasks awaiting calls on it, so none may be.
+        done = [worker for worker in self._retired
+                if worker.num_attached == 0 and worker.num_in_flight == 0 and worker.num_polls == 0]
         for worker in done:
             self._retired.remove(worker)
             await worker.client.close()
@@ -269,7 +275,14 @@ class WorkerPool:
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(POLL_INTERVAL_S)
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # the pool is closing
+                    raise
+                logger.warning("a poll was cancelled under the poller; polling on")
+            except Exception:  # noqa: BLE001 - never stop polling: routing and lost workers depend on it
+                logger.exception("polling the workers failed")
 
     async def poll_once(self) -> None:
         # Retired workers too: requests still running there need to know if they are lost.
@@ -292,13 +305,19 @@ class WorkerPool:
         """Poll `worker` (within its stall timeout, or `timeout_s`); whether it answered."""
         if timeout_s is None:
             timeout_s = max(POLL_TIMEOUT_S, worker.stall_timeout_s)
+        worker.num_polls += 1
         try:
             stats = await worker.client.get_stats(timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ValueError) as error:
+            # UsageError: a retired worker's client closed meanwhile; ValueError: stats that
+            # do not read (a worker of another release).
             if worker.is_up and not worker.retired:
-                logger.warning("%s worker %s is down: %s", worker.role, worker.address, error.code().name)
+                logger.warning("%s worker %s is down: %s", worker.role, worker.address,
+                               error.code().name if isinstance(error, grpc.aio.AioRpcError) else error)
             worker.set_up(False, lost=True)
             return False
+        finally:
+            worker.num_polls -= 1
         if not worker.is_up and stats.serving and not worker.retired:
             logger.info("%s worker %s (%s) is up", worker.role, worker.address, stats.worker_id)
         elif worker.is_up and not stats.serving and not worker.retired:

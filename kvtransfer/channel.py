@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_cache import KVCache
-from kvtransfer.group import StoreServer, abort_group, join_group
+from kvtransfer.group import StoreServer, StoreUnreachableError, abort_group, join_group
 from kvtransfer.transport import KvTransferError, KvTransport, TransferStats, first_line
 from kvtransfer.wire import (
     HEADER_CAPACITY,
@@ -128,13 +128,13 @@ class KvChannel(KvTransport):
                                                 "min_run_bytes": str(MIN_RUN_BYTES)})
         except ValueError as error:  # joined, but set up differently, or not the peer we were told of
             raise KvTransferError(f"channel {channel_id}: {error}") from error
+        except StoreUnreachableError as error:  # the sender could not reach the receiver's store at all
+            raise KvTransferError(
+                f"channel {channel_id}: could not reach the receiver's rendezvous at {host}:{port} within "
+                f"{timeout_s:g} s ({first_line(error)}); check that this host reaches that address (the "
+                "decode worker's --transfer-host or --advertise, its --kv-ports, firewalls)"
+            ) from error
         except (RuntimeError, OSError) as error:  # DistStoreError, DistNetworkError, refused, unresolvable
-            if rank == 0:  # the sender: most often, the receiver's address is not reachable from here
-                raise KvTransferError(
-                    f"channel {channel_id}: could not join the receiver's rendezvous at {host}:{port} within "
-                    f"{timeout_s:g} s ({first_line(error)}); check that this host reaches that address (the "
-                    "decode worker's --transfer-host or --advertise, its --kv-ports, firewalls)"
-                ) from error
             raise KvTransferError(
                 f"channel {channel_id}: peer did not join within {timeout_s:g} s: {first_line(error)}"
             ) from error

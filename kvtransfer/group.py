@@ -27,6 +27,10 @@ import torch.distributed as dist
 from kvtransfer.proof import PROOF_BYTES, channel_proof, check_secret, is_proof
 
 
+class StoreUnreachableError(OSError):
+    """The rendezvous store's address did not answer (wrong address, a firewall, a dead host)."""
+
+
 class StoreServer:
     """The rendezvous TCPStore a receiver hosts, and the address it listens on.
 
@@ -85,7 +89,10 @@ def join_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     # A client connection of our own (also on the hosting side), so the store's
     # timeout is this channel's.
-    client = dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+    try:
+        client = dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as error:  # DistNetworkError, DistStoreError: nothing answered there
+        raise StoreUnreachableError(f"no rendezvous store answered at {host}:{port}: {error}") from error
     store = dist.PrefixStore(f"{channel_id}/", client)
     if device.type == "cuda":
         group = _nccl_group(store, rank, device, timeout_s)

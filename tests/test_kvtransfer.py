@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -454,6 +455,16 @@ def test_connect_times_out_without_a_peer():
         KvChannel.connect(channel_id="alone", host="127.0.0.1", port=store.port, rank=0,
                           secret=SECRET, device="cpu", timeout_s=1.0)
     assert time.monotonic() - started < 5.0
+
+
+def test_a_sender_that_cannot_reach_the_rendezvous_says_where_and_what_to_check():
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(KvTransferError, match=rf"could not reach the receiver's rendezvous at 127.0.0.1:{port}.*"
+                                              "--transfer-host"):
+        KvChannel.connect(channel_id="nowhere", host="127.0.0.1", port=port, rank=0,
+                          secret=SECRET, device="cpu", timeout_s=1.0)
 
 
 def test_connect_refuses_sides_that_disagree_on_message_size():
