@@ -79,9 +79,13 @@ class Dispatcher:
         lost: list[str] = []  # the decode workers this request was lost on
         while True:
             try:
-                async for event in self._attempt(attempt, prepared.span, time_remaining, frozenset(lost)):
-                    generated.extend(event.token_ids)
-                    yield event
+                # aclosing: a stream closed early closes each level now, innermost last, so the
+                # calls end (and the workers are detached) in order, not when collected.
+                async with contextlib.aclosing(self._attempt(attempt, prepared.span, time_remaining,
+                                                             frozenset(lost))) as events:
+                    async for event in events:
+                        generated.extend(event.token_ids)
+                        yield event
                 return
             except RequestError as error:  # a worker's refusal names fields of its request
                 raise error.for_client(prepared.prompt_field) from None
@@ -123,8 +127,9 @@ class Dispatcher:
         for worker in attached:
             worker.num_attached += 1
         try:
-            async for event in self._attempt_on(decode, prefill, work, span, time_remaining):
-                yield event
+            async with contextlib.aclosing(self._attempt_on(decode, prefill, work, span, time_remaining)) as events:
+                async for event in events:
+                    yield event
         finally:
             for worker in attached:
                 worker.num_attached -= 1
@@ -162,8 +167,10 @@ class Dispatcher:
                     return
                 request = DecodeRequest(work, result.first_token_id, result.kv_handle)
         holder = prefill if request.kv_handle is not None else None
-        async for event in self._decode(decode, request, holder, time_remaining, trace_metadata):
-            yield event
+        async with contextlib.aclosing(self._decode(decode, request, holder, time_remaining,
+                                                    trace_metadata)) as events:
+            async for event in events:
+                yield event
 
     async def _prefill(self, worker: Worker, decode: Worker, work: WorkRequest,
                        time_remaining: Callable[[], float | None], trace_metadata) -> PrefillResult | None:
@@ -262,7 +269,7 @@ class Dispatcher:
         try:
             await prefill.client.release_kv(ReleaseKv(work.request_id, work.kv_token), timeout=RELEASE_TIMEOUT_S,
                                             metadata=trace_metadata)
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: the pool closed its client
             pass
         finally:
             prefill.num_attached -= 1

@@ -267,8 +267,9 @@ class WorkerPool:
         # NOTE: closing a grpc.aio channel cancels the tasks awaiting calls on it, so none may be.
         done = [worker for worker in self._retired
                 if worker.num_attached == 0 and worker.num_in_flight == 0 and worker.num_polls == 0]
-        for worker in done:
+        for worker in done:  # out of the pool before any await
             self._retired.remove(worker)
+        for worker in done:
             await worker.client.close()
 
     # ------------------------------------------------------------------ polling
@@ -277,6 +278,7 @@ class WorkerPool:
             await asyncio.sleep(POLL_INTERVAL_S)
             try:
                 await self.poll_once()
+                await self._close_retired()
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():  # the pool is closing
                     raise
@@ -285,8 +287,11 @@ class WorkerPool:
                 logger.exception("polling the workers failed")
 
     async def poll_once(self) -> None:
-        # Retired workers too: requests still running there need to know if they are lost.
-        await asyncio.gather(*(self._poll(worker) for worker in self.workers + self._retired))
+        # Retired workers too, while requests hold them: those need to know if it is lost.
+        # (One nothing holds is not polled: a pod gone with its address would stretch
+        # every round to the poll timeout.)
+        held = [worker for worker in self._retired if worker.num_attached or worker.num_in_flight]
+        await asyncio.gather(*(self._poll(worker) for worker in self.workers + held))
 
     async def refresh_decode(self) -> None:
         """Poll the decode workers now (a request found none up at the last poll; one
@@ -308,9 +313,7 @@ class WorkerPool:
         worker.num_polls += 1
         try:
             stats = await worker.client.get_stats(timeout=timeout_s)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ValueError) as error:
-            # UsageError: a retired worker's client closed meanwhile; ValueError: stats that
-            # do not read (a worker of another release).
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as error:  # UsageError: its client closed
             if worker.is_up and not worker.retired:
                 logger.warning("%s worker %s is down: %s", worker.role, worker.address,
                                error.code().name if isinstance(error, grpc.aio.AioRpcError) else error)

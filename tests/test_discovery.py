@@ -121,6 +121,19 @@ def test_the_allowlist_follows_a_dns_name(dns):
         assert dns.lookups == lookups and allowlist.dial_address("10.2.0.5:50061") is None
         await allowlist.refresh(force=True)
         assert allowlist.dial_address("10.2.0.5:50061") == "10.2.0.5:50061"
+        # A pod that stops resolving (draining: no longer ready) stays allowed a while, so
+        # the handles it gave out are still pulled; then it is forgotten.
+        dns.names["prefill.test"] = ["10.2.0.5"]
+        await allowlist.refresh(force=True)
+        assert allowlist.dial_address("10.2.0.4:50061") == "10.2.0.4:50061"
+        allowlist.RETAIN_S = 0.0
+        await asyncio.sleep(0.01)
+        assert allowlist.dial_address("10.2.0.4:50061") is None
+        assert allowlist.dial_address("10.0.0.1:50061") == "10.0.0.1:50061"  # listed: always
+        # Misses at once share one lookup.
+        lookups = dns.lookups
+        await asyncio.gather(*(allowlist.refresh(force=True) for _ in range(5)))
+        assert dns.lookups == lookups + 1
 
     asyncio.run(scenario())
 

@@ -88,18 +88,24 @@ class AddressAllowlist:
     named in KV handles). Empty: any address, unchecked (open, as plaintext is).
 
     Entries are addresses or `dns:///name:port` targets: a DNS name allows every address
-    it resolved to at the last `refresh` (a Kubernetes headless Service of prefill pods,
-    whose addresses change as pods come and go).
+    it resolved to within the last RETAIN_S (a Kubernetes headless Service of prefill
+    pods, whose addresses change as pods come and go: a pod that is draining is no
+    longer listed, but the KV handles it gave out must still be pulled).
     """
 
     # A miss refreshes the DNS entries at most this often (a forged handle must not make
-    # this worker hammer its resolver).
+    # this worker hammer its resolver); concurrent misses share one lookup.
     REFRESH_MIN_INTERVAL_S = 1.0
+    # An address a name resolved to stays allowed this long after it stops resolving:
+    # longer than a prefill worker's grace period plus its lease.
+    RETAIN_S = 300.0
 
     def __init__(self, addresses: Iterable[str] = ()) -> None:
         self.targets = TargetSet(addresses)  # ValueError if one is bad
-        self.addresses = frozenset(self.targets.current())  # static ones, then as resolved
+        self._static = frozenset(self.targets.current())
+        self._seen: dict[str, float] = {}  # resolved address -> when it last resolved
         self._refreshed_at = float("-inf")
+        self._refreshing: asyncio.Task | None = None
 
     @property
     def is_open(self) -> bool:
@@ -108,6 +114,12 @@ class AddressAllowlist:
     @property
     def is_dynamic(self) -> bool:
         return self.targets.is_dynamic
+
+    @property
+    def addresses(self) -> frozenset[str]:
+        """The addresses allowed now."""
+        oldest = time.monotonic() - self.RETAIN_S
+        return self._static | {address for address, seen in self._seen.items() if seen >= oldest}
 
     def dial_address(self, address: str) -> str | None:
         """The address to dial for a peer named `address`: its listed, normalized form,
@@ -122,12 +134,23 @@ class AddressAllowlist:
 
     async def refresh(self, *, force: bool = False) -> None:
         """Resolve the DNS entries again (unless done within REFRESH_MIN_INTERVAL_S, or
-        `force`)."""
-        now = time.monotonic()
-        if not self.is_dynamic or (not force and now - self._refreshed_at < self.REFRESH_MIN_INTERVAL_S):
+        `force`); a refresh under way is waited for, not repeated."""
+        if not self.is_dynamic:
             return
-        self._refreshed_at = now
-        self.addresses = frozenset(await self.targets.resolve())
+        if self._refreshing is None or self._refreshing.done():
+            if not force and time.monotonic() - self._refreshed_at < self.REFRESH_MIN_INTERVAL_S:
+                return
+            self._refreshed_at = time.monotonic()
+            self._refreshing = asyncio.ensure_future(self._resolve())
+        await asyncio.shield(self._refreshing)
+
+    async def _resolve(self) -> None:
+        addresses = await self.targets.resolve()
+        now = time.monotonic()
+        for address in addresses:
+            self._seen[address] = now
+        oldest = now - self.RETAIN_S
+        self._seen = {address: seen for address, seen in self._seen.items() if seen >= oldest}
 
     def __repr__(self) -> str:
         return f"AddressAllowlist({[target.text for target in self.targets.targets]})"

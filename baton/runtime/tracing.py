@@ -289,7 +289,8 @@ def set_prefill_result(span: Span, output) -> None:
 
 
 # Spans (by id) of calls whose request has finished: a caller that hangs up once it has
-# the last message (a gateway closing a decode stream) does not fail them.
+# the last message (a gateway closing a decode stream) does not fail them. (Marked as the
+# last message is produced: a deadline or cancel at that very moment also ends OK.)
 _FINISHED: set[int] = set()
 
 

@@ -47,7 +47,12 @@ def worker_stats_from_pb(message: worker_pb2.WorkerStats) -> WorkerStats:
     recent = recent_stats_from_pb(message.recent) if message.HasField("recent") else None
     transports = tuple(KvTransportStats(**{f.name: getattr(t, f.name) for f in fields(KvTransportStats)})
                        for t in message.kv_transports)
-    endpoint = kv_endpoint_from_pb(message.kv_endpoint, "kv_endpoint") if message.HasField("kv_endpoint") else None
+    endpoint = None
+    if message.HasField("kv_endpoint"):
+        try:
+            endpoint = kv_endpoint_from_pb(message.kv_endpoint, "kv_endpoint")
+        except ValueError:  # a worker of another release: routing treats it as on another host
+            endpoint = None
     return WorkerStats(**values, kv_transports=transports, recent=recent, kv_endpoint=endpoint)
 
 
