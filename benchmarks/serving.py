@@ -171,6 +171,17 @@ async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[f
         return await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
 
 
+def gateway_args(args) -> list[str]:
+    """The gateway's routing flags, as asked for, and no admission bound on queued tokens."""
+    return [f"--{flag}={value}" for flag, value in (
+        ("max-local-prefill-tokens", args.max_local_prefill_tokens),
+        ("max-prefill-queue-tokens", args.max_prefill_queue_tokens),
+        # Throughput, not overload (benchmarks/overload.py): every request is served, as by
+        # the in-process engine; the gateway's default bound would refuse a Poisson burst's prompts.
+        ("max-queued-tokens", 1 << 30),
+    ) if value is not None]
+
+
 def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[list[RequestTiming], dict]:
     from baton.cli.local import start_deployment
     from baton.devtools.otlp_sink import OtlpSink
@@ -208,14 +219,7 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[l
             prefill_args=["--threads", str(args.prefill_threads), *prefill_args],
             decode_args=["--threads", str(decode_threads), *decode_args],
             stagger=stagger,
-            gateway_args=[f"--{flag}={value}" for flag, value in (
-                ("max-local-prefill-tokens", args.max_local_prefill_tokens),
-                ("max-prefill-queue-tokens", args.max_prefill_queue_tokens),
-                # Throughput, not overload (benchmarks/overload.py): every request is served,
-                # as by the in-process engine; the gateway's default bound would refuse a
-                # Poisson burst's prompts.
-                ("max-queued-tokens", 1 << 30),
-            ) if value is not None],
+            gateway_args=gateway_args(args),
             threads=decode_threads,
             timeout_s=900,
             env=env,
@@ -264,11 +268,7 @@ def run_multihost(name: str, args, requests, offsets, log_dir: Path) -> tuple[li
             worker_args=["--max-num-batched-tokens", str(args.max_num_batched_tokens),
                          *(["--verify-kv"] if args.verify_kv else [])],
             prefill_args=["--threads", str(prefill_threads)], decode_args=["--threads", str(decode_threads)],
-            gateway_args=[f"--{flag}={value}" for flag, value in (
-                ("max-local-prefill-tokens", args.max_local_prefill_tokens),
-                ("max-prefill-queue-tokens", args.max_prefill_queue_tokens),
-                ("max-queued-tokens", 1 << 30),
-            ) if value is not None],
+            gateway_args=gateway_args(args),
             threads=decode_threads, timeout_s=900,
         )
         try:

@@ -214,24 +214,30 @@ class KvReceiver:
 
     def _refused(self, peer: _Peer, address: str, error: TransportRefusedError) -> None:
         """A pair no transport can join: the request is prefilled here. Loud once per reason."""
-        self.last_refusal = str(error)
         self.tally.metrics.channel_refusals.inc()
-        level = logging.DEBUG if self.last_refusal in peer.refusals_logged else logging.ERROR
-        peer.refusals_logged.add(self.last_refusal)
-        logger.log(level, "no KV channel to prefill worker %s: %s; its requests are prefilled here", address, error)
+        self._report_once(peer, str(error), f"no KV channel to prefill worker {address}: {error}; its requests are "
+                                            "prefilled here")
+
+    def _report_once(self, peer: _Peer, reason: str, message: str, key: str | None = None) -> None:
+        """`reason` becomes this worker's kv_channel_refusal (a `baton status` finding);
+        `message` is logged as an ERROR the first time `peer` gives that `key` (the reason
+        unless given), later as DEBUG."""
+        self.last_refusal = reason
+        key = reason if key is None else key
+        level = logging.DEBUG if key in peer.refusals_logged else logging.ERROR
+        peer.refusals_logged.add(key)
+        logger.log(level, "%s", message)
 
     def _unreachable(self, peer: _Peer, address: str, transport: str, message: str) -> None:
         """The two workers could not reach each other: the prefill worker's advertised address
         from here (gRPC), or our KV rendezvous from there (it says so). Loud once per peer:
         across hosts it is a deployment's error (an address advertised that peers cannot
         reach, a port a firewall closes), and every handoff from there will fail alike."""
-        self.last_refusal = f"prefill worker {address} and this decode worker cannot reach each other: {message}"
-        if address in peer.refusals_logged:
-            return
-        peer.refusals_logged.add(address)
-        logger.error("prefill worker %s and this decode worker cannot reach each other over %s (%s): check the "
-                     "address it advertises (--advertise), ours (--advertise, --transfer-host), --kv-ports and "
-                     "the network between; its requests are prefilled here", address, transport, message)
+        self._report_once(
+            peer, f"prefill worker {address} and this decode worker cannot reach each other: {message}",
+            f"prefill worker {address} and this decode worker cannot reach each other over {transport} ({message}): "
+            "check the address it advertises (--advertise), ours (--advertise, --transfer-host), --kv-ports and "
+            "the network between; its requests are prefilled here", key=address)
 
     def _settle(self, channel: _Channel, handle: KvHandle) -> asyncio.Future:
         """Take a transport whose last receive failed in doubt off its channel (the next pull

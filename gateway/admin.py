@@ -27,15 +27,13 @@ class GatewayAdminService(worker_pb2_grpc.GatewayAdminServicer):
 
     @staticmethod
     async def _status(worker: Worker) -> WorkerStatus:
-        worker.num_polls += 1  # its client stays open meanwhile, should it be retired
         try:
-            stats = await worker.client.get_stats(timeout=STATS_TIMEOUT_S)
+            with worker.asking():
+                stats = await worker.client.get_stats(timeout=STATS_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
             return WorkerStatus(worker.address, worker.role, reachable=False, in_rotation=worker.routable,
                                 error=f"{error.code().name}: {error.details()}")
         except grpc.aio.UsageError:  # retired and closed before this call began
             return WorkerStatus(worker.address, worker.role, reachable=False, in_rotation=False,
                                 error="no longer listed")
-        finally:
-            worker.num_polls -= 1
         return WorkerStatus(worker.address, worker.role, reachable=True, in_rotation=worker.routable, stats=stats)

@@ -35,6 +35,7 @@ moves them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -145,6 +146,16 @@ class Worker:
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks `num_tokens` take in this worker's cache (its block size, from its stats)."""
         return -(-num_tokens // max(self.stats.block_size, 1))
+
+    @contextlib.contextmanager
+    def asking(self):
+        """Around a GetStats on it: its client stays open meanwhile, should it be retired
+        (closing a grpc.aio channel cancels the tasks awaiting its calls)."""
+        self.num_polls += 1
+        try:
+            yield
+        finally:
+            self.num_polls -= 1
 
     @property
     def routable(self) -> bool:
@@ -310,17 +321,15 @@ class WorkerPool:
         """Poll `worker` (within its stall timeout, or `timeout_s`); whether it answered."""
         if timeout_s is None:
             timeout_s = max(POLL_TIMEOUT_S, worker.stall_timeout_s)
-        worker.num_polls += 1
         try:
-            stats = await worker.client.get_stats(timeout=timeout_s)
+            with worker.asking():
+                stats = await worker.client.get_stats(timeout=timeout_s)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as error:  # UsageError: its client closed
             if worker.is_up and not worker.retired:
                 logger.warning("%s worker %s is down: %s", worker.role, worker.address,
                                error.code().name if isinstance(error, grpc.aio.AioRpcError) else error)
             worker.set_up(False, lost=True)
             return False
-        finally:
-            worker.num_polls -= 1
         if not worker.is_up and stats.serving and not worker.retired:
             logger.info("%s worker %s (%s) is up", worker.role, worker.address, stats.worker_id)
         elif worker.is_up and not stats.serving and not worker.retired:

@@ -68,6 +68,15 @@ def receiver_shares_cache(transport: str) -> bool:
     return transport in (AUTO, IPC)
 
 
+def source_address(host: str, port: int) -> str:
+    """The local address this host sends from towards `host:port`, as its routing table
+    says (a UDP connect sends nothing). OSError if no route leads there."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
 @lru_cache(maxsize=1)
 def host_identity() -> str:
     """This kernel instance and network namespace: `<boot id>/net:<namespace inode>`."""

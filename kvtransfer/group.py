@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import random
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 
+from kvtransfer.endpoint import source_address
 from kvtransfer.proof import PROOF_BYTES, channel_proof, check_secret, is_proof
 
 
@@ -178,10 +178,7 @@ def _local_address(host: str, port: int, rank: int) -> str:
     """
     if rank == 1:
         return host
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.connect(address)
-        return probe.getsockname()[0]
+    return source_address(host, port)
 
 
 def _nccl_group(store: dist.Store, rank: int, device: torch.device, timeout_s: float):

@@ -19,6 +19,8 @@ import re
 import socket
 from dataclasses import dataclass
 
+from kvtransfer.endpoint import source_address
+
 # A target naming every address a DNS name resolves to (gRPC's spelling of a DNS target).
 DNS_SCHEME = "dns:///"
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -75,11 +77,9 @@ def primary_address() -> str | None:
     """This host's address towards the rest of the network: the source address of its
     default route (a UDP connect sends nothing), else its hostname's first address that
     is not loopback; None if it has neither."""
-    for family, probe in ((socket.AF_INET, ("192.0.2.1", 9)), (socket.AF_INET6, ("2001:db8::1", 9))):
+    for probe in ("192.0.2.1", "2001:db8::1"):  # documentation addresses: any routed one will do
         try:
-            with socket.socket(family, socket.SOCK_DGRAM) as sock:
-                sock.connect(probe)
-                return sock.getsockname()[0]
+            return source_address(probe, 9)
         except OSError:
             continue
     try:

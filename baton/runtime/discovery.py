@@ -63,16 +63,12 @@ class TargetSet:
         try:
             infos = await asyncio.wait_for(
                 loop.getaddrinfo(target.dns_name, target.port, type=socket.SOCK_STREAM), LOOKUP_TIMEOUT_S)
-        except socket.gaierror as error:
-            if error.errno in _NO_SUCH_NAME:
+        except (TimeoutError, OSError) as error:  # socket.gaierror is an OSError
+            if isinstance(error, socket.gaierror) and error.errno in _NO_SUCH_NAME:
                 self._set(target, ())
-                return
-            logger.warning("could not resolve %s (%s): keeping its %d last addresses", target.text, error,
-                           len(self._last.get(target, ())))
-            return
-        except (TimeoutError, OSError) as error:
-            logger.warning("could not resolve %s (%s): keeping its %d last addresses", target.text,
-                           error or type(error).__name__, len(self._last.get(target, ())))
+            else:
+                logger.warning("could not resolve %s (%s): keeping its %d last addresses", target.text,
+                               error or type(error).__name__, len(self._last.get(target, ())))
             return
         # Sorted, so that the order does not follow the resolver's round robin.
         self._set(target, tuple(sorted(_unique(join_address(info[4][0], target.port) for info in infos))))

@@ -32,13 +32,18 @@ def parse_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _parse_range(part: str) -> tuple[int, int]:
+    """'3-7' -> (3, 7); '3' -> (3, 3). ValueError if not numbers (bounds unchecked)."""
+    first, dash, last = part.strip().partition("-")
+    return int(first), int(last if dash else first)
+
+
 def parse_cpu_list(text: str) -> tuple[int, ...]:
     """A Linux CPU list, '0-3,8' -> (0, 1, 2, 3, 8) (as taskset -c and cpuset files write them)."""
     cpus: set[int] = set()
     for part in parse_list(text):
-        first, dash, last = part.partition("-")
         try:
-            low, high = int(first), int(last if dash else first)
+            low, high = _parse_range(part)
         except ValueError:
             raise ValueError(f"not a CPU list: {text!r} (use e.g. 0-3,8)") from None
         if not 0 <= low <= high:
@@ -60,9 +65,8 @@ def format_cpu_list(cpus: Iterable[int]) -> str:
 
 def parse_port_range(text: str) -> tuple[int, int]:
     """'40000-40099' -> (40000, 40099); '40000' -> (40000, 40000)."""
-    first, dash, last = text.strip().partition("-")
     try:
-        low, high = int(first), int(last if dash else first)
+        low, high = _parse_range(text)
     except ValueError:
         raise ValueError(f"not a port range: {text!r} (use e.g. 40000-40099)") from None
     if not 1 <= low <= high <= 65535:
