@@ -164,11 +164,14 @@ class KvReceiver:
             peer = self._peers[address] = _Peer(address, self.tls)
         return peer
 
-    async def receive(self, handle: KvHandle, block_ids: list[int], trace_metadata: Metadata = None) -> ReceiveResult:
-        """Pull the KV `handle` names into `block_ids`. Never raises: a failure is reported
-        (the caller then prefills the prompt itself). `trace_metadata` goes with the
-        calls to the prefill worker. Cancelling it gives up the pull at once, except
-        during the receive itself, which it waits for (the blocks are being written)."""
+    async def receive(self, handle: KvHandle, block_ids: list[int], trace_metadata: Metadata = None,
+                      first_block: int = 0) -> ReceiveResult:
+        """Pull the KV `handle` names into `block_ids`; with `first_block`, only that of held
+        blocks first_block.. (this worker's prefix cache holds the blocks before). Never
+        raises: a failure is reported (the caller then prefills the prompt itself).
+        `trace_metadata` goes with the calls to the prefill worker. Cancelling it gives up
+        the pull at once, except during the receive itself, which it waits for (the blocks
+        are being written)."""
         started = time.perf_counter()
         peer = self._peer(handle.prefill_address)
         try:
@@ -181,7 +184,8 @@ class KvReceiver:
             return ReceiveResult(ok=False, error=f"refused: {error}", seconds=time.perf_counter() - started)
         channel = await peer.idle.get()
         try:
-            pulled = await self._pull(peer.client, channel, transport, handle, block_ids, trace_metadata)
+            pulled = await self._pull(peer.client, channel, transport, handle, block_ids, trace_metadata,
+                                      first_block)
         except Exception as error:  # noqa: BLE001 - any failure is reported; the prompt is prefilled here
             self.tally.failed(transport)
             settled = None
@@ -265,16 +269,17 @@ class KvReceiver:
         return settled
 
     async def _pull(self, client: PrefillWorkerClient, channel: _Channel, transport: str, handle: KvHandle,
-                    block_ids: list[int], trace_metadata) -> ReceiveResult:
+                    block_ids: list[int], trace_metadata, first_block: int = 0) -> ReceiveResult:
         """The pull (its seconds left for the caller to time); raises on any failure."""
-        if len(block_ids) != handle.num_blocks:
-            raise ValueError(f"allocated {len(block_ids)} blocks for {handle.num_blocks} held")
+        if not block_ids or len(block_ids) != handle.num_blocks - first_block:
+            raise ValueError(f"{len(block_ids)} blocks to receive from held block {first_block}; "
+                             f"{handle.num_blocks} are held")
         current = channel.transport
         if current is None or current.is_broken or current.backend != transport:
             await self._open(client, channel, transport, trace_metadata)
         loop = asyncio.get_running_loop()
-        request = SendKv(channel.channel_id, handle.request_id, channel.next_tag(), len(block_ids), block_ids,
-                         self.verify, handle.kv_token)
+        request = SendKv(channel.channel_id, handle.request_id, channel.next_tag(), handle.num_blocks, block_ids,
+                         self.verify, handle.kv_token, first_block)
         call = client.send_kv(request, timeout=self.timeout_s * 2, metadata=trace_metadata)
         try:
             accepted = await call.next_event()

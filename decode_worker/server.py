@@ -213,24 +213,34 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             del self._pulls[request_id]
 
     async def _receive(self, handle: KvHandle, receive: KvReceive) -> ReceiveResult:
-        """The pull itself, in a `kv_transfer` span under the request's decode span when traced."""
+        """The pull itself, in a `kv_transfer` span under the request's decode span when traced.
+        Blocks our prefix cache holds already are not pulled; when it holds them all, nothing
+        is, and the prefill worker is told to drop its lease."""
+        reused = min(receive.num_reused_blocks, handle.num_blocks)
+        block_ids = receive.block_ids[reused:handle.num_blocks]
         parent = self._spans.get(receive.request_id)
+        if not block_ids:
+            self._background.spawn(self._release_remote(handle))
+            if parent is not None:
+                parent.add_event("kv_reused", {"baton.kv.reused_blocks": reused})
+            return ReceiveResult(ok=True)
         if parent is None:
-            return await self.receiver.receive(handle, receive.block_ids)
+            return await self.receiver.receive(handle, block_ids, first_block=reused)
         span = tracing.start_span("kv_transfer", parent, tracing.CLIENT, {
             "baton.request_id": receive.request_id,
             "baton.kv.direction": "receive",
             "baton.kv.peer": handle.prefill_address,
+            "baton.kv.reused_blocks": reused,
         })
         result = None
         try:
-            result = await self.receiver.receive(handle, receive.block_ids, tracing.metadata(span))
+            result = await self.receiver.receive(handle, block_ids, tracing.metadata(span), first_block=reused)
         finally:
             if result is None:  # cancelled (shutdown)
                 tracing.end_span(span, grpc.StatusCode.CANCELLED, "the pull was cancelled")
             elif result.ok:
                 span.set_attributes(tracing.transfer_attributes(
-                    num_blocks=len(receive.block_ids), num_bytes=result.num_bytes, seconds=result.seconds,
+                    num_blocks=len(block_ids), num_bytes=result.num_bytes, seconds=result.seconds,
                     verified=result.verified, transport=result.transport,
                 ))
                 tracing.end_span(span)
@@ -255,6 +265,8 @@ def _token_event(output: RequestOutput) -> TokenEvent:
         logprobs=output.new_logprobs or [],
         finish_reason=output.finish_reason if output.finished else None,
         stop_token_id=output.stop_reason if isinstance(output.stop_reason, int) else None,
+        # With its usage, on the last event: set when the prompt was prefilled here.
+        num_cached_tokens=output.num_cached_tokens if output.finished else None,
     )
 
 

@@ -77,6 +77,9 @@ class CacheConfig:
     # Another process on this host may map the device blocks and write KV into them
     # (kvtransfer's ipc transport; see KVCache). A decode worker's cache is shareable.
     shareable: bool = False
+    # Keep the KV of full blocks by content and share it between requests whose
+    # prompts start alike (engine/prefix_hash.py, KVCacheManager).
+    enable_prefix_caching: bool = True
 
     DEFAULT_KV_CACHE_MEMORY_BYTES = 1024**3
 

@@ -77,6 +77,7 @@ class LLMEngine:
             block_size=block_size,
             max_blocks_per_seq=cdiv(self.max_model_len, block_size),
             initial_rows=min(config.scheduler.max_num_seqs, 1024),
+            enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         self.kv_cache = KVCache(self.kv_layout, num_blocks, num_swap_blocks, self.device,
                                 shareable=config.cache.shareable)
@@ -310,7 +311,8 @@ class LLMEngine:
             # chunk may still be running: its time is when it was launched).
             _record_chunks(traced, batch)
         kv_receives = [
-            KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)))
+            KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)),
+                      request.num_reused_blocks)
             for request in sched_out.kv_receives
         ]
         return _InFlightStep(sched_out, launched, positions, batch, kv_receives)
@@ -365,6 +367,7 @@ class LLMEngine:
                         new_token_ids=[token_id],
                         finished=False,
                         num_prompt_tokens=request.num_prompt_tokens,
+                        num_cached_tokens=request.num_cached_tokens,
                         # Not the next step's token, already PENDING when overlapped.
                         num_output_tokens=request.num_output_tokens - (request.all_token_ids[-1] == PENDING_TOKEN),
                         new_logprobs=new_logprobs,
@@ -394,6 +397,7 @@ class LLMEngine:
             stop_reason=request.stop_reason if request.status == RequestStatus.FINISHED_STOPPED else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
             text=self.output_text(request),
             new_logprobs=new_logprobs,
             timings=request.take_timings(),

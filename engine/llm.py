@@ -39,7 +39,7 @@ class LLM:
         `engine_kwargs` are the fields of EngineConfig (device, dtype, max_model_len,
         attention_backend, seed), CacheConfig (block_size, num_kv_blocks,
         kv_cache_memory_bytes, num_swap_blocks, swap_space_bytes,
-        gpu_memory_utilization) and
+        gpu_memory_utilization, enable_prefix_caching: on by default) and
         SchedulerConfig (max_num_seqs, max_num_batched_tokens, preemption_mode,
         priority_aging_steps, admission_reserve_steps, long_prefill_token_threshold,
         and `scheduler_policy` for its policy), with their defaults and meaning
@@ -103,6 +103,7 @@ class LLM:
                 logprobs=request.logprobs,
                 queue_time=request.queue_time,
                 num_preemptions=request.num_preemptions,
+                num_cached_tokens=request.num_cached_tokens or 0,
             )
             for prompt, request in zip(prompt_list, requests)
         ]

@@ -32,6 +32,9 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # Prompt tokens whose KV the prefix cache held when its prefill was first admitted
+    # here (None: its prompt was not prefilled here, e.g. its KV was handed off to us).
+    num_cached_tokens: int | None = None
     text: str | None = None  # the whole output text, on the finishing step when a tokenizer exists
     new_logprobs: list[TokenLogprobs] | None = None
     # Set when a prefill_only request's KV is now held for a handoff: its blocks, in order.
@@ -45,10 +48,12 @@ class RequestOutput:
 @dataclass(frozen=True, slots=True)
 class KvReceive:
     """A request admitted with remote KV: receive its prompt's KV into these blocks,
-    then call `LLMEngine.complete_kv_receive`."""
+    then call `LLMEngine.complete_kv_receive`. The first `num_reused_blocks` hold a
+    cached prefix already (prefix caching): only the blocks after them are received."""
 
     request_id: str
     block_ids: list[int]
+    num_reused_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -72,3 +77,4 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     queue_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

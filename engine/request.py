@@ -120,6 +120,9 @@ class Request:
         "first_decode_time",
         "events",
         "timings_taken",
+        "block_hashes",
+        "num_cached_tokens",
+        "num_reused_blocks",
     )
 
     def __init__(
@@ -176,6 +179,13 @@ class Request:
         # carry them off as they come.
         self.events: list[TimelineEvent] | None = None
         self.timings_taken = False  # take_timings() handed them out (its last output here)
+        # Prefix caching: the hash chain of its full blocks, as far as it was needed
+        # (engine/prefix_hash.py); the prompt tokens its first prefill admission here
+        # found cached (None: never admitted to prefill here); and, for a kv_remote
+        # request, the prompt blocks it found cached here, which its handoff skips.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens: int | None = None
+        self.num_reused_blocks = 0
 
     @property
     def num_tokens(self) -> int:

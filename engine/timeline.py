@@ -38,6 +38,9 @@ class Admitted(TimelineEvent):
     queue_time_s: float  # arrival to this admission
     readmitted: bool  # it was admitted before: preempted by recompute, or its KV never came
     kv_remote: bool  # its prompt's KV comes from another engine
+    # Tokens at its start whose KV the prefix cache held (of a kv_remote request: those
+    # not received).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

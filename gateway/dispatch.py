@@ -156,6 +156,7 @@ class Dispatcher:
                     [result.first_logprob] if result.first_logprob is not None else [],
                     result.finish_reason,
                     stop_token_id=result.first_token_id if result.finish_reason == "stop" else None,
+                    num_cached_tokens=result.num_cached_tokens,
                 )
                 try:
                     yield first  # TTFT does not wait for the handoff

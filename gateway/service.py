@@ -196,6 +196,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         num_prompt = len(prepared.prompt_token_ids)
         num_output = 0
+        num_cached = 0  # as the worker that prefilled the prompt (last) reported it
         token_times: list[float] = []
         outcome = "error"  # until it finishes or is cancelled
         events = self.dispatcher.run(prepared, context.time_remaining)
@@ -204,6 +205,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if not num_output:
                     self.admission.started(prepared.request_id)  # its prompt is no longer queued
                 num_output += len(event.token_ids)
+                if event.num_cached_tokens is not None:
+                    num_cached = event.num_cached_tokens
                 token_times.extend([time.monotonic()] * len(event.token_ids))
                 text, finish_reason, stop_string = "", event.finish_reason, None
                 if detokenizer is not None:
@@ -219,6 +222,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         stop_string=stop_string,
                         stop_token_id=event.stop_token_id if stop_string is None else None,
                         num_prompt_tokens=num_prompt, num_completion_tokens=num_output,
+                        num_cached_tokens=num_cached,
                     )
                     return  # a stop string ends it here: closing `events` aborts the workers
                 yield TextDelta(prepared.request_id, event.token_ids, text, event.logprobs)

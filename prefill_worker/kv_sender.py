@@ -241,16 +241,19 @@ class KvSender:
         if lease is None or not self._is_owner(request_id, request.kv_token):
             raise NotHeld(f"no KV held for {request_id!r} (released, sent or lease expired)")
         # Checked before the lease is pinned: a malformed send must not consume it.
-        if request.num_blocks != len(lease.block_ids) or len(request.block_ids) != len(lease.block_ids):
+        num_held = len(lease.block_ids)
+        first = request.first_block
+        if (request.num_blocks != num_held or not 0 <= first < num_held
+                or len(request.block_ids) != num_held - first):
             raise BlockCountMismatch(f"receiver allocated {request.num_blocks} blocks ({len(request.block_ids)} "
-                                     f"ids given); {len(lease.block_ids)} are held")
+                                     f"ids given from held block {first}); {num_held} are held")
         try:
             self.leases.begin_send(request_id)
         except KeyError:
             raise NotHeld(f"no KV held for {request_id!r} (released, sent or lease expired)") from None
         except ValueError:
             raise AlreadySending(f"KV of {request_id!r} is already being sent") from None
-        block_ids = list(lease.block_ids)
+        block_ids = list(lease.block_ids[first:])  # the receiver's prefix cache holds the rest
         transport = channel.transport
         try:
             yield SendKvAccepted(block_ids)

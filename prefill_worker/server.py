@@ -125,7 +125,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         if tracing.recording(span):
             tracing.set_prefill_result(span, output)
         if output.finished:  # the first token ended it: nothing is held
-            return PrefillResult(output.new_token_ids[0], first_logprob, output.finish_reason)
+            return PrefillResult(output.new_token_ids[0], first_logprob, output.finish_reason,
+                                 num_cached_tokens=output.num_cached_tokens or 0)
         self.sender.hold(work.request_id, output.kv_block_ids, output.num_prompt_tokens)
         handle = KvHandle(
             prefill_worker_id=self.worker_id,
@@ -138,7 +139,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             kv_token=work.kv_token,
             prefill_endpoint=self.kv_endpoint,
         )
-        return PrefillResult(output.new_token_ids[0], first_logprob, kv_handle=handle)
+        return PrefillResult(output.new_token_ids[0], first_logprob, kv_handle=handle,
+                             num_cached_tokens=output.num_cached_tokens or 0)
 
     async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context) -> worker_pb2.ReleaseKvResponse:
         await self._require_engine(context)

@@ -19,6 +19,7 @@ def make_scheduler(
     block_size: int = 4,
     max_model_len: int = 512,
     bytes_per_block: int = 1024,
+    enable_prefix_caching: bool = False,
     **scheduler_kwargs,
 ) -> Scheduler:
     kv = KVCacheManager(
@@ -27,6 +28,7 @@ def make_scheduler(
         block_size=block_size,
         max_blocks_per_seq=-(-max_model_len // block_size),
         initial_rows=4,
+        enable_prefix_caching=enable_prefix_caching,
     )
     return Scheduler(
         SchedulerConfig(**scheduler_kwargs),

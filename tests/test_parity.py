@@ -123,7 +123,10 @@ SMOLLM2_CHATS = [
 
 
 @pytest.mark.slow
-def test_greedy_parity_smollm2_float32(smollm2_hf):
+# The chat template's system prompt is a shared prefix: with caching the prompts take
+# fewer blocks, so a smaller pool still forces preemption.
+@pytest.mark.parametrize("enable_prefix_caching,num_kv_blocks", [(True, 40), (False, 60)])
+def test_greedy_parity_smollm2_float32(smollm2_hf, enable_prefix_caching, num_kv_blocks):
     hf_model, tokenizer = smollm2_hf
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
@@ -142,9 +145,10 @@ def test_greedy_parity_smollm2_float32(smollm2_hf):
         block_size=4,
         max_num_batched_tokens=32,
         max_num_seqs=6,
-        num_kv_blocks=60,
+        num_kv_blocks=num_kv_blocks,
         num_swap_blocks=16,
         admission_reserve_steps=0,
+        enable_prefix_caching=enable_prefix_caching,
         loaded_model=loaded,
     )
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -154,6 +158,11 @@ def test_greedy_parity_smollm2_float32(smollm2_hf):
     stats = llm.get_metrics()
     assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
     assert stats.num_kv_blocks_used == 0
+    cached = [out.num_cached_tokens for out in outputs]
+    if enable_prefix_caching:
+        assert sum(cached) > 0 and stats.prefix_cache_hit_tokens > 0
+    else:
+        assert cached == [0] * len(outputs) and stats.num_kv_blocks_cached == 0
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

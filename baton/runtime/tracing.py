@@ -165,6 +165,7 @@ def _event_name_and_attributes(event: TimelineEvent) -> tuple[str, dict]:
                 "baton.queue_time_s": event.queue_time_s,
                 "baton.readmitted": event.readmitted,
                 "baton.kv_remote": event.kv_remote,
+                "baton.prefix_cache.cached_tokens": event.cached_tokens,
             }
         case PrefillChunk():
             return "prefill_chunk", {
@@ -285,6 +286,7 @@ def set_prefill_result(span: Span, output) -> None:
         "baton.prefill.chunks": sum(isinstance(event, PrefillChunk) for event in output.events or ()),
         "baton.first_token_id": output.new_token_ids[0],
         "baton.kv.blocks": len(output.kv_block_ids or ()),
+        "baton.prefix_cache.cached_tokens": output.num_cached_tokens or 0,
     })
 
 

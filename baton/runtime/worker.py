@@ -74,6 +74,13 @@ def worker_stats(stats: SchedulerStats, **fields) -> WorkerStats:
         num_finished=stats.num_finished,
         recent=stats.recent,
         oldest_queued_seconds=stats.oldest_queued_time,
+        prefix_caching=stats.prefix_caching,
+        num_kv_blocks_cached=stats.num_kv_blocks_cached,
+        num_kv_blocks_evictable=stats.num_kv_blocks_evictable,
+        prefix_cache_queried_tokens=stats.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+        prefix_cache_received_blocks=stats.prefix_cache_received_blocks,
+        prefix_cache_reused_blocks=stats.prefix_cache_reused_blocks,
         **fields,
     )
 

@@ -166,7 +166,8 @@ def text_delta_to_pb(delta: TextDelta) -> pb.GenerateStreamResponse:
     _set_stop_reason(message, delta)
     if delta.finish_reason is not None:
         message.usage.CopyFrom(pb.Usage(prompt_tokens=delta.num_prompt_tokens,
-                                        completion_tokens=delta.num_completion_tokens))
+                                        completion_tokens=delta.num_completion_tokens,
+                                        cached_tokens=delta.num_cached_tokens))
     return message
 
 
@@ -179,7 +180,8 @@ def completion_to_pb(deltas: Sequence[TextDelta]) -> pb.GenerateResponse:
         token_ids=[t for delta in deltas for t in delta.token_ids],
         logprobs=logprobs_to_pb([entry for delta in deltas for entry in delta.logprobs]),
         finish_reason=finish_reason_to_pb(last.finish_reason),
-        usage=pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_completion_tokens),
+        usage=pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_completion_tokens,
+                       cached_tokens=last.num_cached_tokens),
     )
     _set_stop_reason(message, last)
     return message
@@ -205,6 +207,7 @@ def text_delta_from_pb(message: pb.GenerateStreamResponse | pb.GenerateResponse)
         stop_token_id=message.stop_token_id if which == "stop_token_id" else None,
         num_prompt_tokens=message.usage.prompt_tokens,
         num_completion_tokens=message.usage.completion_tokens,
+        num_cached_tokens=message.usage.cached_tokens,
     )
 
 
@@ -276,7 +279,8 @@ def prefill_request_from_pb(message: worker_pb2.PrefillRequest) -> WorkRequest:
 
 def prefill_result_to_pb(result: PrefillResult) -> worker_pb2.PrefillResponse:
     message = worker_pb2.PrefillResponse(
-        first_token_id=result.first_token_id, finish_reason=finish_reason_to_pb(result.finish_reason)
+        first_token_id=result.first_token_id, finish_reason=finish_reason_to_pb(result.finish_reason),
+        num_cached_tokens=result.num_cached_tokens,
     )
     if result.first_logprob is not None:
         message.first_logprob.CopyFrom(logprobs_to_pb([result.first_logprob])[0])
@@ -291,6 +295,7 @@ def prefill_result_from_pb(message: worker_pb2.PrefillResponse) -> PrefillResult
         first_logprob=logprobs_from_pb([message.first_logprob])[0] if message.HasField("first_logprob") else None,
         finish_reason=finish_reason_from_pb(message.finish_reason),
         kv_handle=kv_handle_from_pb(message.kv_handle) if message.HasField("kv_handle") else None,
+        num_cached_tokens=message.num_cached_tokens,
     )
 
 
@@ -338,6 +343,8 @@ def token_event_to_pb(event: TokenEvent) -> worker_pb2.DecodeEvent:
     )
     if event.stop_token_id is not None:
         message.stop_token_id = event.stop_token_id
+    if event.num_cached_tokens is not None:
+        message.num_cached_tokens = event.num_cached_tokens
     return message
 
 
@@ -347,4 +354,5 @@ def token_event_from_pb(message: worker_pb2.DecodeEvent) -> TokenEvent:
         logprobs=logprobs_from_pb(message.logprobs),
         finish_reason=finish_reason_from_pb(message.finish_reason),
         stop_token_id=message.stop_token_id if message.HasField("stop_token_id") else None,
+        num_cached_tokens=message.num_cached_tokens if message.HasField("num_cached_tokens") else None,
     )

@@ -171,12 +171,13 @@ def kv_channel_opened_from_pb(message: worker_pb2.OpenKvChannelResponse) -> KvCh
 def send_kv_to_pb(request: SendKv) -> worker_pb2.SendKvRequest:
     return worker_pb2.SendKvRequest(channel_id=request.channel_id, request_id=request.request_id, tag=request.tag,
                                     num_blocks=request.num_blocks, verify=request.verify,
-                                    block_ids=request.block_ids, kv_token=request.kv_token)
+                                    block_ids=request.block_ids, kv_token=request.kv_token,
+                                    first_block=request.first_block)
 
 
 def send_kv_from_pb(message: worker_pb2.SendKvRequest) -> SendKv:
     return SendKv(message.channel_id, message.request_id, message.tag, message.num_blocks,
-                  list(message.block_ids), message.verify, message.kv_token)
+                  list(message.block_ids), message.verify, message.kv_token, message.first_block)
 
 
 def send_kv_event_to_pb(event: SendKvAccepted | SendKvDone) -> worker_pb2.SendKvEvent:

@@ -90,6 +90,7 @@ class TextDelta:
     stop_token_id: int | None = None  # else the EOS or stop token that was sampled ("stop")
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV a prefix cache held
 
 
 # ------------------------------------------------------- gateway to workers
@@ -145,6 +146,7 @@ class PrefillResult:
     first_logprob: TokenLogprobs | None = None
     finish_reason: str | None = None  # set: nothing is held, kv_handle is None
     kv_handle: KvHandle | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache held
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +167,9 @@ class TokenEvent:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_token_id: int | None = None  # the EOS or stop token that ended it ("stop")
+    # On the first event from the worker that prefilled the prompt: its tokens a prefix
+    # cache held there (None: not reported by this event).
+    num_cached_tokens: int | None = None
 
 
 # ------------------------------------------------------- the KV handoff's control
@@ -196,6 +201,9 @@ class SendKv:
     block_ids: list[int]
     verify: bool = False  # also return a checksum per sent block
     kv_token: str = ""  # the handle's: the KV is sent only to a caller that knows it
+    # Held blocks before this one stay: the receiver holds their KV already (its prefix
+    # cache). `block_ids` receive held blocks first_block.. ; `num_blocks` counts all.
+    first_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +268,22 @@ class WorkerStats:
     kv_channel_refusal: str = ""  # why the last channel this worker tried to open was refused
     num_kv_blocks_fenced: int = 0  # kept out of use: a sender stopped answering mid-copy
     kv_endpoint: KvEndpoint | None = None  # where its KV cache lives (routing pairs same-host workers)
+    # Prefix caching: on or off; blocks cached (held or not) and of them held by nobody.
+    prefix_caching: bool = False
+    num_kv_blocks_cached: int = 0
+    num_kv_blocks_evictable: int = 0
+    # Since start: prompt tokens looked up at admissions to prefill, and those found cached;
+    # prompt blocks of handed-off requests (decode), and those already held here.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_received_blocks: int = 0
+    prefix_cache_reused_blocks: int = 0
     recent: RecentStats | None = None  # the scheduler's last minute of steps
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
 
 
 @dataclass(frozen=True, slots=True)

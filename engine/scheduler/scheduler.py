@@ -21,6 +21,14 @@ like any other, but admission allocates all of its prompt's blocks and marks
 it RECEIVING, listed in `SchedulerOutput.kv_receives`; `complete_kv_receive`
 then makes it RUNNING with the prompt computed, or, if the KV never arrived,
 requeues it to prefill here.
+
+Prefix caching (KVCacheManager, engine/prefix_hash.py): at admission a request
+starts its table with the cached blocks of the longest prefix of its own
+blocks' hash chain and counts their tokens as computed. A request that
+prefills matches at most its tokens but the last, so that its last token is
+computed and sampled from; a kv_remote request matches whole prompt blocks, and
+its receive skips them. Full blocks are cached as their KV is computed (at
+launch: a later step runs after it) or received.
 """
 
 from __future__ import annotations
@@ -28,9 +36,10 @@ from __future__ import annotations
 import bisect
 import time
 
-from engine.block_pool import KVCacheManager, cdiv
+from engine.block_pool import KVCacheManager, PrefixHit, cdiv
 from engine.config import SchedulerConfig
 from engine.preemption import PreemptionCostModel, PreemptionKind
+from engine.prefix_hash import extend_block_hashes
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
                             by_sort_key)
 from engine.scheduler.continuous import ContinuousAdmission
@@ -71,7 +80,7 @@ class Scheduler:
         self.policy: AdmissionPolicy = ADMISSION_POLICIES[config.policy](self)
         self._num_arrivals = 0
         self._num_admissions = 0
-        self.counters = SchedulerCounters()
+        self.counters = SchedulerCounters(kv.prefix_stats)
         # This step left requests waiting for KV blocks / at the max_num_seqs cap.
         self._step_blocked_by_kv = False
         self._step_seq_capped = False
@@ -185,7 +194,8 @@ class Scheduler:
             return None
         if fence_id is not None:
             assert not ok, "a completed receive has nothing to fence"
-            self.kv.fence(request_id, fence_id)
+            # The reused prefix was never written: only the blocks being received are in doubt.
+            self.kv.fence(request_id, fence_id, start=request.num_reused_blocks)
         if request.abort_requested:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
             return None
@@ -196,6 +206,7 @@ class Scheduler:
         if ok:
             request.kv_ready_time = time.monotonic()
             request.num_computed_tokens = request.num_prompt_tokens
+            self._cache_computed_blocks(request)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=by_sort_key)
         else:
@@ -304,30 +315,70 @@ class Scheduler:
         self.counters.record_entry(now - request.arrival_time if first else None)
         if not request.kv_remote and request.prefill_start_time is None:
             request.prefill_start_time = now
+        hit = self.prefix_hit(request)
         if request.events is not None:
             request.record(Admitted(
-                queue_time_s=now - request.arrival_time, readmitted=not first, kv_remote=request.kv_remote
+                queue_time_s=now - request.arrival_time, readmitted=not first, kv_remote=request.kv_remote,
+                cached_tokens=hit.num_tokens(self.block_size),
             ))
         if request.kv_remote:
             num_tokens = request.num_prompt_tokens
             if reserve:
                 num_tokens = self.peak_kv_tokens(num_tokens, request.sampling_params.max_tokens)
-            ok = self.kv.allocate_slots(request.request_id, num_tokens)
+            ok = self.kv.allocate_slots(request.request_id, num_tokens, hit)
             assert ok, "admission checked the free blocks"
+            request.num_reused_blocks = len(hit.block_ids)
+            stats = self.kv.prefix_stats
+            stats.num_received_blocks_queried += cdiv(request.num_prompt_tokens, self.block_size)
+            stats.num_received_blocks_hit += len(hit.block_ids)
             self.receiving[request.request_id] = request
             out.kv_receives.append(request)
             return budget
         bisect.insort(self.running, request, key=by_sort_key)
+        num_cached = hit.num_tokens(self.block_size)
+        ok = self.kv.allocate_slots(request.request_id, num_cached, hit)  # the table, starting with the hit
+        assert ok, "admission checked the free blocks"
+        request.num_computed_tokens = num_cached
+        if self.kv.enable_prefix_caching:
+            stats = self.kv.prefix_stats
+            stats.num_queried_tokens += request.num_tokens
+            stats.num_hit_tokens += num_cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
         if reserve:
             peak = self.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
             ok = self.kv.allocate_slots(request.request_id, peak)
             assert ok, "admission checked the free blocks"
-        num_new = min(request.num_tokens, budget, chunk_cap)
+        num_new = min(request.num_tokens - num_cached, budget, chunk_cap)
         if num_new == 0:  # static batching admits past the token budget
             ok = self.kv.allocate_slots(request.request_id, 0)
             assert ok
             return budget
         return self._schedule_admitted(out, request, num_new, budget)
+
+    def prefix_hit(self, request: Request) -> PrefixHit:
+        """The cached blocks a request admitted now would start with: of its whole prompt
+        if its KV arrives from elsewhere, else of its tokens but the last."""
+        kv = self.kv
+        if not kv.enable_prefix_caching:
+            return PrefixHit((), 0)
+        if request.kv_remote:
+            num_blocks = request.num_prompt_tokens // self.block_size
+        else:
+            num_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes
+        if len(hashes) < num_blocks:
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_blocks)
+        return kv.match_prefix(hashes[:num_blocks] if len(hashes) > num_blocks else hashes)
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        """Offer the request's full blocks whose KV is computed to the prefix cache."""
+        num_blocks = request.num_computed_tokens // self.block_size
+        if num_blocks > self.kv.num_registered(request.request_id):
+            hashes = request.block_hashes
+            if len(hashes) < num_blocks:
+                extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_blocks)
+            self.kv.cache_blocks(request.request_id, hashes, num_blocks)
 
     def _schedule_admitted(
         self, out: SchedulerOutput, request: Request, num_new: int, budget: int
@@ -400,8 +451,11 @@ class Scheduler:
         Returns, per sampled request, where `resolve` writes its token in
         `all_token_ids` (None: appended).
         """
+        caching = self.kv.enable_prefix_caching
         for request, num_new in zip(out.requests, out.num_scheduled_tokens):
             request.num_computed_tokens += num_new
+            if caching:
+                self._cache_computed_blocks(request)
         positions: list[int | None] = []
         for index, request in enumerate(sampled_requests):
             token_ids = request.all_token_ids
@@ -470,7 +524,7 @@ class Scheduler:
         used = self.kv.num_used_blocks
         if used:
             held = sum(request.num_computed_tokens for request in self.running)
-            kv_efficiency = held / (used * self.block_size)
+            kv_efficiency = min(1.0, held / (used * self.block_size))  # shared blocks count once
         else:
             kv_efficiency = 1.0
         self.counters.end_step(

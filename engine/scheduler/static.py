@@ -31,6 +31,12 @@ class StaticAdmission(AdmissionPolicy):
         self.batch: set[str] = set()  # request ids of the current batch's members
         self.requeued: list[Request] = []  # members preempted by recompute, in running order
 
+    def add(self, request: Request) -> None:
+        if request.request_id in self.batch:  # a member whose KV handoff failed: it prefills in its batch
+            self.requeue(request)
+        else:
+            self.waiting.push(request)
+
     def requeue(self, request: Request) -> None:
         bisect.insort(self.requeued, request, key=by_sort_key)
 

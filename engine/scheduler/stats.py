@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from engine.preemption import PreemptionKind
 
 if TYPE_CHECKING:
+    from engine.block_pool import PrefixCacheStats
     from engine.request import Request
     from engine.scheduler.scheduler import Scheduler
 
@@ -25,7 +26,8 @@ RECENT_WINDOW_S = 60.0
 _MAX_RECENT_STEPS = 1 << 16
 # The cumulative counts each snapshot holds, in this order (see SchedulerCounters._totals).
 _TOTALS = ("steps", "seqs", "tokens", "kv_used", "waiting", "admissions", "preempt_recompute",
-           "preempt_swap", "swap_blocks", "queued", "queue_time", "kv_blocked", "seq_capped")
+           "preempt_swap", "swap_blocks", "queued", "queue_time", "kv_blocked", "seq_capped",
+           "prefix_queried", "prefix_hit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,15 @@ class RecentStats:
     # and because max_num_seqs sequences were already running.
     num_steps_kv_blocked: int
     num_steps_seq_capped: int
+    # Prompt tokens looked up in the prefix cache at admissions to prefill, and those found.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of the prompt tokens admitted to prefill whose KV was cached."""
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
 
     @property
     def num_preemptions(self) -> int:
@@ -97,6 +108,23 @@ class SchedulerStats:
     queue_times: tuple[float, ...]
     recent: RecentStats
     oldest_queued_time: float  # seconds the longest-waiting never-admitted request has waited (0: none)
+    # Prefix caching (off: all zero). Blocks in the cache, held or not; of them, held by
+    # nobody (free, kept until the space is needed).
+    prefix_caching: bool = False
+    num_kv_blocks_cached: int = 0
+    num_kv_blocks_evictable: int = 0
+    num_kv_blocks_evicted: int = 0
+    # Prompt tokens looked up at admissions to prefill here, and those found cached.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    # Prompt blocks of requests whose KV arrived from elsewhere, and those found here (not moved).
+    prefix_cache_received_blocks: int = 0
+    prefix_cache_reused_blocks: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
 
 
 class SchedulerCounters:
@@ -106,10 +134,12 @@ class SchedulerCounters:
         "num_steps", "num_tokens_last_step", "num_tokens_total", "num_seqs_total",
         "kv_efficiency_total", "num_kv_blocks_used_total", "num_waiting_total", "num_entries",
         "num_preemptions", "num_swapped_blocks_out", "queue_times", "queue_time_total",
-        "num_steps_kv_blocked", "num_steps_seq_capped", "num_finished", "snapshots",
+        "num_steps_kv_blocked", "num_steps_seq_capped", "num_finished", "snapshots", "prefix",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: PrefixCacheStats | None = None) -> None:
+        # The KV manager's prefix-cache counts, snapshotted with the scheduler's own.
+        self.prefix = prefix
         self.num_steps = 0
         self.num_tokens_last_step = 0
         self.num_tokens_total = 0
@@ -182,6 +212,7 @@ class SchedulerCounters:
             self.num_waiting_total, self.num_entries, self.num_preemptions[PreemptionKind.RECOMPUTE],
             self.num_preemptions[PreemptionKind.SWAP], self.num_swapped_blocks_out, len(self.queue_times),
             self.queue_time_total, self.num_steps_kv_blocked, self.num_steps_seq_capped,
+            self.prefix.num_queried_tokens if self.prefix else 0, self.prefix.num_hit_tokens if self.prefix else 0,
         )
 
     def recent(self, now: float, num_kv_blocks: int) -> RecentStats:
@@ -212,6 +243,8 @@ class SchedulerCounters:
             mean_queue_time=delta["queue_time"] / delta["queued"] if delta["queued"] else 0.0,
             num_steps_kv_blocked=delta["kv_blocked"],
             num_steps_seq_capped=delta["seq_capped"],
+            prefix_cache_queried_tokens=delta["prefix_queried"],
+            prefix_cache_hit_tokens=delta["prefix_hit"],
         )
 
 
@@ -220,6 +253,7 @@ def snapshot_stats(scheduler: Scheduler, with_queue_times: bool) -> SchedulerSta
     counters = scheduler.counters
     steps = max(counters.num_steps, 1)
     kv = scheduler.kv
+    prefix = kv.prefix_stats
     waiting = scheduler.policy.waiting_requests()
     # Never admitted (a requeued request was admitted before).
     arrivals = [request.arrival_time for request in waiting if request.first_scheduled_time is None]
@@ -249,6 +283,14 @@ def snapshot_stats(scheduler: Scheduler, with_queue_times: bool) -> SchedulerSta
         queue_times=tuple(counters.queue_times) if with_queue_times else (),
         recent=scheduler.recent_stats(),
         oldest_queued_time=time.monotonic() - min(arrivals) if arrivals else 0.0,
+        prefix_caching=kv.enable_prefix_caching,
+        num_kv_blocks_cached=kv.num_cached_blocks,
+        num_kv_blocks_evictable=kv.num_evictable_blocks,
+        num_kv_blocks_evicted=kv.pool.num_evicted,
+        prefix_cache_queried_tokens=prefix.num_queried_tokens,
+        prefix_cache_hit_tokens=prefix.num_hit_tokens,
+        prefix_cache_received_blocks=prefix.num_received_blocks_queried,
+        prefix_cache_reused_blocks=prefix.num_received_blocks_hit,
     )
 
 

@@ -30,16 +30,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., kv_token: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "kv_handle")
+    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "kv_handle", "num_cached_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: _generation_pb2.TokenLogprob
     finish_reason: _generation_pb2.FinishReason
     kv_handle: KvHandle
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("prefill_worker_id", "prefill_address", "request_id", "num_tokens", "num_blocks", "layout", "lease_ms", "kv_token", "prefill_endpoint")
@@ -138,7 +140,7 @@ class OpenKvChannelResponse(_message.Message):
     def __init__(self, prefill_worker_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class SendKvRequest(_message.Message):
-    __slots__ = ("channel_id", "request_id", "tag", "num_blocks", "verify", "block_ids", "kv_token")
+    __slots__ = ("channel_id", "request_id", "tag", "num_blocks", "verify", "block_ids", "kv_token", "first_block")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class SendKvRequest(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     request_id: str
     tag: int
@@ -153,7 +156,8 @@ class SendKvRequest(_message.Message):
     verify: bool
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_token: str
-    def __init__(self, channel_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., verify: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_token: _Optional[str] = ...) -> None: ...
+    first_block: int
+    def __init__(self, channel_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., verify: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_token: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class SendKvEvent(_message.Message):
     __slots__ = ("accepted", "done")
@@ -192,23 +196,25 @@ class DecodeRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     finish_reason: _generation_pb2.FinishReason
     stop_token_id: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "num_finished", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "recent", "oldest_queued_seconds", "block_size", "kv_transports", "kv_channel_refusal", "num_kv_blocks_fenced", "kv_endpoint")
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "num_finished", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "recent", "oldest_queued_seconds", "block_size", "kv_transports", "kv_channel_refusal", "num_kv_blocks_fenced", "kv_endpoint", "prefix_caching", "num_kv_blocks_cached", "num_kv_blocks_evictable", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_received_blocks", "prefix_cache_reused_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +248,13 @@ class WorkerStats(_message.Message):
     KV_CHANNEL_REFUSAL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FENCED_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_EVICTABLE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_RECEIVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_REUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -275,7 +288,14 @@ class WorkerStats(_message.Message):
     kv_channel_refusal: str
     num_kv_blocks_fenced: int
     kv_endpoint: KvEndpoint
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., oldest_queued_seconds: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_transports: _Optional[_Iterable[_Union[KvTransportStats, _Mapping]]] = ..., kv_channel_refusal: _Optional[str] = ..., num_kv_blocks_fenced: _Optional[int] = ..., kv_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ...) -> None: ...
+    prefix_caching: bool
+    num_kv_blocks_cached: int
+    num_kv_blocks_evictable: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_received_blocks: int
+    prefix_cache_reused_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., oldest_queued_seconds: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_transports: _Optional[_Iterable[_Union[KvTransportStats, _Mapping]]] = ..., kv_channel_refusal: _Optional[str] = ..., num_kv_blocks_fenced: _Optional[int] = ..., kv_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ..., prefix_caching: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_kv_blocks_evictable: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_received_blocks: _Optional[int] = ..., prefix_cache_reused_blocks: _Optional[int] = ...) -> None: ...
 
 class KvTransportStats(_message.Message):
     __slots__ = ("transport", "num_transfers", "num_failures", "num_transferred_bytes", "transfer_seconds")
@@ -292,7 +312,7 @@ class KvTransportStats(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., num_failures: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class RecentStats(_message.Message):
-    __slots__ = ("window_seconds", "seconds", "seconds_since_last_step", "num_steps", "mean_batch_size", "mean_tokens_per_step", "mean_kv_usage", "mean_num_waiting", "num_admissions", "num_preemptions_recompute", "num_preemptions_swap", "num_swapped_blocks_out", "num_queued", "mean_queue_seconds", "num_steps_kv_blocked", "num_steps_seq_capped")
+    __slots__ = ("window_seconds", "seconds", "seconds_since_last_step", "num_steps", "mean_batch_size", "mean_tokens_per_step", "mean_kv_usage", "mean_num_waiting", "num_admissions", "num_preemptions_recompute", "num_preemptions_swap", "num_swapped_blocks_out", "num_queued", "mean_queue_seconds", "num_steps_kv_blocked", "num_steps_seq_capped", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
     WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_LAST_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +329,8 @@ class RecentStats(_message.Message):
     MEAN_QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_KV_BLOCKED_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_SEQ_CAPPED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     window_seconds: float
     seconds: float
     seconds_since_last_step: float
@@ -325,7 +347,9 @@ class RecentStats(_message.Message):
     mean_queue_seconds: float
     num_steps_kv_blocked: int
     num_steps_seq_capped: int
-    def __init__(self, window_seconds: _Optional[float] = ..., seconds: _Optional[float] = ..., seconds_since_last_step: _Optional[float] = ..., num_steps: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., mean_tokens_per_step: _Optional[float] = ..., mean_kv_usage: _Optional[float] = ..., mean_num_waiting: _Optional[float] = ..., num_admissions: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_swapped_blocks_out: _Optional[int] = ..., num_queued: _Optional[int] = ..., mean_queue_seconds: _Optional[float] = ..., num_steps_kv_blocked: _Optional[int] = ..., num_steps_seq_capped: _Optional[int] = ...) -> None: ...
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    def __init__(self, window_seconds: _Optional[float] = ..., seconds: _Optional[float] = ..., seconds_since_last_step: _Optional[float] = ..., num_steps: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., mean_tokens_per_step: _Optional[float] = ..., mean_kv_usage: _Optional[float] = ..., mean_num_waiting: _Optional[float] = ..., num_admissions: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_swapped_blocks_out: _Optional[int] = ..., num_queued: _Optional[int] = ..., mean_queue_seconds: _Optional[float] = ..., num_steps_kv_blocked: _Optional[int] = ..., num_steps_seq_capped: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class GetDeploymentStatusRequest(_message.Message):
     __slots__ = ()
