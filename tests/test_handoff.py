@@ -56,8 +56,9 @@ def handoff(prefill_engine, decode_engine, prompts, params, fail: set[str] = fro
         step = decode_engine.step()
         for receive in step.kv_receives:
             ok = receive.request_id not in fail
-            if ok:
-                copy_blocks(prefill_engine, held[receive.request_id], decode_engine, receive.block_ids)
+            if ok:  # only the blocks the decode engine's prefix cache does not hold
+                reused, sent = receive.num_reused_blocks, held[receive.request_id]
+                copy_blocks(prefill_engine, sent[reused:], decode_engine, receive.block_ids[reused:len(sent)])
             assert prefill_engine.release_kv(receive.request_id)
             assert decode_engine.complete_kv_receive(receive.request_id, ok)
         for out in step.outputs:
@@ -132,3 +133,29 @@ def test_abort_while_held_or_receiving_frees_blocks(tiny):
         engine.check_integrity()
         assert engine.get_metrics().num_kv_blocks_used == 0
         assert not engine.has_unfinished_requests()
+
+
+def test_handoff_with_cached_prefixes_on_both_sides(tiny):
+    """The prefill engine computes only what its cache lacks; the decode engine receives only
+    the blocks its cache lacks (the rest are never copied), and the tokens still equal
+    transformers'."""
+    hf_model, model_dir = tiny
+    prefill_engine = make_engine(model_dir)
+    decode_engine = make_engine(model_dir, max_num_batched_tokens=16)
+    system = list(range(40, 60))  # five full blocks of 4
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = {"a0": system + [3, 4, 5], "a1": system + [6]}
+    second = {"b0": system + [7, 8], "b1": system + [3, 4, 5, 9, 10], "b2": list(system)}
+    outputs = handoff(prefill_engine, decode_engine, first, params)
+    outputs |= handoff(prefill_engine, decode_engine, second, params)
+    for request_id, prompt in (first | second).items():
+        assert outputs[request_id] == hf_greedy(hf_model, prompt, 8), request_id
+    prefill_stats, decode_stats = prefill_engine.get_metrics(), decode_engine.get_metrics()
+    # The second round's prompts found the system prompt (b2: all of it but its last block).
+    assert prefill_stats.prefix_cache_hit_tokens >= 20 + 20 + 16
+    assert decode_stats.prefix_cache_reused_blocks >= 5 * 3
+    assert decode_stats.prefix_cache_received_blocks > decode_stats.prefix_cache_reused_blocks
+    for engine in (prefill_engine, decode_engine):
+        stats = engine.get_metrics()
+        assert stats.num_kv_blocks_used == 0 and stats.num_kv_blocks_cached > 0
+        engine.check_integrity()
