@@ -33,6 +33,7 @@ import grpc
 from baton.runtime import tracing
 from baton.runtime.tasks import BackgroundTasks
 from baton.wire.records import DecodeRequest, PrefillResult, ReleaseKv, TokenEvent, WorkRequest
+from gateway.affinity import PromptBlocks
 from gateway.errors import RequestError
 from gateway.prepare import PreparedRequest
 from gateway.workers import Worker, WorkerPool
@@ -113,23 +114,29 @@ class Dispatcher:
         """One attempt at the request on a decode worker not in `avoid` (and a prefill
         worker); raises WorkerLost when the decode worker is lost."""
         num_prompt = len(work.prompt_token_ids)
-        decode = self.pool.pick_decode(num_prompt + 1, avoid)
+        prompt = PromptBlocks(work.prompt_token_ids)  # for prefix affinity
+        decode = self.pool.pick_decode(num_prompt + 1, avoid, prompt=prompt)
         if decode is None:
             await self.pool.refresh_decode()
-            decode = self.pool.pick_decode(num_prompt + 1, avoid)
+            decode = self.pool.pick_decode(num_prompt + 1, avoid, prompt=prompt)
         if decode is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                "no other decode worker is serving; the request's worker was lost" if avoid
                                else "no decode worker is serving")
-        prefill = self.pool.pick_prefill(num_prompt, decode)
+        prefill = self.pool.pick_prefill(num_prompt, decode, prompt=prompt)
         # Attached: a worker retired meanwhile (gone from DNS) keeps its client until then.
         attached = [worker for worker in (decode, prefill) if worker is not None]
         for worker in attached:
             worker.num_attached += 1
         try:
+            generated: list[int] = []
             async with contextlib.aclosing(self._attempt_on(decode, prefill, work, span, time_remaining)) as events:
                 async for event in events:
+                    generated.extend(event.token_ids)
                     yield event
+            # The decode worker caches the blocks of its output too (all but the last token
+            # has KV): a chat's next turn starts with them.
+            decode.routed(PromptBlocks([*work.prompt_token_ids, *generated[:-1]]))
         finally:
             for worker in attached:
                 worker.num_attached -= 1

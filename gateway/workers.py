@@ -11,10 +11,15 @@ move, if it then goes away), its client closed once none is left.
 Routing follows the load each worker reported at its last poll, corrected by
 what this gateway sent it since (so a burst between two polls spreads out):
 
-- decode: the worker with the most free KV blocks;
-- prefill: the prefill worker with the fewest queued prefill tokens, counting
-  `--cross-host-tokens` more for one on another host than the decode worker
-  (same host: the KV moves over shared memory, ipc), unless the RoutingPolicy
+- decode: the worker with the most free KV blocks, counting the prompt's blocks
+  it likely holds already (prefix affinity, gateway/affinity.py) as free: it
+  neither allocates nor receives those;
+- prefill: the prefill worker with the least prefill work queued, this prompt's
+  included: its queued prefill tokens, plus the prompt's tokens but those it
+  likely holds cached, plus `--cross-host-tokens` for one on another host than
+  the decode worker (same host: the KV moves over shared memory, ipc). A hot
+  prefix thus stays on the worker that caches it until that worker's queue
+  outgrows the prefill it saves, then spreads. Unless the RoutingPolicy
   says the chosen decode worker should prefill the prompt itself (conditional
   disaggregation): a prompt too short to be worth a handoff, or prefill workers
   so backed up that the decode worker, with less prefill queued, gets the
@@ -46,6 +51,7 @@ from baton.runtime.discovery import TargetSet
 from baton.runtime.security import TlsConfig
 from baton.runtime.settings import GatewaySettings
 from baton.wire.records import ModelInfo, WorkerStats
+from gateway.affinity import PrefixIndex, PromptBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +121,8 @@ class Worker:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     # No longer listed (its DNS name no longer resolves to it): routed nothing new.
     retired: bool = False
+    # What its prefix cache likely holds, as this gateway routed to it.
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)
 
     @property
     def stall_timeout_s(self) -> float:
@@ -131,6 +139,7 @@ class Worker:
             self.lost = asyncio.Event()
         elif lost:
             self.lost.set()
+            self.prefix.clear()  # back, it may be a new process with an empty cache
         self.is_up = up
 
     @property
@@ -146,6 +155,27 @@ class Worker:
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks `num_tokens` take in this worker's cache (its block size, from its stats)."""
         return -(-num_tokens // max(self.stats.block_size, 1))
+
+    def cached_blocks(self, prompt: PromptBlocks | None) -> int:
+        """Full blocks of `prompt`, from its start, that this worker's cache likely holds."""
+        block_size = self.stats.block_size
+        if prompt is None or not self.prefix.capacity or block_size <= 0:
+            return 0
+        return self.prefix.matched(prompt.hashes(block_size))
+
+    def cached_prefill_tokens(self, prompt: PromptBlocks | None) -> int:
+        """Tokens of `prompt` this worker would likely not compute: its cached blocks, but
+        never the last token (which a prefill always computes)."""
+        if prompt is None:
+            return 0
+        block_size = max(self.stats.block_size, 1)
+        num_tokens = len(prompt.token_ids)
+        return min(self.cached_blocks(prompt) * block_size, (num_tokens - 1) // block_size * block_size)
+
+    def routed(self, prompt: PromptBlocks | None) -> None:
+        """`prompt` was sent here: its blocks will be in this worker's cache."""
+        if prompt is not None and self.prefix.capacity and self.stats.block_size > 0:
+            self.prefix.add(prompt.hashes(self.stats.block_size))
 
     @contextlib.contextmanager
     def asking(self):
@@ -336,6 +366,7 @@ class WorkerPool:
             logger.warning("%s worker %s is not serving (draining or failed)", worker.role, worker.address)
         worker.set_up(stats.serving)
         worker.stats = stats
+        worker.prefix.sync(stats.worker_id, stats.prefix_caching, stats.num_kv_blocks_total)
         worker.pending_prefill_tokens = 0
         worker.pending_blocks = 0
         return True
@@ -351,23 +382,29 @@ class WorkerPool:
         worker.set_up(False, lost=True)
 
     # ------------------------------------------------------------------ routing
-    def pick_prefill(self, num_prompt_tokens: int, decode: Worker) -> Worker | None:
+    def pick_prefill(self, num_prompt_tokens: int, decode: Worker, prompt: PromptBlocks | None = None) -> Worker | None:
         """The prefill worker for a prompt whose decode worker is `decode`: the one with
-        the fewest queued prefill tokens (a worker on another host than `decode` counting
-        the policy's `cross_host_tokens` more), or None when none is up or the policy
-        keeps the prompt on `decode` (the caller then prefills there)."""
-        worker = min((w for w in self.prefill if w.routable), key=lambda w: self._prefill_key(w, decode),
+        the least prefill work queued once the prompt's is added (its queued prefill
+        tokens, plus the prompt's tokens it likely does not hold cached, plus the
+        policy's `cross_host_tokens` for a worker on another host than `decode`), or
+        None when none is up or the policy keeps the prompt on `decode` (the caller then
+        prefills there). `prompt`: the prompt's blocks, for prefix affinity."""
+        worker = min((w for w in self.prefill if w.routable), key=lambda w: self._prefill_key(w, decode, prompt),
                      default=None)
         if worker is not None and self.policy.prefill_locally(
             num_prompt_tokens, worker.queued_prefill_tokens, decode.queued_prefill_tokens
         ):
             worker = None
-        (worker or decode).pending_prefill_tokens += num_prompt_tokens
+        chosen = worker or decode
+        # The work it was given: what it will compute (its queue counts the same).
+        chosen.pending_prefill_tokens += num_prompt_tokens - chosen.cached_prefill_tokens(prompt)
+        chosen.routed(prompt)
         return worker
 
-    def _prefill_key(self, worker: Worker, decode: Worker) -> tuple[int, int]:
+    def _prefill_key(self, worker: Worker, decode: Worker, prompt: PromptBlocks | None) -> tuple[int, int]:
         queued, in_flight = worker.load_key()
-        return (queued + (0 if worker.same_host(decode) else self.policy.cross_host_tokens), in_flight)
+        penalty = 0 if worker.same_host(decode) else self.policy.cross_host_tokens
+        return (queued + penalty - worker.cached_prefill_tokens(prompt), in_flight)
 
     @staticmethod
     def prefill_moved(prefill: Worker, decode: Worker, num_prompt_tokens: int) -> None:
@@ -375,11 +412,17 @@ class WorkerPool:
         prefill.pending_prefill_tokens = max(0, prefill.pending_prefill_tokens - num_prompt_tokens)
         decode.pending_prefill_tokens += num_prompt_tokens
 
-    def pick_decode(self, num_tokens: int, avoid: frozenset[str] = frozenset()) -> Worker | None:
-        """The decode worker with the most free KV blocks, but those at the `avoid`
-        addresses; None when none is up."""
-        worker = min((w for w in self.decode if w.routable and w.address not in avoid), key=Worker.load_key,
-                     default=None)
+    def pick_decode(self, num_tokens: int, avoid: frozenset[str] = frozenset(),
+                    prompt: PromptBlocks | None = None) -> Worker | None:
+        """The decode worker with the most free KV blocks, counting the blocks of `prompt`
+        it likely holds already as free, but those at the `avoid` addresses; None when
+        none is up."""
+        def key(worker: Worker) -> tuple[int, int]:
+            minus_free, in_flight = worker.load_key()
+            return (minus_free - worker.cached_blocks(prompt), in_flight)
+
+        worker = min((w for w in self.decode if w.routable and w.address not in avoid), key=key, default=None)
         if worker is not None:
-            worker.pending_blocks += worker.blocks_for(num_tokens)
+            worker.pending_blocks += max(0, worker.blocks_for(num_tokens) - worker.cached_blocks(prompt))
+            worker.routed(prompt)
         return worker

@@ -216,10 +216,10 @@ class _FakePool:
         self.decode = Worker("127.0.0.1:2", "decode", client=None, is_up=True)
         self.prefill = Worker("127.0.0.1:1", "prefill", client=prefill_client, is_up=True)
 
-    def pick_decode(self, num_tokens, avoid=frozenset()):
+    def pick_decode(self, num_tokens, avoid=frozenset(), prompt=None):
         return self.decode
 
-    def pick_prefill(self, num_tokens, decode):
+    def pick_prefill(self, num_tokens, decode, prompt=None):
         return self.prefill
 
 
@@ -295,10 +295,10 @@ class _DecodePool:
                               min_stall_timeout_s=stall_timeout_s) for i, client in enumerate(clients)]
         self.alive = {worker.address: True for worker in self.decode}
 
-    def pick_decode(self, num_tokens, avoid=frozenset()):
+    def pick_decode(self, num_tokens, avoid=frozenset(), prompt=None):
         return next((w for w in self.decode if w.is_up and w.address not in avoid), None)
 
-    def pick_prefill(self, num_tokens, decode):
+    def pick_prefill(self, num_tokens, decode, prompt=None):
         return None
 
     async def refresh_decode(self):
@@ -414,3 +414,4 @@ def test_a_workers_refusal_names_the_clients_fields():
     assert refused("sampling.top_p").for_client("text").error_details.field_violations == (("sampling.top_p", "why"),)
     unnamed = RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", retry_after_s=2.0).for_client("text")
     assert unnamed.code == grpc.StatusCode.RESOURCE_EXHAUSTED and unnamed.error_details.retry_after_s == 2.0
+

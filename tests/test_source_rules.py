@@ -33,7 +33,7 @@ MODEL_CODE = ("engine.model", "engine.attention", "engine.kernels", "engine.mode
 # (and the dummy models' table, for their tokenizer's vocabulary).
 GATEWAY_LIBRARY = {
     "engine", "engine.lazy", "engine.config", "engine.sampling_params", "engine.outputs", "engine.tokenizer",
-    "engine.dummy_models",
+    "engine.dummy_models", "engine.prefix_hash",  # the gateway hashes prompt blocks as workers do (prefix affinity)
     "engine.detokenizer", "engine.scheduler", "engine.scheduler.stats", "engine.preemption", "engine.timeline",
     "kvtransfer", "kvtransfer.layout", "kvtransfer.transport", "kvtransfer.endpoint",  # records read by the gateway; no torch
 }

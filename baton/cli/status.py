@@ -219,6 +219,7 @@ def _render_worker(worker: WorkerStatus) -> list[str]:
     else:
         window = f" in the last {recent.window_s:.0f} s" if recent is not None else ""
         lines.append(f"  recent      idle: no steps{window}")
+    lines.append(_prefix_cache_line(stats))
     for transport in stats.kv_transports:
         rate = (transport.num_transferred_bytes / transport.transfer_seconds / 1e9
                 if transport.transfer_seconds > 0 else 0.0)
@@ -226,6 +227,23 @@ def _render_worker(worker: WorkerStatus) -> list[str]:
         lines.append(f"  KV {name:<8} {transport.num_transfers} transfers, {transport.num_failures} failed, "
                      f"{transport.num_transferred_bytes / 2**20:.1f} MiB at {rate:.2f} GB/s")
     return lines
+
+
+def _prefix_cache_line(stats: WorkerStats) -> str:
+    """Prefix caching: the hit rate since start and over the recent window, what it holds,
+    and (decode) the handed-off blocks it did not need moved."""
+    if not stats.prefix_caching:
+        return "  prefix      caching off"
+    recent = stats.recent
+    line = (f"  prefix      {stats.prefix_cache_hit_rate:.0%} of prompt tokens cached since start "
+            f"({stats.prefix_cache_hit_tokens} of {stats.prefix_cache_queried_tokens})")
+    if recent is not None and recent.prefix_cache_queried_tokens:
+        line += f", {recent.prefix_cache_hit_rate:.0%} recently"
+    line += f"; {stats.num_kv_blocks_cached} blocks cached, {stats.num_kv_blocks_evictable} of them unused"
+    if stats.prefix_cache_received_blocks:
+        line += (f"; {stats.prefix_cache_reused_blocks} of {stats.prefix_cache_received_blocks} handed-off "
+                 "prompt blocks held already")
+    return line
 
 
 def to_json(status: DeploymentStatus, findings: list[Finding]) -> str:

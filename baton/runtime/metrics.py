@@ -189,6 +189,11 @@ class _EngineCollector(Collector):
             family.add_metric(model, value)
             return family
 
+        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, documentation, labels=["model"])
+            family.add_metric(model, value)
+            return family
+
         yield gauge("baton_num_requests_running", "Requests in the running batch", stats.num_running)
         yield gauge("baton_num_requests_waiting", "Requests queued, not yet admitted", stats.num_waiting)
         yield gauge("baton_num_requests_swapped", "Requests preempted to the CPU swap pool", stats.num_swapped)
@@ -211,6 +216,21 @@ class _EngineCollector(Collector):
                                      labels=["model"])
         tokens.add_metric(model, stats.num_tokens_scheduled_total)
         yield tokens
+        # Prefix caching (vLLM names the first two alike: their ratio over a window is the hit rate).
+        yield counter("baton_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admissions "
+                      "to prefill", stats.prefix_cache_queried_tokens)
+        yield counter("baton_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
+                      stats.prefix_cache_hit_tokens)
+        yield gauge("baton_prefix_cache_hit_ratio", "Prefix cache hits per query over the last minute of steps",
+                    stats.recent.prefix_cache_hit_rate)
+        yield counter("baton_prefix_cache_received_blocks", "Prompt blocks of handed-off requests (decode)",
+                      stats.prefix_cache_received_blocks)
+        yield counter("baton_prefix_cache_reused_blocks", "Prompt blocks of handed-off requests already held "
+                      "here: not transferred", stats.prefix_cache_reused_blocks)
+        yield gauge("baton_kv_cache_blocks_cached", "KV cache blocks in the prefix cache (held or not)",
+                    stats.num_kv_blocks_cached)
+        yield counter("baton_prefix_cache_evictions", "Cached KV blocks evicted for space",
+                      stats.num_kv_blocks_evicted)
 
 
 def engine_snapshot(engine, loop: asyncio.AbstractEventLoop, timeout_s: float = 2.0) -> Callable[[], object]:

@@ -1,11 +1,13 @@
 """The scheduler: which requests run each step, with how many tokens.
 
-    scheduler.py    Scheduler: queues, the running loop, swap-ins, preemption, handoff states
+    scheduler.py    Scheduler: queues, the running loop, swap-ins, preemption
+    handoff.py      KvHandoffStates: HELD and RECEIVING requests (disaggregated serving)
     policy.py       AdmissionPolicy: how waiting requests join the batch (the contract)
     continuous.py   ContinuousAdmission: aging order, whole prompt plus growth room must fit
     static.py       StaticAdmission: batch at a time, worst case reserved up front
     waiting.py      WaitingQueue: the aging heap of waiting requests
     output.py       SchedulerOutput: one step's work
+    prefix.py       PrefixMatcher: a request's cached prefix at admission; computed blocks into the cache
     stats.py        counters, the recent window, SchedulerStats / RecentStats
 
 The names below are imported from their modules when first used, so reading the

@@ -13,22 +13,11 @@ token budget allows. Order of service within a step:
        preempted this step and no request is still swapped out: continuous
        (continuous.py) or static batch-at-a-time (static.py).
 
-Disaggregated serving adds two states that hold blocks but are not
-scheduled. A `prefill_only` request becomes HELD after its first sampled
-token: its blocks stay allocated until `release_held` hands them off. A
-`kv_remote` request (its prompt's KV computed by another engine) is admitted
-like any other, but admission allocates all of its prompt's blocks and marks
-it RECEIVING, listed in `SchedulerOutput.kv_receives`; `complete_kv_receive`
-then makes it RUNNING with the prompt computed, or, if the KV never arrived,
-requeues it to prefill here.
+Disaggregated serving adds two states that hold blocks but are not scheduled,
+HELD and RECEIVING (handoff.py).
 
-Prefix caching (KVCacheManager, engine/prefix_hash.py): at admission a request
-starts its table with the cached blocks of the longest prefix of its own
-blocks' hash chain and counts their tokens as computed. A request that
-prefills matches at most its tokens but the last, so that its last token is
-computed and sampled from; a kv_remote request matches whole prompt blocks, and
-its receive skips them. Full blocks are cached as their KV is computed (at
-launch: a later step runs after it) or received.
+Prefix caching: admission starts a request's table with the cached blocks of its
+prefix and counts them as computed (prefix.py).
 """
 
 from __future__ import annotations
@@ -39,16 +28,17 @@ import time
 from engine.block_pool import KVCacheManager, PrefixHit, cdiv
 from engine.config import SchedulerConfig
 from engine.preemption import PreemptionCostModel, PreemptionKind
-from engine.prefix_hash import extend_block_hashes
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
                             by_sort_key)
 from engine.scheduler.continuous import ContinuousAdmission
+from engine.scheduler.handoff import KvHandoffStates
 from engine.scheduler.integrity import check_scheduler_integrity
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import AdmissionPolicy
+from engine.scheduler.prefix import PrefixMatcher
 from engine.scheduler.static import StaticAdmission
 from engine.scheduler.stats import RecentStats, SchedulerCounters, SchedulerStats, snapshot_stats
-from engine.timeline import Admitted, KvReceived, KvReceiveFailed, Preempted, SwappedIn
+from engine.timeline import Admitted, Preempted, SwappedIn
 
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     "continuous": ContinuousAdmission,
@@ -56,7 +46,7 @@ ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
 }
 
 
-class Scheduler:
+class Scheduler(KvHandoffStates):
     """Owns the request queues and decides each step's work."""
 
     def __init__(
@@ -76,6 +66,7 @@ class Scheduler:
         self.swapped: list[Request] = []  # sorted by Request.sort_key
         self.held: dict[str, Request] = {}
         self.receiving: dict[str, Request] = {}
+        self.prefix = PrefixMatcher(kv)
         # The WAITING requests are the policy's.
         self.policy: AdmissionPolicy = ADMISSION_POLICIES[config.policy](self)
         self._num_arrivals = 0
@@ -176,43 +167,6 @@ class Scheduler:
             request.abort_requested = True
         else:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        return request
-
-    # ------------------------------------------------------------ KV handoff
-    def release_held(self, request_id: str) -> Request | None:
-        """End a HELD request whose KV was handed off (or given up); frees its blocks."""
-        request = self.held.get(request_id)
-        if request is not None:
-            self.finish_request(request, RequestStatus.FINISHED_HANDED_OFF)
-        return request
-
-    def complete_kv_receive(self, request_id: str, ok: bool, fence_id: str | None = None) -> Request | None:
-        """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here). With
-        `fence_id`, the failed receive's blocks go under that fence (KVCacheManager.fence)."""
-        request = self.receiving.get(request_id)
-        if request is None:
-            return None
-        if fence_id is not None:
-            assert not ok, "a completed receive has nothing to fence"
-            # The reused prefix was never written: only the blocks being received are in doubt.
-            self.kv.fence(request_id, fence_id, start=request.num_reused_blocks)
-        if request.abort_requested:
-            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
-            return None
-        del self.receiving[request_id]
-        request.kv_remote = False
-        if request.events is not None:
-            request.record(KvReceived() if ok else KvReceiveFailed())
-        if ok:
-            request.kv_ready_time = time.monotonic()
-            request.num_computed_tokens = request.num_prompt_tokens
-            self._cache_computed_blocks(request)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=by_sort_key)
-        else:
-            self.kv.free(request_id)
-            request.status = RequestStatus.WAITING
-            self.policy.add(request)
         return request
 
     # ------------------------------------------------------------- schedule
@@ -357,28 +311,8 @@ class Scheduler:
         return self._schedule_admitted(out, request, num_new, budget)
 
     def prefix_hit(self, request: Request) -> PrefixHit:
-        """The cached blocks a request admitted now would start with: of its whole prompt
-        if its KV arrives from elsewhere, else of its tokens but the last."""
-        kv = self.kv
-        if not kv.enable_prefix_caching:
-            return PrefixHit((), 0)
-        if request.kv_remote:
-            num_blocks = request.num_prompt_tokens // self.block_size
-        else:
-            num_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = request.block_hashes
-        if len(hashes) < num_blocks:
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_blocks)
-        return kv.match_prefix(hashes[:num_blocks] if len(hashes) > num_blocks else hashes)
-
-    def _cache_computed_blocks(self, request: Request) -> None:
-        """Offer the request's full blocks whose KV is computed to the prefix cache."""
-        num_blocks = request.num_computed_tokens // self.block_size
-        if num_blocks > self.kv.num_registered(request.request_id):
-            hashes = request.block_hashes
-            if len(hashes) < num_blocks:
-                extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_blocks)
-            self.kv.cache_blocks(request.request_id, hashes, num_blocks)
+        """The cached blocks a request admitted now would start with (PrefixMatcher.hit)."""
+        return self.prefix.hit(request)
 
     def _schedule_admitted(
         self, out: SchedulerOutput, request: Request, num_new: int, budget: int
@@ -452,10 +386,11 @@ class Scheduler:
         `all_token_ids` (None: appended).
         """
         caching = self.kv.enable_prefix_caching
+        cache_computed = self.prefix.cache_computed
         for request, num_new in zip(out.requests, out.num_scheduled_tokens):
             request.num_computed_tokens += num_new
             if caching:
-                self._cache_computed_blocks(request)
+                cache_computed(request)
         positions: list[int | None] = []
         for index, request in enumerate(sampled_requests):
             token_ids = request.all_token_ids
@@ -512,12 +447,6 @@ class Scheduler:
         max_tokens, or max_model_len, reached."""
         return (num_tokens >= self.max_model_len
                 or num_tokens - len(request.prompt_token_ids) >= request.sampling_params.max_tokens)
-
-    def _hold(self, request: Request) -> None:
-        """Take a prefilled request out of the batch, keeping its blocks for a handoff."""
-        self.running.remove(request)
-        request.status = RequestStatus.HELD
-        self.held[request.request_id] = request
 
     def end_step(self, out: SchedulerOutput) -> None:
         """Count a step (scheduled as `out`) in the stats, once its launch is accounted for."""

@@ -263,7 +263,7 @@ def snapshot_stats(scheduler: Scheduler, with_queue_times: bool) -> SchedulerSta
         num_swapped=len(scheduler.swapped),
         num_held=len(scheduler.held),
         num_receiving=len(scheduler.receiving),
-        num_queued_prefill_tokens=_num_queued_prefill_tokens(waiting, scheduler.running),
+        num_queued_prefill_tokens=_num_queued_prefill_tokens(scheduler, waiting),
         num_kv_blocks_total=kv.pool.num_blocks,
         num_kv_blocks_used=kv.num_used_blocks,
         num_kv_blocks_free=kv.num_free_blocks,
@@ -294,11 +294,15 @@ def snapshot_stats(scheduler: Scheduler, with_queue_times: bool) -> SchedulerSta
     )
 
 
-def _num_queued_prefill_tokens(waiting: list[Request], running: list[Request]) -> int:
-    """Prompt (or recompute) tokens not yet computed: waiting requests and running chunks."""
-    # A kv_remote request's prompt arrives computed.
-    queued = sum(request.num_tokens for request in waiting if not request.kv_remote)
-    for request in running:
+def _num_queued_prefill_tokens(scheduler: Scheduler, waiting: list[Request]) -> int:
+    """Prompt (or recompute) tokens not yet computed: waiting requests (but what the prefix
+    cache holds of them now) and running chunks."""
+    block_size = scheduler.block_size
+    queued = 0
+    for request in waiting:
+        if not request.kv_remote:  # a kv_remote request's prompt arrives computed
+            queued += request.num_tokens - len(scheduler.prefix_hit(request).block_ids) * block_size
+    for request in scheduler.running:
         remaining = request.num_tokens - request.num_computed_tokens
         if remaining > 1:
             queued += remaining
