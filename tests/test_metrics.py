@@ -108,6 +108,10 @@ def test_counters_match_the_workload_and_kv_returns_to_zero(system):
         assert value(samples, "baton_preemptions_total", kind="recompute") == 0, role
         assert total(samples, "baton_kv_transfer_failures_total") == 0, role
         assert total(samples, "baton_kv_channel_refusals_total") == 0, role
+    # The stopped request repeated the probe's prompt: wherever it was prefilled, it was found cached.
+    hits = sum(value(workers[r], "baton_prefix_cache_hits_total") for r in ("prefill", "decode"))
+    queries = sum(value(workers[r], "baton_prefix_cache_queries_total") for r in ("prefill", "decode"))
+    assert 0 < hits < queries
     # Every request but the cancelled one may have been handed off; both sides counted the same bytes,
     # all over ipc (one host).
     sent, got = (value(workers[r], "baton_kv_transferred_bytes_total", transport="ipc") for r in ("prefill", "decode"))

@@ -192,6 +192,17 @@ def test_decode_spans_carry_preemptions_with_their_kind(starved):
     assert starved["decode_after"].num_preemptions_swap == len(preempted)
 
 
+def test_render_shows_the_prefix_cache():
+    cached = stats(prefix_caching=True, prefix_cache_queried_tokens=1000, prefix_cache_hit_tokens=750,
+                   num_kv_blocks_cached=40, num_kv_blocks_evictable=30, prefix_cache_received_blocks=80,
+                   prefix_cache_reused_blocks=60,
+                   recent={"prefix_cache_queried_tokens": 100, "prefix_cache_hit_tokens": 90})
+    text = render(DeploymentStatus(model="m", workers=(status(cached), status(stats(worker_id="off")))), [])
+    assert ("  prefix      75% of prompt tokens cached since start (750 of 1000), 90% recently; 40 blocks cached, "
+            "30 of them unused; 60 of 80 handed-off prompt blocks held already") in text
+    assert "  prefix      caching off" in text
+
+
 def test_render_lists_an_unreachable_worker():
     deployment = DeploymentStatus(model="m", workers=(
         WorkerStatus(address="10.0.0.1:1", role="decode", reachable=False, in_rotation=False,

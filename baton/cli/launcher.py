@@ -61,6 +61,9 @@ class UpSettings:
     kv_cache_memory: int | None = setting(None, "KV cache budget per worker, e.g. 512M, 2G", parse=parse_size,
                                           shown=KV_CACHE_MEMORY_SHOWN)
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
+    prefix_caching: bool = setting(default_of(CacheConfig, "enable_prefix_caching"),
+                                   "share the KV of prompts that start alike, in both workers "
+                                   "(--no-prefix-caching: off)")
     kv_transport: str = setting("auto", "how KV moves from the prefill to the decode worker: auto (ipc: they "
                                         "share this host), ipc, nccl (two GPUs) or gloo (CPU)")
     colocated: bool = setting(False, "no prefill worker: the decode worker prefills")
@@ -144,6 +147,8 @@ def role_args(settings: UpSettings) -> RoleArgs:
         worker += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
     if settings.verify_kv:
         worker.append("--verify-kv")
+    if not settings.prefix_caching:
+        worker.append("--no-prefix-caching")
     tls = []  # every role's
     for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
         if getattr(settings, name) is not None:

@@ -251,6 +251,9 @@ class WorkerSettings:
                                             GPU_MEMORY_UTILIZATION_HELP)
     swap_space: int = setting(default_of(CacheConfig, "swap_space_bytes"), "CPU swap pool for swap preemption",
                               parse=parse_size, shown=format_size(default_of(CacheConfig, "swap_space_bytes")))
+    prefix_caching: bool = setting(default_of(CacheConfig, "enable_prefix_caching"),
+                                   "keep the KV of full blocks by content and share it between prompts that "
+                                   "start alike (--no-prefix-caching: off)")
     max_num_seqs: int = setting(default_of(SchedulerConfig, "max_num_seqs"), "sequences per step")
     max_num_batched_tokens: int = setting(default_of(SchedulerConfig, "max_num_batched_tokens"),
                                           "token budget per step (prefill chunks + decodes)")
@@ -331,6 +334,7 @@ class WorkerSettings:
             # An explicit block count sizes the pool by itself.
             kv_cache_memory_bytes=None if self.num_kv_blocks else self.kv_cache_memory,
             swap_space_bytes=self.swap_space,
+            enable_prefix_caching=self.prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -1,0 +1,364 @@
+"""Prefix caching benchmark: a chat workload with a shared system prompt, and one with no
+sharing at all, each with caching on and off, side by side in one run.
+
+    shared   USERS users, each holding a conversation of TURNS turns with the same
+             system prompt of SYSTEM tokens. A turn's prompt is the system prompt, the
+             conversation so far (earlier messages and the answers the server gave) and a
+             new message of MESSAGE tokens; the answer is ANSWER tokens. The users talk at
+             once; each sends its next turn when the last one's answer is complete.
+    unique   the same users, turns and prompt lengths, but every prompt is new random
+             tokens: nothing to share, so caching can only cost.
+
+Systems (`--systems`):
+
+    engine          the in-process engine (AsyncEngine), caching on / off
+                    (LLM(enable_prefix_caching=...))
+    disaggregated   gateway + prefill worker + decode worker (separate processes, KV
+                    handed over ipc), caching on / off in both workers (--no-prefix-caching)
+
+Reported per system and workload: output tokens/s, TTFT p50/p90, end-to-end p50, the
+prompt tokens the server reported cached (usage.cached_tokens) and, disaggregated, the KV
+bytes moved per request. Targets, caching on against off: shared throughput >= 2x and
+TTFT p50 >= 3x better; unique throughput >= 0.97x; disaggregated, the bytes per request
+fall by the shared fraction (the share of prompt tokens in blocks an earlier prompt
+already had: KV bytes per request on / off <= (1 - shared fraction) + 5%).
+
+    python -m benchmarks.prefix_cache                       # 64 users, 3 turns, 1000 shared tokens
+    python -m benchmarks.prefix_cache --quick --systems engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# A turn: (prompt token ids) -> (output token ids, seconds to first token, cached prompt tokens).
+Serve = Callable[[str, list[int], int], Awaitable[tuple[list[int], float, int]]]
+
+
+@dataclass(frozen=True)
+class ChatShape:
+    users: int = 64
+    turns: int = 3
+    system_tokens: int = 1000
+    message_tokens: int = 48
+    answer_tokens: int = 32
+    seed: int = 0
+    min_token_id: int = 100
+    vocab_size: int = 49152
+
+
+@dataclass
+class RunResult:
+    system: str
+    workload: str
+    caching: bool
+    seconds: float
+    num_requests: int
+    num_output_tokens: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    kv_bytes: int | None = None
+    num_transfers: int | None = None
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.seconds
+
+    def summary(self) -> dict:
+        data = asdict(self)
+        del data["ttft"], data["e2e"]
+        data.update(
+            output_tokens_per_s=self.output_tokens_per_s,
+            ttft_p50=float(np.percentile(self.ttft, 50)), ttft_p90=float(np.percentile(self.ttft, 90)),
+            e2e_p50=float(np.percentile(self.e2e, 50)),
+            cached_fraction=self.num_cached_tokens / max(self.num_prompt_tokens, 1),
+            kv_bytes_per_request=None if self.kv_bytes is None else self.kv_bytes / self.num_requests,
+        )
+        return data
+
+
+class Conversations:
+    """The users' messages, fixed by the seed; a turn's prompt also holds the answers given."""
+
+    def __init__(self, shape: ChatShape, workload: str) -> None:
+        self.shape, self.workload = shape, workload
+        rng = np.random.default_rng(shape.seed)
+
+        def tokens(n: int) -> list[int]:
+            return rng.integers(shape.min_token_id, shape.vocab_size, n).tolist()
+
+        self.system = tokens(shape.system_tokens)
+        self.messages = [[tokens(shape.message_tokens) for _ in range(shape.turns)] for _ in range(shape.users)]
+        self._fresh = np.random.default_rng(shape.seed + 1)
+
+    def prompt(self, user: int, turn: int, history: list[int]) -> list[int]:
+        """The prompt of `user`'s turn: shared, the system prompt, the history and the new
+        message; unique, as many tokens, all new."""
+        prompt = [*self.system, *history, *self.messages[user][turn]]
+        if self.workload == "unique":
+            shape = self.shape
+            return self._fresh.integers(shape.min_token_id, shape.vocab_size, len(prompt)).tolist()
+        return prompt
+
+
+def shared_fraction(prompts: list[list[int]], block_size: int) -> float:
+    """Share of all prompt tokens in full blocks that an earlier prompt began with alike:
+    what an unbounded prefix cache would not compute (or move) again."""
+    from engine.prefix_hash import block_hashes
+
+    seen: set[bytes] = set()
+    shared = total = 0
+    for prompt in prompts:
+        hashes = block_hashes(prompt, block_size)
+        matched = 0
+        while matched < len(hashes) and hashes[matched] in seen:
+            matched += 1
+        shared += matched * block_size
+        total += len(prompt)
+        seen.update(hashes)
+    return shared / total if total else 0.0
+
+
+async def run_conversations(conversations: Conversations, serve: Serve) -> tuple[RunResult, list[list[int]]]:
+    """Every user's turns, users at once, turns one after the other; the prompts sent, in
+    the order they were sent."""
+    shape = conversations.shape
+    result = RunResult("", conversations.workload, False, 0.0, 0, 0, 0, 0)
+    sent: list[list[int]] = []
+
+    async def user(index: int) -> None:
+        history: list[int] = []
+        for turn in range(shape.turns):
+            prompt = conversations.prompt(index, turn, history)
+            sent.append(prompt)
+            started = time.perf_counter()
+            output, ttft, cached = await serve(f"u{index}-t{turn}", prompt, shape.answer_tokens)
+            result.e2e.append(time.perf_counter() - started)
+            result.ttft.append(ttft)
+            result.num_requests += 1
+            result.num_output_tokens += len(output)
+            result.num_prompt_tokens += len(prompt)
+            result.num_cached_tokens += cached
+            history += [*conversations.messages[index][turn], *output]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(user(i) for i in range(shape.users)))
+    result.seconds = time.perf_counter() - started
+    return result, sent
+
+
+# ----------------------------------------------------------------------- systems
+def run_engine(args, conversations: Conversations, caching: bool) -> tuple[RunResult, list[list[int]]]:
+    from baton.runtime.worker import build_engine
+    from engine.async_engine import AsyncEngine
+    from engine.config import engine_config
+    from engine.envs import configure_process
+    from engine.sampling_params import SamplingParams
+
+    configure_process(args.threads)
+    llm = build_engine(engine_config(args.model, max_num_batched_tokens=args.max_num_batched_tokens,
+                                     enable_prefix_caching=caching, **_cache_size(args)))
+
+    async def drive() -> tuple[RunResult, list[list[int]]]:
+        engine = AsyncEngine(llm)
+        engine.start()
+
+        async def serve(request_id: str, prompt: list[int], max_tokens: int):
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            started = time.perf_counter()
+            ttft, output, cached = None, [], 0
+            async for out in await engine.add_request(request_id, prompt, params):
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                output += out.new_token_ids
+                if out.finished:
+                    cached = out.num_cached_tokens or 0
+            return output, ttft, cached
+
+        try:
+            return await run_conversations(conversations, serve)
+        finally:
+            await engine.stop()
+
+    return asyncio.run(drive())
+
+
+def run_disaggregated(args, conversations: Conversations, caching: bool,
+                      log_dir: Path) -> tuple[RunResult, list[list[int]]]:
+    import grpc
+
+    from baton.cli.local import start_deployment
+    from baton.wire.v1 import generation_pb2 as pb
+    from baton.wire.v1 import generation_pb2_grpc
+
+    worker_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.num_kv_blocks:
+        worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if not caching:
+        worker_args.append("--no-prefix-caching")
+    deployment = start_deployment(
+        args.model, log_dir / f"disaggregated-{'on' if caching else 'off'}-{conversations.workload}",
+        worker_args=worker_args,
+        prefill_args=["--threads", str(args.prefill_threads)], decode_args=["--threads", str(args.decode_threads)],
+        gateway_args=["--max-queued-tokens", str(1 << 30)], threads=args.decode_threads, timeout_s=900,
+        env={"OTEL_SDK_DISABLED": "true"},
+    )
+    try:
+        async def drive() -> tuple[RunResult, list[list[int]]]:
+            async with grpc.aio.insecure_channel(deployment.gateway) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+
+                async def serve(request_id: str, prompt: list[int], max_tokens: int):
+                    message = pb.GenerateRequest(
+                        request_id=request_id, token_ids=pb.TokenIds(ids=prompt),
+                        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+                    started = time.perf_counter()
+                    ttft, output, cached = None, [], 0
+                    async for reply in stub.GenerateStream(message, timeout=3600):
+                        if ttft is None and reply.token_ids:
+                            ttft = time.perf_counter() - started
+                        output += reply.token_ids
+                        if reply.HasField("usage"):
+                            cached = reply.usage.cached_tokens
+                    return output, ttft, cached
+
+                return await run_conversations(conversations, serve)
+
+        result, sent = asyncio.run(drive())
+        decode = deployment.stats("decode")
+        result.kv_bytes, result.num_transfers = decode.num_transferred_bytes, decode.num_transfers
+        deployment.wait_idle(60)
+    finally:
+        deployment.stop()
+    return result, sent
+
+
+def _cache_size(args) -> dict:
+    return {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
+
+
+# ------------------------------------------------------------------------ report
+def ratios(results: dict[tuple[str, str, bool], RunResult], fractions: dict[str, float]) -> list[tuple]:
+    """(what, value, target, met) for every target the run can check."""
+    checks = []
+    for system in sorted({key[0] for key in results}):
+        def pair(workload: str):
+            return results.get((system, workload, True)), results.get((system, workload, False))
+
+        on, off = pair("shared")
+        if on and off:
+            throughput = on.output_tokens_per_s / off.output_tokens_per_s
+            ttft = float(np.percentile(off.ttft, 50) / np.percentile(on.ttft, 50))
+            checks += [(f"{system} shared: throughput on/off", throughput, 2.0, throughput >= 2.0),
+                       (f"{system} shared: TTFT p50 off/on", ttft, 3.0, ttft >= 3.0)]
+            if on.kv_bytes is not None and off.kv_bytes:
+                ratio = (on.kv_bytes / on.num_requests) / (off.kv_bytes / off.num_requests)
+                bound = 1 - fractions["shared"] + 0.05
+                checks.append((f"{system} shared: KV bytes per request on/off (shared fraction "
+                               f"{fractions['shared']:.2f})", ratio, bound, ratio <= bound))
+        on, off = pair("unique")
+        if on and off:
+            throughput = on.output_tokens_per_s / off.output_tokens_per_s
+            checks.append((f"{system} unique: throughput on/off", throughput, 0.97, throughput >= 0.97))
+    return checks
+
+
+def print_report(results: dict[tuple[str, str, bool], RunResult], checks: list[tuple], shape: ChatShape,
+                 fractions: dict[str, float]) -> None:
+    print(f"\nchat: {shape.users} users x {shape.turns} turns, system prompt {shape.system_tokens} tokens, "
+          f"messages {shape.message_tokens}, answers {shape.answer_tokens}; shared fraction of prompt tokens: "
+          f"shared {fractions['shared']:.2f}, unique {fractions['unique']:.2f}")
+    header = f"{'system':<14} {'workload':<8} {'cache':<5} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p90':>9} " \
+             f"{'e2e p50':>8} {'cached':>7} {'KV MB/req':>9}"
+    print(header)
+    for (system, workload, caching), result in sorted(results.items(), key=lambda item: (item[0][0], item[0][1],
+                                                                                         not item[0][2])):
+        s = result.summary()
+        kv = "" if s["kv_bytes_per_request"] is None else f"{s['kv_bytes_per_request'] / 1e6:.2f}"
+        print(f"{system:<14} {workload:<8} {'on' if caching else 'off':<5} {s['output_tokens_per_s']:>8.1f} "
+              f"{s['ttft_p50']:>8.3f}s {s['ttft_p90']:>8.3f}s {s['e2e_p50']:>7.2f}s {s['cached_fraction']:>7.0%} "
+              f"{kv:>9}")
+    print()
+    for what, value, target, met in checks:
+        comparison = "<=" if "bytes" in what else ">="
+        print(f"  {what}: {value:.2f} (target {comparison} {target:.2f}) {'OK' if met else 'MISSED'}")
+    print("  SGLang reports up to 5x throughput from prefix reuse (RadixAttention) on workloads of this kind.")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--systems", default="engine,disaggregated")
+    parser.add_argument("--workloads", default="shared,unique")
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--message-tokens", type=int, default=48)
+    parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default: by memory)")
+    parser.add_argument("--threads", type=int, default=2, help="engine: torch threads")
+    parser.add_argument("--prefill-threads", type=int, default=2)
+    parser.add_argument("--decode-threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a small run (8 users, 2 turns, 256 shared tokens)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens = 8, 2, 256, 16, 8
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shape = ChatShape(args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens, args.seed)
+    systems = [s for s in args.systems.split(",") if s]
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(systems) - {"engine", "disaggregated"} | set(workloads) - {"shared", "unique"}
+    if unknown:
+        raise SystemExit(f"unknown systems or workloads: {', '.join(sorted(unknown))}")
+    block_size = 16
+    results: dict[tuple[str, str, bool], RunResult] = {}
+    fractions: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="baton-prefix-bench-") as tmp:
+        for system in systems:
+            for workload in workloads:
+                # Off first, then on: whatever warms up over a run favours the baseline.
+                for caching in (False, True):
+                    conversations = Conversations(shape, workload)
+                    if system == "engine":
+                        result, sent = run_engine(args, conversations, caching)
+                    else:
+                        result, sent = run_disaggregated(args, conversations, caching, Path(tmp))
+                    result.system, result.caching = system, caching
+                    results[(system, workload, caching)] = result
+                    fractions.setdefault(workload, shared_fraction(sent, block_size))
+                    print(f"{system} {workload} caching {'on' if caching else 'off'}: "
+                          f"{result.output_tokens_per_s:.1f} output tokens/s, "
+                          f"TTFT p50 {np.percentile(result.ttft, 50):.3f} s", flush=True)
+    checks = ratios(results, fractions)
+    print_report(results, checks, shape, fractions)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "shape": asdict(shape), "shared_fraction": fractions,
+            "results": [result.summary() for result in results.values()],
+            "checks": [{"what": w, "value": v, "target": t, "met": m} for w, v, t, m in checks],
+        }, indent=2))
+    return 0 if all(met for *_, met in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
