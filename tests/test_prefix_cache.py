@@ -220,7 +220,8 @@ prefix_ops = st.lists(
     st.one_of(
         # A prompt from one of a few shared prefixes (cut at any length), plus its own suffix.
         st.tuples(st.just("add"), st.integers(0, 2), st.integers(4, 24), st.integers(0, 6), st.integers(1, 16)),
-        st.tuples(st.just("remote"), st.integers(0, 2), st.integers(4, 24), st.integers(0, 6), st.integers(1, 16)),
+        # (A handed-off request has max_tokens >= 2: a first token that ends it is not handed off.)
+        st.tuples(st.just("remote"), st.integers(0, 2), st.integers(4, 24), st.integers(0, 6), st.integers(2, 16)),
         # The next turn of a chat: an earlier request's tokens, plus a new message.
         st.tuples(st.just("turn"), st.integers(0, 1000), st.integers(1, 6), st.integers(1, 12)),
         st.tuples(st.just("turn"), st.integers(0, 1000), st.integers(1, 6), st.integers(1, 12)),
