@@ -278,8 +278,8 @@ class KvReceiver:
         if current is None or current.is_broken or current.backend != transport:
             await self._open(client, channel, transport, trace_metadata)
         loop = asyncio.get_running_loop()
-        request = SendKv(channel.channel_id, handle.request_id, channel.next_tag(), handle.num_blocks, block_ids,
-                         self.verify, handle.kv_token, first_block)
+        request = SendKv(channel.channel_id, handle.request_id, channel.next_tag(), first_block + len(block_ids),
+                         block_ids, self.verify, handle.kv_token, first_block)
         call = client.send_kv(request, timeout=self.timeout_s * 2, metadata=trace_metadata)
         try:
             accepted = await call.next_event()

@@ -216,10 +216,10 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         """The pull itself, in a `kv_transfer` span under the request's decode span when traced.
         Blocks our prefix cache holds already are not pulled; when it holds them all, nothing
         is, and the prefill worker is told to drop its lease."""
-        reused = min(receive.num_reused_blocks, handle.num_blocks)
-        block_ids = receive.block_ids[reused:handle.num_blocks]
+        reused = receive.num_reused_blocks
+        block_ids = receive.block_ids[reused:]
         parent = self._spans.get(receive.request_id)
-        if not block_ids:
+        if not block_ids and reused == handle.num_blocks:
             self._background.spawn(self._release_remote(handle))
             if parent is not None:
                 parent.add_event("kv_reused", {"baton.kv.reused_blocks": reused})

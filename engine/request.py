@@ -123,6 +123,7 @@ class Request:
         "block_hashes",
         "num_cached_tokens",
         "num_reused_blocks",
+        "num_cached_estimate",
     )
 
     def __init__(
@@ -186,6 +187,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens: int | None = None
         self.num_reused_blocks = 0
+        # Its prompt tokens the cache held when last looked up (for the queued-work estimate).
+        self.num_cached_estimate = 0
 
     @property
     def num_tokens(self) -> int:

@@ -398,7 +398,11 @@ class WorkerPool:
         chosen = worker or decode
         # The work it was given: what it will compute (its queue counts the same).
         chosen.pending_prefill_tokens += num_prompt_tokens - chosen.cached_prefill_tokens(prompt)
+        # Both will cache the prompt's blocks: the one that prefills it, and the decode
+        # worker (received or prefilled there).
         chosen.routed(prompt)
+        if chosen is not decode:
+            decode.routed(prompt)
         return worker
 
     def _prefill_key(self, worker: Worker, decode: Worker, prompt: PromptBlocks | None) -> tuple[int, int]:
@@ -423,6 +427,6 @@ class WorkerPool:
 
         worker = min((w for w in self.decode if w.routable and w.address not in avoid), key=key, default=None)
         if worker is not None:
+            # (Its prefix index learns the prompt in pick_prefill, which follows.)
             worker.pending_blocks += max(0, worker.blocks_for(num_tokens) - worker.cached_blocks(prompt))
-            worker.routed(prompt)
         return worker

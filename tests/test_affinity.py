@@ -59,18 +59,29 @@ def test_decode_affinity_counts_held_blocks_as_free_and_forgets_a_restarted_work
         _caching_worker(a, "a", num_kv_blocks_used=0)
         _caching_worker(b, "b")
         prompt = PromptBlocks(list(range(200)))  # 50 blocks
-        assert pool.pick_decode(201, prompt=prompt) is a  # a tie: the first
+
+        def route(num_tokens: int, prompt: PromptBlocks):
+            """As the dispatcher does: the decode worker, then the prefill worker (none here:
+            the decode worker prefills), which is when the workers' indexes learn the prompt."""
+            decode = pool.pick_decode(num_tokens, prompt=prompt)
+            assert pool.pick_prefill(num_tokens - 1, decode, prompt) is None
+            return decode
+
+        assert route(201, prompt) is a  # a tie: the first
         assert a.pending_blocks == 51 and a.cached_blocks(prompt) == 50
+        # Prefilled there: charged all of its 200 tokens (nothing was cached yet).
+        assert a.pending_prefill_tokens == 200
         # b has more free blocks than a has left (990 against 949), but a holds the prompt's
         # 50: it takes 3 new blocks there, 51 on b, and a keeps more free.
         b.stats = replace(b.stats, num_kv_blocks_free=990)
-        assert pool.pick_decode(205, prompt=PromptBlocks(list(range(200)) + [1, 2, 3, 4])) is a
+        assert route(205, PromptBlocks(list(range(200)) + [1, 2, 3, 4])) is a
         assert a.pending_blocks == 51 + 2  # only what it lacks
+        assert a.pending_prefill_tokens == 200 + 4
         # Load outweighs affinity: b with 1040 free keeps more free even taking all 51.
         b.stats = replace(b.stats, num_kv_blocks_free=1040)
-        assert pool.pick_decode(201, prompt=prompt) is b
+        assert route(201, prompt) is b
         # Without affinity (another prompt), the freer worker.
-        assert pool.pick_decode(201, prompt=PromptBlocks(list(range(300, 500)))) is b
+        assert route(201, PromptBlocks(list(range(300, 500)))) is b
         # A restart (new worker id) or caching turned off forgets what it held.
         a.prefix.sync("a-restarted", True, 1000)
         assert a.cached_blocks(prompt) == 0

@@ -322,3 +322,28 @@ def test_the_property_test_shares_blocks_often():
     reused = sum(hit for _, hit in hits)
     assert prefill_hits >= len(hits) // 4, f"only {prefill_hits} of {len(hits)} cases shared a block"
     assert reused >= len(hits) // 20, f"only {reused} of {len(hits)} cases skipped received blocks"
+
+
+def test_a_block_waits_for_its_pending_token_before_it_is_cached():
+    """Overlapped scheduling: a step is launched before the token the step before sampled
+    is known (PENDING_TOKEN). The block holding that token is cached only once the token is
+    known, under the hash of the real tokens."""
+    s = make_scheduler(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    request = prompt_request("a", [10, 11, 12, 13, 14, 15, 16], max_tokens=8)
+    s.add_request(request)
+    first = s.schedule()
+    positions = s.advance(first, [request])  # the prompt runs; its sampled token is pending
+    s.end_step(first)
+    second = s.schedule()  # launched before the first step's token is known
+    assert second.num_scheduled_tokens == [1]
+    later = s.advance(second, [request])
+    s.end_step(second)
+    assert s.kv.num_registered("a") == 1, "the block with the pending token is not cached yet"
+    s.resolve([request], [40], positions)
+    s.resolve([request], [41], later)
+    third = s.schedule()
+    s.advance(third, [])
+    assert s.kv.num_registered("a") == 2
+    real = block_hashes([10, 11, 12, 13, 14, 15, 16, 40], 4)
+    assert request.block_hashes[:2] == real
+    assert s.kv.match_prefix(real).block_ids == tuple(s.kv.get_block_ids("a")[:2])

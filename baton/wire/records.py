@@ -197,7 +197,7 @@ class SendKv:
     channel_id: str
     request_id: str
     tag: int  # the transfer's messages on the channel; unique per channel
-    num_blocks: int  # the receiver allocated; the sender checks it against what it holds
+    num_blocks: int  # the receiver's for the prompt (reused and received); the sender checks it against what it holds
     block_ids: list[int]
     verify: bool = False  # also return a checksum per sent block
     kv_token: str = ""  # the handle's: the KV is sent only to a caller that knows it

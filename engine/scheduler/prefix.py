@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from engine.block_pool import KVCacheManager, PrefixHit
 from engine.prefix_hash import extend_block_hashes
-from engine.request import Request
+from engine.request import PENDING_TOKEN, Request
 
 _NO_HIT = PrefixHit((), 0)
 
@@ -33,11 +33,18 @@ class PrefixMatcher:
         else:
             num_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(request, num_blocks)
-        return self.kv.match_prefix(hashes[:num_blocks] if len(hashes) > num_blocks else hashes)
+        hit = self.kv.match_prefix(hashes[:num_blocks] if len(hashes) > num_blocks else hashes)
+        request.num_cached_estimate = len(hit.block_ids) * self.block_size
+        return hit
 
     def cache_computed(self, request: Request) -> None:
-        """Offer the request's full blocks whose KV is computed to the prefix cache."""
-        num_blocks = request.num_computed_tokens // self.block_size
+        """Offer the request's full blocks whose KV is computed to the prefix cache. With
+        overlapped scheduling the last token may be one a step in flight sampled and has
+        not reported (PENDING_TOKEN): its block waits for a later step, when the token is
+        known (the hash chain must name real tokens)."""
+        token_ids = request.all_token_ids
+        num_known = len(token_ids) - (token_ids[-1] == PENDING_TOKEN)
+        num_blocks = min(request.num_computed_tokens, num_known) // self.block_size
         if num_blocks > self.kv.num_registered(request.request_id):
             self.kv.cache_blocks(request.request_id, self._hashes(request, num_blocks), num_blocks)
 

@@ -129,6 +129,7 @@ class Scheduler(KvHandoffStates):
         request.arrival_index = self._num_arrivals
         self._num_arrivals += 1
         self.requests[request.request_id] = request
+        self.prefix.hit(request)  # hashes its blocks, and estimates its queued prefill work
         self.policy.add(request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:

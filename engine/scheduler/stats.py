@@ -296,12 +296,12 @@ def snapshot_stats(scheduler: Scheduler, with_queue_times: bool) -> SchedulerSta
 
 def _num_queued_prefill_tokens(scheduler: Scheduler, waiting: list[Request]) -> int:
     """Prompt (or recompute) tokens not yet computed: waiting requests (but what the prefix
-    cache holds of them now) and running chunks."""
-    block_size = scheduler.block_size
+    cache held of them when last looked up: at arrival, or an admission attempt) and
+    running chunks."""
     queued = 0
     for request in waiting:
         if not request.kv_remote:  # a kv_remote request's prompt arrives computed
-            queued += request.num_tokens - len(scheduler.prefix_hit(request).block_ids) * block_size
+            queued += request.num_tokens - request.num_cached_estimate
     for request in scheduler.running:
         remaining = request.num_tokens - request.num_computed_tokens
         if remaining > 1:
