@@ -109,7 +109,7 @@ def test_a_refused_request_raises_the_engines_error_and_leaves_nothing(tiny):
         refused = []
         try:
             # Long enough to be still running when its id comes again below.
-            stream = await engine.add_request("running", [5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
+            stream = await engine.add_request("running", [5, 6], SamplingParams(max_tokens=200, ignore_eos=True))
             for add in (lambda: engine.add_request("long", [5] * 512, params),
                         lambda: engine.add_prefilled_request("big", [5] * 300, 7, params),
                         lambda: engine.add_request("running", [5, 6], params)):

@@ -405,7 +405,8 @@ def test_only_the_kv_token_holder_may_release_or_pull_held_kv(system, channel):
     stays; the holder of the token hands it off and releases it."""
     prefill, decode = stubs(system)
     token = secrets.token_hex(16)
-    held = prefill.Prefill(worker_pb2.PrefillRequest(request=work("owned"), kv_token=token), timeout=60)
+    owned = [21, 22, 23, 24, 25, 26, 27, 28]  # a prompt of its own: no worker's prefix cache holds it
+    held = prefill.Prefill(worker_pb2.PrefillRequest(request=work("owned", owned), kv_token=token), timeout=60)
     assert held.HasField("kv_handle") and held.kv_handle.kv_token == token
     assert system.stats("prefill").num_kv_handoffs_pending == 1
 
@@ -413,7 +414,7 @@ def test_only_the_kv_token_holder_may_release_or_pull_held_kv(system, channel):
         released = prefill.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id="owned", kv_token=stranger), timeout=10)
         assert not released.released
     code, _, _ = refusal(lambda: prefill.Prefill(
-        worker_pb2.PrefillRequest(request=work("owned"), kv_token=secrets.token_hex(16)), timeout=30))
+        worker_pb2.PrefillRequest(request=work("owned", owned), kv_token=secrets.token_hex(16)), timeout=30))
     assert code == grpc.StatusCode.ALREADY_EXISTS
     code, _, _ = refusal(lambda: list(prefill.SendKv(worker_pb2.SendKvRequest(
         channel_id="guessed", request_id="owned", tag=1, num_blocks=2, block_ids=[0, 1], kv_token=token),
@@ -422,7 +423,7 @@ def test_only_the_kv_token_holder_may_release_or_pull_held_kv(system, channel):
     assert system.stats("prefill").num_kv_handoffs_pending == 1  # the lease is untouched
 
     # The token's holder hands it off: the decode worker pulls it with the handle's token.
-    request = worker_pb2.DecodeRequest(request=work("owned"), first_token_id=held.first_token_id,
+    request = worker_pb2.DecodeRequest(request=work("owned", owned), first_token_id=held.first_token_id,
                                        kv_handle=held.kv_handle)
     transfers = system.stats("decode").num_transfers
     tokens = [t for event in decode.Decode(request, timeout=60) for t in event.token_ids]
@@ -465,7 +466,9 @@ def test_a_handle_to_a_silent_peer_frees_the_blocks_when_the_call_ends(system, c
     The pull is now cancelled with its Decode call."""
     _, decode = stubs(system)
     with silent_peer(silent_address):
-        request = worker_pb2.DecodeRequest(request=work("silent"), first_token_id=3,
+        # A prompt of its own: one the decode worker's prefix cache held whole would not be pulled.
+        silent = [31, 32, 33, 34, 35, 36, 37, 38]
+        request = worker_pb2.DecodeRequest(request=work("silent", silent), first_token_id=3,
                                            kv_handle=handle("silent", silent_address))
         call = decode.Decode(request, timeout=60)
         deadline = time.monotonic() + 10

@@ -169,6 +169,8 @@ def test_a_frozen_prefill_worker_fences_the_blocks_it_may_still_write(tiny, tmp_
         wait_for(lambda: _decode_holds_nothing(deployment), 30, "the decode worker kept blocks")
         deployment._env.pop("BATON_TEST_STALL_MID_COPY")
         deployment.restart(deployment.worker("prefill"))
+        # Another prompt: the decode worker's prefix cache holds the first whole (it prefilled it).
+        prompt = list(range(4, 64))
         assert generate(deployment.gateway, prompt, 12) == hf_greedy(model, prompt, 12)
         ipc = {t.transport: t for t in deployment.stats("decode").kv_transports}["ipc"]
         assert (ipc.num_transfers, ipc.num_failures) == (1, 1)
