@@ -70,7 +70,9 @@ class RunResult:
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     kv_bytes: int | None = None
-    num_transfers: int | None = None
+    num_transfers: int | None = None  # handoffs that moved blocks (one that reused all moves none)
+    num_received_blocks: int | None = None  # prompt blocks of handed-off requests (decode)
+    num_reused_blocks: int | None = None  # of them, found in the decode worker's prefix cache
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -212,7 +214,13 @@ def run_disaggregated(args, conversations: Conversations, caching: bool,
         args.model, log_dir / f"disaggregated-{'on' if caching else 'off'}-{conversations.workload}",
         worker_args=worker_args,
         prefill_args=["--threads", str(args.prefill_threads)], decode_args=["--threads", str(args.decode_threads)],
-        gateway_args=["--max-queued-tokens", str(1 << 30)], threads=args.decode_threads, timeout_s=900,
+        # Every prompt is handed off (none kept on the decode worker when the prefill queue is
+        # long), so that KV bytes per request compare like with like; every request is served
+        # (no admission bound); a step of 2048 prompt tokens takes seconds on a few CPU cores,
+        # which the default stall timeout would take for a hang.
+        gateway_args=["--max-prefill-queue-tokens", "0", "--max-queued-tokens", str(1 << 30),
+                      "--stall-timeout-s", "60"],
+        threads=args.decode_threads, timeout_s=900,
         env={"OTEL_SDK_DISABLED": "true"},
     )
     try:
@@ -239,6 +247,8 @@ def run_disaggregated(args, conversations: Conversations, caching: bool,
         result, sent = asyncio.run(drive())
         decode = deployment.stats("decode")
         result.kv_bytes, result.num_transfers = decode.num_transferred_bytes, decode.num_transfers
+        result.num_reused_blocks = decode.prefix_cache_reused_blocks
+        result.num_received_blocks = decode.prefix_cache_received_blocks
         deployment.wait_idle(60)
     finally:
         deployment.stop()
@@ -315,6 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a small run (8 users, 2 turns, 256 shared tokens)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the deployments' logs here")
     args = parser.parse_args(argv)
     if args.quick:
         args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens = 8, 2, 256, 16, 8
@@ -333,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, str, bool], RunResult] = {}
     fractions: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="baton-prefix-bench-") as tmp:
+        log_dir = args.log_dir or Path(tmp)
         for system in systems:
             for workload in workloads:
                 # Off first, then on: whatever warms up over a run favours the baseline.
@@ -341,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                     if system == "engine":
                         result, sent = run_engine(args, conversations, caching)
                     else:
-                        result, sent = run_disaggregated(args, conversations, caching, Path(tmp))
+                        result, sent = run_disaggregated(args, conversations, caching, log_dir)
                     result.system, result.caching = system, caching
                     results[(system, workload, caching)] = result
                     fractions.setdefault(workload, shared_fraction(sent, block_size))

@@ -104,7 +104,7 @@ def shared_prefix_workload(vocab_size: int, seed: int) -> tuple[list[list[int]],
     return prompts, max_tokens
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-hd32-untied-bias", "qwen2-gqa-hd32-qkv-bias"])
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_greedy_parity_with_shared_prefixes(name, mode, tmp_path):
     """Prefix caching on and off give transformers' tokens, with blocks shared between

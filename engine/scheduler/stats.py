@@ -121,11 +121,6 @@ class SchedulerStats:
     prefix_cache_received_blocks: int = 0
     prefix_cache_reused_blocks: int = 0
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        queried = self.prefix_cache_queried_tokens
-        return self.prefix_cache_hit_tokens / queried if queried else 0.0
-
 
 class SchedulerCounters:
     """Cumulative counts of the scheduler's work, and their snapshots over the recent window."""
