@@ -87,6 +87,8 @@ class RunResult:
             e2e_p50=float(np.percentile(self.e2e, 50)),
             cached_fraction=self.num_cached_tokens / max(self.num_prompt_tokens, 1),
             kv_bytes_per_request=None if self.kv_bytes is None else self.kv_bytes / self.num_requests,
+            reused_block_fraction=(None if not self.num_received_blocks
+                                   else self.num_reused_blocks / self.num_received_blocks),
         )
         return data
 

@@ -466,8 +466,7 @@ def test_a_handle_to_a_silent_peer_frees_the_blocks_when_the_call_ends(system, c
     The pull is now cancelled with its Decode call."""
     _, decode = stubs(system)
     with silent_peer(silent_address):
-        # A prompt of its own: one the decode worker's prefix cache held whole would not be pulled.
-        silent = [31, 32, 33, 34, 35, 36, 37, 38]
+        silent = [31, 32, 33, 34, 35, 36, 37, 38]  # its own: one the decode worker cached would not be pulled
         request = worker_pb2.DecodeRequest(request=work("silent", silent), first_token_id=3,
                                            kv_handle=handle("silent", silent_address))
         call = decode.Decode(request, timeout=60)
