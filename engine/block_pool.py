@@ -26,14 +26,13 @@ from engine.prefix_hash import BlockHash
 
 
 class BlockPool:
-    """A free list, reference counts and (with `enable_caching`) a content cache over
+    """A free list, reference counts and a content cache (blocks registered by hash) over
     block ids 0..num_blocks-1."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
             raise ValueError("num_blocks must be >= 0")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         # LIFO free list: the most recently freed (cache-warm) block is reused first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._ref_counts = [0] * num_blocks
@@ -191,6 +190,9 @@ class PrefixHit:
         return len(self.block_ids) * block_size
 
 
+NO_PREFIX = PrefixHit((), 0)
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Cumulative prefix-cache counts of one engine."""
@@ -237,7 +239,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks)
         self.swap_pool = BlockPool(num_swap_blocks)
         self.block_tables = np.zeros((initial_rows, max_blocks_per_seq), dtype=np.int64)
         self._free_rows: list[int] = list(range(initial_rows - 1, -1, -1))
@@ -302,9 +304,9 @@ class KVCacheManager:
     def match_prefix(self, hashes: Sequence[BlockHash]) -> PrefixHit:
         """The cached blocks of the longest run of `hashes` (a request's chain) from its start."""
         if not self.enable_prefix_caching or not hashes:
-            return PrefixHit((), 0)
-        block_ids = self.pool.match(hashes)
+            return NO_PREFIX
         pool = self.pool
+        block_ids = pool.match(hashes)
         return PrefixHit(tuple(block_ids), sum(pool.is_evictable(block_id) for block_id in block_ids))
 
     def num_blocks_to_admit(self, num_tokens: int, prefix: PrefixHit) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.prefix_hash import BlockHash, block_hashes
+from engine.prefix_hash import BlockHash, extend_block_hashes
 
 
 class PromptBlocks:
@@ -34,10 +34,15 @@ class PromptBlocks:
 
     def hashes(self, block_size: int) -> list[BlockHash]:
         """The hashes of every full block of the tokens."""
-        hashes = self._hashes.get(block_size)
-        if hashes is None:
-            hashes = self._hashes[block_size] = block_hashes(self.token_ids, block_size)
-        return hashes
+        hashes = self._hashes.setdefault(block_size, [])
+        return extend_block_hashes(hashes, self.token_ids, block_size, len(self.token_ids) // block_size)
+
+    def extended(self, token_ids: Sequence[int]) -> PromptBlocks:
+        """These tokens followed by `token_ids`: the chains hashed so far carry over (their
+        blocks are a prefix of the longer sequence's), only the new blocks are hashed."""
+        longer = PromptBlocks([*self.token_ids, *token_ids])
+        longer._hashes = {block_size: list(hashes) for block_size, hashes in self._hashes.items()}
+        return longer
 
 
 class PrefixIndex:

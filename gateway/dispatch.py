@@ -136,7 +136,7 @@ class Dispatcher:
                     yield event
             # The decode worker caches the blocks of its output too (all but the last token
             # has KV): a chat's next turn starts with them.
-            decode.routed(PromptBlocks([*work.prompt_token_ids, *generated[:-1]]))
+            decode.routed(prompt.extended(generated[:-1]))
         finally:
             for worker in attached:
                 worker.num_attached -= 1

@@ -102,3 +102,14 @@ def test_prefix_index_evicts_tails_before_heads():
     assert len(index) == 4
     assert index.matched([b"a", b"b", b"c"]) == 2  # c, the tail of the older chain, went first
     assert index.matched([b"x", b"y"]) == 2
+
+
+def test_an_extended_prompt_hashes_only_its_new_blocks_and_equals_a_fresh_chain():
+    from engine.prefix_hash import block_hashes
+    from gateway.affinity import PromptBlocks
+
+    prompt = PromptBlocks(list(range(10)))
+    assert prompt.hashes(4) == block_hashes(list(range(10)), 4)
+    longer = prompt.extended(list(range(10, 19)))
+    assert longer.hashes(4) == block_hashes(list(range(19)), 4)
+    assert longer.hashes(4)[:2] == prompt.hashes(4) and len(prompt.hashes(4)) == 2  # the original is untouched

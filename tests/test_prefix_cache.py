@@ -37,7 +37,7 @@ def test_hash_chain_names_a_block_by_everything_before_it():
 
 # ------------------------------------------------------------------ pool
 def test_pool_keeps_released_cached_blocks_and_evicts_least_recently_used():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     first = pool.allocate(2)
     assert pool.register(first[0], b"h0") and pool.register(first[1], b"h1")
     assert not pool.register(first[1], b"other"), "a block is cached under one hash"

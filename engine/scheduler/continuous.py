@@ -46,7 +46,7 @@ class ContinuousAdmission(AdmissionPolicy):
         """Whether the request's whole prompt (and growth room) fits in the unpromised free blocks
         (a cached prefix it would share takes only the cached blocks nobody holds)."""
         scheduler = self.scheduler
-        num_blocks = scheduler.kv.num_blocks_to_admit(request.num_tokens, scheduler.prefix_hit(request))
+        num_blocks = scheduler.kv.num_blocks_to_admit(request.num_tokens, scheduler.prefix.hit(request))
         available = scheduler.kv.num_free_blocks - promised
         if not scheduler.running and not scheduler.swapped:
             return num_blocks <= available

@@ -11,12 +11,9 @@ request's chain is hashed once, as far as it is needed, and kept on it.
 
 from __future__ import annotations
 
-from engine.block_pool import KVCacheManager, PrefixHit
+from engine.block_pool import NO_PREFIX, KVCacheManager, PrefixHit
 from engine.prefix_hash import extend_block_hashes
 from engine.request import PENDING_TOKEN, Request
-
-_NO_HIT = PrefixHit((), 0)
-
 
 class PrefixMatcher:
     def __init__(self, kv: KVCacheManager) -> None:
@@ -27,7 +24,7 @@ class PrefixMatcher:
         """The cached blocks a request admitted now would start with: of its whole prompt
         if its KV arrives from elsewhere, else of its tokens but the last."""
         if not self.kv.enable_prefix_caching:
-            return _NO_HIT
+            return NO_PREFIX
         if request.kv_remote:
             num_blocks = request.num_prompt_tokens // self.block_size
         else:
@@ -42,6 +39,8 @@ class PrefixMatcher:
         overlapped scheduling the last token may be one a step in flight sampled and has
         not reported (PENDING_TOKEN): its block waits for a later step, when the token is
         known (the hash chain must name real tokens)."""
+        if not self.kv.enable_prefix_caching:
+            return
         token_ids = request.all_token_ids
         num_known = len(token_ids) - (token_ids[-1] == PENDING_TOKEN)
         num_blocks = min(request.num_computed_tokens, num_known) // self.block_size

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import time
 
-from engine.block_pool import KVCacheManager, PrefixHit, cdiv
+from engine.block_pool import KVCacheManager, cdiv
 from engine.config import SchedulerConfig
 from engine.preemption import PreemptionCostModel, PreemptionKind
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
@@ -270,7 +270,7 @@ class Scheduler(KvHandoffStates):
         self.counters.record_entry(now - request.arrival_time if first else None)
         if not request.kv_remote and request.prefill_start_time is None:
             request.prefill_start_time = now
-        hit = self.prefix_hit(request)
+        hit = self.prefix.hit(request)
         if request.events is not None:
             request.record(Admitted(
                 queue_time_s=now - request.arrival_time, readmitted=not first, kv_remote=request.kv_remote,
@@ -310,10 +310,6 @@ class Scheduler(KvHandoffStates):
             assert ok
             return budget
         return self._schedule_admitted(out, request, num_new, budget)
-
-    def prefix_hit(self, request: Request) -> PrefixHit:
-        """The cached blocks a request admitted now would start with (PrefixMatcher.hit)."""
-        return self.prefix.hit(request)
 
     def _schedule_admitted(
         self, out: SchedulerOutput, request: Request, num_new: int, budget: int
@@ -386,7 +382,7 @@ class Scheduler(KvHandoffStates):
         Returns, per sampled request, where `resolve` writes its token in
         `all_token_ids` (None: appended).
         """
-        caching = self.kv.enable_prefix_caching
+        caching = self.kv.enable_prefix_caching  # (cache_computed checks it too: here no call at all when off)
         cache_computed = self.prefix.cache_computed
         for request, num_new in zip(out.requests, out.num_scheduled_tokens):
             request.num_computed_tokens += num_new

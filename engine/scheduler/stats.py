@@ -132,7 +132,7 @@ class SchedulerCounters:
         "num_steps_kv_blocked", "num_steps_seq_capped", "num_finished", "snapshots", "prefix",
     )
 
-    def __init__(self, prefix: PrefixCacheStats | None = None) -> None:
+    def __init__(self, prefix: PrefixCacheStats) -> None:
         # The KV manager's prefix-cache counts, snapshotted with the scheduler's own.
         self.prefix = prefix
         self.num_steps = 0
@@ -207,7 +207,7 @@ class SchedulerCounters:
             self.num_waiting_total, self.num_entries, self.num_preemptions[PreemptionKind.RECOMPUTE],
             self.num_preemptions[PreemptionKind.SWAP], self.num_swapped_blocks_out, len(self.queue_times),
             self.queue_time_total, self.num_steps_kv_blocked, self.num_steps_seq_capped,
-            self.prefix.num_queried_tokens if self.prefix else 0, self.prefix.num_hit_tokens if self.prefix else 0,
+            self.prefix.num_queried_tokens, self.prefix.num_hit_tokens,
         )
 
     def recent(self, now: float, num_kv_blocks: int) -> RecentStats:
