@@ -26,16 +26,17 @@ import itertools
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import grpc
+import torch
 
 from baton.runtime.clients import Metadata, PrefillWorkerClient
 from baton.runtime.metrics import TransferTally
 from baton.runtime.security import TlsConfig
 from baton.wire.records import KvHandle, OpenKvChannel, SendKv, SendKvAccepted, SendKvDone
 from engine.kv_cache import KVCache
+from engine.thread_device import device_executor
 from kvtransfer import (
     KvEndpoint,
     KvLayoutSpec,
@@ -82,12 +83,12 @@ class ReceiveResult:
 
 class _Channel:
     """One channel to a prefill worker: once opened, its transport; its transfers run one
-    at a time, on its own thread."""
+    at a time, on its own thread (on `device`, the cache's)."""
 
-    def __init__(self, address: str, index: int) -> None:
+    def __init__(self, address: str, index: int, device: torch.device) -> None:
         self.transport: KvTransport | None = None
         self.channel_id = ""
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-recv-{address}-{index}")
+        self.executor = device_executor(device, f"kv-recv-{address}-{index}")
         self.tags = itertools.count(1)
 
     def next_tag(self) -> int:
@@ -107,11 +108,11 @@ class _Peer:
     """One prefill worker: its client and its channels, the idle ones last-used first (so
     channels beyond the first open only when pulls overlap)."""
 
-    def __init__(self, address: str, tls: TlsConfig | None) -> None:
+    def __init__(self, address: str, tls: TlsConfig | None, device: torch.device) -> None:
         self.client = PrefillWorkerClient(address, tls=tls)
         self.refusals_logged: set[str] = set()  # refusals logged as errors (once each)
         self.ever_opened = False  # a channel to it opened once: it was reachable
-        self.channels = [_Channel(address, i) for i in range(MAX_CHANNELS_PER_PEER)]
+        self.channels = [_Channel(address, i, device) for i in range(MAX_CHANNELS_PER_PEER)]
         self.idle: asyncio.LifoQueue[_Channel] = asyncio.LifoQueue()
         for channel in reversed(self.channels):
             self.idle.put_nowait(channel)
@@ -125,6 +126,7 @@ class KvReceiver:
                  ports: tuple[int, int] | None = None) -> None:
         self.worker_id = worker_id
         self.kv_cache = kv_cache
+        self.device = kv_cache.blocks.device  # every thread that works on the cache makes it current
         self.layout = layout
         self.endpoint = endpoint  # our side of every channel
         self.host = host  # of the rendezvous store (gloo, nccl)
@@ -161,7 +163,7 @@ class KvReceiver:
     def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is None:
-            peer = self._peers[address] = _Peer(address, self.tls)
+            peer = self._peers[address] = _Peer(address, self.tls, self.device)
         return peer
 
     async def receive(self, handle: KvHandle, block_ids: list[int], trace_metadata: Metadata = None,
@@ -247,7 +249,10 @@ class KvReceiver:
         """Take a transport whose last receive failed in doubt off its channel (the next pull
         there opens a new one); the returned future is done once it has settled."""
         transport, channel.transport = channel.transport, None
-        settled = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        settled = loop.create_future()
+        # A thread of its own: the channel's next pull must not queue behind the waits.
+        executor = device_executor(self.device, f"kv-settle-{channel.channel_id}")
         logger.warning("KV pull of %s from %s failed with the sender perhaps still writing: its %d blocks stay "
                        "out of use until the sender answers or exits", handle.request_id, handle.prefill_address,
                        handle.num_blocks)
@@ -255,13 +260,16 @@ class KvReceiver:
         async def wait() -> None:
             try:
                 while not self._closing:
-                    if await asyncio.to_thread(transport.wait_settled, SETTLE_POLL_S):
+                    if await loop.run_in_executor(executor, transport.wait_settled, SETTLE_POLL_S):
                         settled.set_result(None)
                         return
             finally:
                 if not settled.done():  # shutting down: the fence is never lifted, the process ends
                     settled.cancel()
-                await asyncio.to_thread(transport.close)
+                try:
+                    await loop.run_in_executor(executor, transport.close)
+                finally:
+                    executor.shutdown(wait=False)
 
         task = asyncio.create_task(wait())
         self._settling.add(task)

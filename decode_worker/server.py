@@ -23,7 +23,9 @@ from baton.wire.records import DecodeRequest, FieldError, KvHandle, ReleaseKv, T
 from decode_worker.kv_receiver import KvReceiver, ReceiveResult
 from engine.async_engine import EngineDeadError
 from engine.outputs import KvReceive, RequestOutput
-from kvtransfer import KvLayoutMismatchError
+from kvtransfer import KvLayoutMismatchError, KvTransferError
+from kvtransfer.endpoint import receiver_shares_cache
+from kvtransfer.ipc_memory import export_cache
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +59,26 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             tally=self.transfers,
             tls=self.settings.tls,
         )
+        await self._share_cache()
         allowlist = self.settings.prefill_allowlist
         await allowlist.refresh(force=True)
         logger.info("decode worker %s pulls KV from %s", self.worker_id,
                     "any address a handle names (--allowed-prefill-workers unset)" if allowlist.is_open
                     else ", ".join(target.text for target in allowlist.targets.targets))
+
+    async def _share_cache(self) -> None:
+        """Export the KV cache for ipc channels (kvtransfer/ipc_memory.py) now, as the engine
+        thread's first command: nothing has stepped yet, and a request added meanwhile is
+        queued behind it, so no channel is offered before it is done. A CUDA export replaces
+        the cache storage's data pointer, so it must never run on the event loop while the
+        engine thread steps; every channel offered later reuses it."""
+        if not receiver_shares_cache(self.settings.kv_transport):
+            return
+        try:
+            await self.engine.call(lambda llm: export_cache(llm.kv_cache))
+        except KvTransferError as error:  # each ipc channel then fails with it, its prompt prefilled here
+            logger.error("decode worker %s cannot share its KV cache with prefill workers on this host: %s",
+                         self.worker_id, error)
 
     async def stop(self) -> None:
         await super().stop()

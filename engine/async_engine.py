@@ -29,6 +29,7 @@ from engine.engine import LLMEngine
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine.request import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.thread_device import use_device
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +236,7 @@ class AsyncEngine:
         engine = self.engine
         commands = self._commands
         try:
+            use_device(engine.device)  # before any step or command: this thread starts on cuda:0
             while not self._stopping:
                 self.heartbeat = time.monotonic()
                 if not engine.has_work():

@@ -1,12 +1,13 @@
 """The ipc transport: two processes on one host, the sender copying a request's blocks
 straight into the receiver's cache. No serialization and no socket in the data path.
 
-The receiver (decode worker) shares its whole cache once per channel: on CPU the cache
-lives in a memfd segment (engine/shared_memory.py) whose descriptor it passes over the
-channel's Unix socket (SCM_RIGHTS); on CUDA it passes a CUDA IPC handle of the cache's
-allocation (what torch.multiprocessing's tensor reductions send, as plain fields: no
-pickle). The sender maps it and, per transfer, copies each run of blocks from its
-cache into the receiver's (on CUDA on a stream of its own), then says so.
+The receiver (decode worker) shares its whole cache with each channel, exported once
+(ipc_memory.py; a decode worker exports it at startup): on CPU the cache lives in a
+memfd segment (engine/shared_memory.py) whose descriptor it passes over the channel's
+Unix socket (SCM_RIGHTS); on CUDA it passes a CUDA IPC handle of the cache's allocation
+(what torch.multiprocessing's tensor reductions send, as plain fields: no pickle).
+The sender maps it and, per transfer, copies each run of blocks from its cache into
+the receiver's (on CUDA on a stream of its own), then says so.
 
 The socket (an abstract-namespace SOCK_SEQPACKET socket, so no file to remove, and a
 message per frame) carries only control frames:

@@ -7,6 +7,11 @@ Each side does it once per cache, whatever the number of channels between them: 
 receiver exports its cache once (a CUDA export takes an IPC event and a ref-counter
 slot each time), and the sender maps a receiver's segment once while any channel still
 uses it (a mapping of a large cache costs page tables, and the time to build them).
+
+NOTE: a CUDA export writes to the cache: torch's `_share_cuda_` replaces the storage's
+data pointer (same address, a ref-counted context). A decode worker therefore exports
+its cache at startup, as its engine thread's first command, before anything steps
+(decode_worker/server.py); channels offered later reuse that export.
 """
 
 from __future__ import annotations
@@ -24,19 +29,27 @@ from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.transport import KvTransferError
 
 
-_exports: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache: (export, fds)
+# KVCache: (export, fds), or why it cannot be shared (tried once: it never could later).
+_exports: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _mappings: dict[tuple, weakref.ref] = {}  # a receiver's segment (device, inode, size, dtype): its rows here
 _lock = threading.Lock()
 
 
 def export_cache(kv_cache: KVCache) -> tuple[dict, list[int]]:
     """What the sender needs to map our cache's blocks, and the descriptors to pass it
-    (this process keeps them; the socket sends copies). KvTransferError if this cache
-    cannot be shared."""
+    (this process keeps them; the socket sends copies). Exported by the first call, which
+    must not race a step (see the NOTE above); later calls return the same. KvTransferError
+    if this cache cannot be shared."""
     with _lock:
         exported = _exports.get(kv_cache)
         if exported is None:
-            exported = _exports[kv_cache] = _export(kv_cache)
+            try:
+                exported = _export(kv_cache)
+            except KvTransferError as error:
+                exported = error
+            _exports[kv_cache] = exported
+    if isinstance(exported, KvTransferError):
+        raise KvTransferError(str(exported))
     return exported
 
 
@@ -50,8 +63,11 @@ def _export(kv_cache: KVCache) -> tuple[dict, list[int]]:
         return {"memory": "memfd", "num_bytes": memory.num_bytes}, [memory.fd]
     storage = blocks.untyped_storage()
     # NOTE: torch.multiprocessing's reduce_tensor sends these same fields for a CUDA tensor.
-    (device, handle, storage_bytes, storage_offset_bytes, ref_counter_handle, ref_counter_offset,
-     event_handle, event_sync_required) = storage._share_cuda_()
+    try:
+        (device, handle, storage_bytes, storage_offset_bytes, ref_counter_handle, ref_counter_offset,
+         event_handle, event_sync_required) = storage._share_cuda_()
+    except RuntimeError as error:  # an allocation CUDA IPC cannot hand out
+        raise KvTransferError(f"this worker's KV cache on {blocks.device} cannot be shared: {error}") from error
     return {
         "memory": "cuda",
         "gpu_uuid": gpu_uuid(blocks.device),

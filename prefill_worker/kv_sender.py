@@ -34,6 +34,7 @@ from baton.runtime.metrics import TransferTally
 from baton.wire.records import KvChannelOpened, OpenKvChannel, ReleaseKv, SendKv, SendKvAccepted, SendKvDone
 from engine.async_engine import AsyncEngine
 from engine.kv_cache import KVCache
+from engine.thread_device import device_executor
 from kvtransfer import (
     KvEndpoint,
     KvLayoutSpec,
@@ -84,7 +85,8 @@ class ChannelInUse(Exception):
 
 @dataclass
 class _Channel:
-    """An open channel to one decode worker; its transfers run one at a time on its thread."""
+    """An open channel to one decode worker; its transfers run one at a time on its thread
+    (on the cache's device)."""
 
     transport: KvTransport
     executor: ThreadPoolExecutor
@@ -212,7 +214,7 @@ class KvSender:
         if old is not None:  # broken: the id may be opened again
             del self._channels[rendezvous.channel_id]
             old.close()
-        executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-send-{rendezvous.channel_id}")
+        executor = device_executor(self.kv_cache.blocks.device, f"kv-send-{rendezvous.channel_id}")
         try:
             transport = await asyncio.get_running_loop().run_in_executor(executor, join, rendezvous, self.kv_cache)
         except BaseException:

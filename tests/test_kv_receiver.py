@@ -1,7 +1,8 @@
 """The decode worker's KV receiver, around its transport: a pull cancelled (once or twice)
 returns only once the receive writing into its blocks has ended, and a pull that fails
 in a way nobody foresaw is still reported, never raised (the request would otherwise
-stay RECEIVING with its blocks for good)."""
+stay RECEIVING with its blocks for good). And the decode worker shares its cache for ipc
+once, at startup, before anything steps."""
 
 from __future__ import annotations
 
@@ -10,14 +11,21 @@ import errno
 import threading
 import time
 
+import grpc
 import pytest
+import torch
 
+from baton.runtime.settings import DecodeWorkerSettings
 from baton.wire.records import SendKvAccepted, SendKvDone
 from decode_worker import kv_receiver
 from decode_worker.kv_receiver import KvReceiver, _Channel
-from kvtransfer import KvEndpoint, TransferStats
+from decode_worker.server import DecodeWorkerService
+from engine.kv_cache import KVCache, KVLayout
+from kvtransfer import KvEndpoint, TransferStats, TransportRefusedError, ipc_memory
+from tests.tiny_models import make_tiny_model
 
 HERE = KvEndpoint("decode-host", "boot/net:1", "cpu")
+CACHE = KVCache(KVLayout(2, 4, 2, 16, torch.float32), 8, 0)
 
 
 class _SlowTransport:
@@ -73,14 +81,14 @@ class _Tally:
 
 
 def _receiver(tally=None) -> KvReceiver:
-    return KvReceiver("decode-0", kv_cache=None, layout=None, endpoint=HERE, host="", timeout_s=5.0, verify=False,
+    return KvReceiver("decode-0", kv_cache=CACHE, layout=None, endpoint=HERE, host="", timeout_s=5.0, verify=False,
                       tally=tally or _Tally())
 
 
 @pytest.mark.parametrize("cancels", [1, 2, 3])
 def test_a_cancelled_pull_returns_only_once_its_receive_has_ended(cancels):
     async def scenario() -> bool:
-        channel = _Channel("prefill:1", 0)
+        channel = _Channel("prefill:1", 0, CACHE.blocks.device)
         transport = channel.transport = _SlowTransport()
         pull = asyncio.create_task(_receiver()._pull(_Client(), channel, "ipc", _Handle(), [5, 6], None))
         await asyncio.sleep(0.2)  # the receive is writing
@@ -121,8 +129,6 @@ def test_a_prefill_worker_this_worker_cannot_reach_is_one_clear_error(monkeypatc
     a deployment's error: every pull from it fails alike. Said once, loudly, with what to
     check, and kept as the worker's refusal (a `baton status` finding); each request is
     prefilled here. A peer that was reachable once and is gone later is lost, not that."""
-    import grpc
-
     from kvtransfer.connect import ChannelOffer
     from kvtransfer.transport import Rendezvous
 
@@ -160,3 +166,47 @@ def test_a_prefill_worker_this_worker_cannot_reach_is_one_clear_error(monkeypatc
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "10.9.9.9:50061" in errors[0] and "--advertise" in errors[0], errors
     assert "cannot reach each other" in receiver.last_refusal
+
+
+@pytest.mark.parametrize("kv_transport, num_exports", [("auto", 1), ("gloo", 0)])
+def test_the_decode_worker_shares_its_cache_once_before_anything_steps(tmp_path, monkeypatch, kv_transport,
+                                                                        num_exports):
+    """A CUDA export (torch's _share_cuda_) replaces the cache storage's data pointer: made
+    on the event loop when the first channel was offered, it raced the engine thread's steps
+    reading the cache. A decode worker that may use ipc now exports at startup, as its engine
+    thread's first command, and a channel offered later reuses that export (on CPU the
+    memfd export goes through the same export_cache)."""
+    exports = []
+    export = ipc_memory._export
+
+    def counted(kv_cache):
+        exports.append((threading.current_thread().name, service.engine.num_steps))
+        return export(kv_cache)
+
+    monkeypatch.setattr(ipc_memory, "_export", counted)
+    _, model_dir = make_tiny_model(tmp_path, "llama", 4, 2, 16, True, dtype=torch.float32)
+    settings = DecodeWorkerSettings(model=model_dir, dtype="float32", block_size=4, num_kv_blocks=64, threads=1,
+                                    kv_transport=kv_transport)
+    service = DecodeWorkerService(settings)
+
+    class Refusing(_Client):
+        async def open_kv_channel(self, request, timeout, metadata):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), details="no")
+
+    async def scenario() -> list:
+        await service.load("127.0.0.1:0")
+        try:
+            at_start = list(exports)
+            if num_exports:  # a channel offered later (the prefill worker refuses it)
+                channel = _Channel("prefill:1", 0, service.receiver.device)
+                with pytest.raises(TransportRefusedError):
+                    await service.receiver._open(Refusing(), channel, "ipc", None)
+                channel.close()
+            return at_start
+        finally:
+            await service.stop()
+
+    at_start = asyncio.run(scenario())
+    assert at_start == [("engine", 0)] * num_exports, "exported on the engine thread before its first step"
+    assert exports == at_start, "a channel offered later reuses the export"
