@@ -4,8 +4,9 @@ An eager decode step of a large model launches a kernel or more per op of every
 layer; at small batch the host's launches, not the GPU, set the pace. A step
 whose every sequence adds one token (decodes, and one-token chunks) instead runs
 on inputs that live at fixed device addresses, padded up to the nearest of a few
-batch sizes; each size's decoder pass is captured once as a CUDA graph and
-replayed with one launch (the LM head then runs on the sampled rows alone).
+batch sizes; each size's decoder pass is captured as a CUDA graph, once per
+split count of its contexts, and replayed with one launch (the LM head then runs
+on the sampled rows alone).
 
 Per padded size S (`graph_batch_sizes`: 1, 2, 4, 8, then every 8 to 256 and
 every 16 beyond, ending at max_num_seqs), the step's inputs are views of one
@@ -17,10 +18,19 @@ a pinned host buffer of the same layout:
 
 (each S rounded up to even, so every part stays 16-byte aligned.) W, the width of
 the tables, is the step's own (the longest context's blocks); the attention kernel
-reads it from the buffer (`AttentionBatch.table_stride`), so one graph serves every
+reads it from the buffer (`AttentionBatch.table_stride`), so a graph serves every
 width. Rows n..S-1 pad the batch: token 0 at position 0, one key of context in
 block 0, slot -1 (stored nowhere), never sampled. The query starts are the
 constant 0..S.
+
+The one launch parameter that follows the contexts is the split-KV count
+(engine/kernels/triton_attention.py). A step's is chosen for its own longest
+context rounded up to a power of 2 (`choose_static_num_splits`), not for
+max_model_len, so a graph is keyed by (padded size, splits) (`GraphKey`): a size
+has one graph per count it can get up to max_model_len. That is one graph where
+its (sequence, KV head) programs fill the SMs; for the smallest sizes a few (1
+split under 1024 keys of context, then a new count per doubling until the cap).
+Each graph's metadata is built for the longest context of its count (`context_bounds`).
 
 Steps with prefill chunks, and batches past the largest size, run eagerly. On CPU
 (tests) the same static batches run without capture: `StaticDecode(capture=False)`.
@@ -32,6 +42,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -68,25 +79,51 @@ def padded_batch_size(sizes: tuple[int, ...], num_seqs: int) -> int | None:
     return sizes[index] if index < len(sizes) else None
 
 
+def context_bounds(max_model_len: int) -> tuple[int, ...]:
+    """Ascending, the contexts after which a static step's split count can change: each
+    power of 2 and the length one short of it, then max_model_len. (The count is chosen
+    for the longest context rounded up to a power of 2, contexts short of a power-of-2
+    threshold never split, and it never falls as the context grows: the longest context
+    of each count is one of these.)"""
+    bounds = {n for k in range(max_model_len.bit_length()) for n in ((1 << k) - 1, 1 << k)}
+    return (*sorted(n for n in bounds if 0 < n < max_model_len), max_model_len)
+
+
 def _even(n: int) -> int:
     return n + n % 2
+
+
+class GraphKey(NamedTuple):
+    """Which graph runs a static step: its padded batch size and its contexts' split count."""
+
+    size: int
+    num_splits: int
 
 
 @dataclass(frozen=True, slots=True)
 class GraphCapture:
     """What capturing cost, reported at start."""
 
-    batch_sizes: tuple[int, ...]
+    batch_sizes: tuple[int, ...]  # the padded batch sizes
     seconds: float
-    memory_bytes: int  # device memory the graphs took (their pool), from the driver's count
+    # What this process's allocator took for the graphs (their pool): other processes on
+    # the GPU do not move it.
+    memory_bytes: int
+    graph_keys: tuple[GraphKey, ...]  # one graph each, largest first
+
+    @property
+    def max_num_splits(self) -> int:
+        return max(key.num_splits for key in self.graph_keys)
 
 
 class StaticDecode:
     """Decode-only steps on persistent, padded inputs; with `capture`, as CUDA graphs.
 
     `prepare` lays out a step (None when the step has prefill chunks or too many
-    sequences), `run` returns the logits of its sampled rows. The decoder pass is the
-    model's own: only where its inputs live, and how it is launched, differ.
+    sequences) and names its graph, `run` returns the logits of its sampled rows. The
+    decoder pass is the model's own: only where its inputs live, and how it is launched,
+    differ. The backend must be one with `supports_static_batches` and a
+    `num_decode_splits` (the Triton one).
     """
 
     def __init__(
@@ -112,24 +149,33 @@ class StaticDecode:
         self.max_model_len = max_model_len
         self.num_heads = num_heads
         self.device = device
+        self.num_kv_heads = kv_layers[0][0].shape[2]
         self.max_width = kv.max_blocks_per_seq
         largest = batch_sizes[-1]
         self.buffer = torch.zeros(self._num_elements(largest, self.max_width), dtype=torch.int64, device=device)
         self.query_start = torch.arange(largest + 1, dtype=torch.int64, device=device)
-        self._batches: dict[int, tuple[ForwardBatch, object]] = {}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Every graph a step can need, with the longest context it serves: its metadata's bound.
+        self.max_seq_lens = graph_keys(backend, batch_sizes, max_model_len, self.num_kv_heads)
+        self._batches: dict[GraphKey, tuple[ForwardBatch, object]] = {}
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @staticmethod
     def _num_elements(size: int, width: int) -> int:
         return _NUM_ROW_PARTS * _even(size) + 2 + size * width
 
+    def graph_key(self, size: int, max_seq_len: int) -> GraphKey:
+        """The graph of a step of padded size `size` whose longest context is max_seq_len."""
+        return _graph_key(self.backend, size, max_seq_len, self.num_kv_heads)
+
     # ------------------------------------------------------------------ inputs
-    def _views(self, size: int) -> tuple[ForwardBatch, object]:
-        """The step inputs of padded size `size` (views of the buffer) and their attention
-        metadata: built once per size, the same objects every step."""
-        cached = self._batches.get(size)
+    def _views(self, key: GraphKey) -> tuple[ForwardBatch, object]:
+        """The step inputs of padded size `key.size` (views of the buffer) and their attention
+        metadata for `key.num_splits` splits: built once per graph, the same objects every step."""
+        cached = self._batches.get(key)
         if cached is not None:
             return cached
+        size = key.size
+        max_seq_len = self.max_seq_lens[key]
         stride = _even(size)
         parts = [self.buffer[i * stride : i * stride + size] for i in range(_NUM_ROW_PARTS)]
         ids, positions, slots, seq_lens, samples, pending_rows, pending_sources = parts
@@ -144,8 +190,8 @@ class StaticDecode:
             block_tables=tables,
             num_decode_tokens=size,
             max_query_len=1,
-            max_seq_len=self.max_model_len,
-            decode_max_seq_len=self.max_model_len,
+            max_seq_len=max_seq_len,  # the bound of the contexts this graph serves: its splits
+            decode_max_seq_len=max_seq_len,
             prefills=(),
             table_stride=table_stride,
         )
@@ -154,7 +200,7 @@ class StaticDecode:
             attn,
             block_size=self.kv.block_size,
             num_heads=self.num_heads,
-            num_kv_heads=layout.shape[2],
+            num_kv_heads=self.num_kv_heads,
             head_dim=layout.shape[3],
             dtype=layout.dtype,
         )
@@ -168,12 +214,13 @@ class StaticDecode:
             pending_rows=pending_rows,
             pending_sources=pending_sources,
         )
-        self._batches[size] = (batch, metadata)
+        self._batches[key] = (batch, metadata)
         return batch, metadata
 
-    def prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, int] | None:
+    def prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, GraphKey] | None:
         """Write a decode-only step into the buffer (one copy) and return its batch, cut to
-        its n real rows, and its padded size; None if the step is not one of those."""
+        its n real rows, and its graph (padded size, splits); None if the step is not one
+        of those."""
         requests = out.requests
         num_seqs = len(requests)
         size = padded_batch_size(self.batch_sizes, num_seqs)
@@ -182,7 +229,8 @@ class StaticDecode:
         kv = self.kv
         d = decode_rows(requests, kv)
         num_pending = len(d.pending_rows)
-        width = (int(d.positions.max()) // kv.block_size) + 1
+        max_seq_len = int(d.positions.max()) + 1
+        width = (max_seq_len - 1) // kv.block_size + 1
         sample_rows = d.sample_rows
 
         stride = _even(size)
@@ -209,7 +257,8 @@ class StaticDecode:
         table_part[num_seqs:] = 0
         self.buffer[: len(flat)].copy_(host, non_blocking=True)
 
-        full, _ = self._views(size)
+        key = self.graph_key(size, max_seq_len)
+        full, _ = self._views(key)
         num_sampled = len(sample_rows)
         batch = ForwardBatch(
             input_ids=full.input_ids,
@@ -221,55 +270,61 @@ class StaticDecode:
             pending_rows=full.pending_rows[:num_pending] if num_pending else None,
             pending_sources=full.pending_sources[:num_pending] if num_pending else None,
         )
-        return batch, size
+        return batch, key
 
     # --------------------------------------------------------------- running
-    def run(self, batch: ForwardBatch, size: int) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
         """Logits [S, V] of the batch's sampled rows (its inputs already in the buffer).
 
         The graph holds the decoder only: the LM head runs on the sampled rows after it,
         so no padding row's logits are computed, and the graphs' pool keeps one small
-        [size, hidden] output per size rather than a vocabulary-wide one."""
-        graph = self._graphs.get(size)
+        [size, hidden] output per graph rather than a vocabulary-wide one."""
+        graph = self._graphs.get(key)
         if graph is not None:
             graph[0].replay()
             hidden = graph[1]
         else:
-            hidden = self._forward(size)
-        if len(batch.sample_requests) != size:
+            hidden = self._forward(key)
+        if len(batch.sample_requests) != key.size:
             hidden = hidden.index_select(0, batch.sample_indices)
         return self.model.compute_logits(hidden)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, key: GraphKey) -> torch.Tensor:
         """The padded forward pass over every row: hidden states [size, hidden]."""
-        full, metadata = self._views(size)
+        full, metadata = self._views(key)
         return self.model(full.input_ids, full.positions, self.kv_layers, full.attn, metadata)
 
     # --------------------------------------------------------------- capture
     @torch.inference_mode()
     def capture(self) -> GraphCapture:
-        """Capture every size's decoder pass as a CUDA graph, largest first, all in one
+        """Capture every (size, splits) decoder pass as a CUDA graph, largest first, all in one
         memory pool (they never run at once), after warm-up runs that compile every kernel."""
         assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
+        # What the pool took, read from this process's allocator (other processes move the
+        # driver's free count); with its cache dropped at both readings, what the warm-ups
+        # freed is not counted, and what the live graphs hold is.
         torch.cuda.synchronize(self.device)
-        free_before, _ = torch.cuda.mem_get_info(self.device)
+        torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(self.device)
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.batch_sizes):
-            self._fill_padding(size)
+        keys = tuple(sorted(self.max_seq_lens, reverse=True))  # by size, then splits
+        for key in keys:
+            self._fill_padding(key.size)
             for _ in range(2):
-                self._forward(size)
+                self._forward(key)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self._forward(size)
-            self._graphs[size] = (graph, hidden)
+                hidden = self._forward(key)
+            self._graphs[key] = (graph, hidden)
         torch.cuda.synchronize(self.device)
-        free_after, _ = torch.cuda.mem_get_info(self.device)
-        report = GraphCapture(self.batch_sizes, time.perf_counter() - started, free_before - free_after)
-        logger.info("captured %d CUDA graphs of decode steps (batch sizes %d-%d) in %.1f s, %.0f MiB",
-                    len(report.batch_sizes), report.batch_sizes[0], report.batch_sizes[-1], report.seconds,
-                    report.memory_bytes / 2**20)
+        torch.cuda.empty_cache()
+        memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        report = GraphCapture(self.batch_sizes, time.perf_counter() - started, memory_bytes, keys)
+        logger.info("captured %d CUDA graphs of decode steps (batch sizes %d-%d, up to %d context splits) "
+                    "in %.1f s, %.0f MiB", len(keys), report.batch_sizes[0], report.batch_sizes[-1],
+                    report.max_num_splits, report.seconds, report.memory_bytes / 2**20)
         return report
 
     def _fill_padding(self, size: int) -> None:
@@ -282,3 +337,28 @@ class StaticDecode:
         tail = _NUM_ROW_PARTS * stride
         buffer[tail].fill_(1)
         buffer[tail + 2 : tail + 2 + size].zero_()
+
+
+def _graph_key(backend: AttentionBackend, size: int, max_seq_len: int, num_kv_heads: int) -> GraphKey:
+    return GraphKey(size, backend.num_decode_splits(size, num_kv_heads, max_seq_len, is_static=True))
+
+
+def graph_keys(backend: AttentionBackend, batch_sizes: tuple[int, ...], max_model_len: int,
+               num_kv_heads: int) -> dict[GraphKey, int]:
+    """Every graph a static step can need, with the longest context each serves."""
+    keys: dict[GraphKey, int] = {}
+    for size in batch_sizes:
+        for seq_len in context_bounds(max_model_len):  # ascending: the last of a key is its longest
+            keys[_graph_key(backend, size, seq_len, num_kv_heads)] = seq_len
+    return keys
+
+
+def static_decode_bytes(backend: AttentionBackend, batch_sizes: tuple[int, ...], max_model_len: int,
+                        block_size: int, num_kv_heads: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Device memory the static decode path keeps while it lives, besides its graphs' working
+    memory (engine/memory.py reserves it before sizing the KV cache): the int64 input buffer
+    and each graph's [size, hidden] output."""
+    largest = batch_sizes[-1]
+    buffer = (StaticDecode._num_elements(largest, -(-max_model_len // block_size)) + largest + 1) * 8
+    keys = graph_keys(backend, batch_sizes, max_model_len, num_kv_heads)
+    return buffer + sum(key.size for key in keys) * hidden_size * torch.empty(0, dtype=dtype).element_size()

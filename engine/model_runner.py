@@ -146,12 +146,12 @@ class ModelRunner:
         if out.requests:
             static = self.static_decode.prepare(out) if self.static_decode is not None else None
             if static is not None:
-                batch, size = static
+                batch, graph_key = static
             else:
                 batch = prepare_forward_batch(out, self.kv_manager, self.device)
             batch.fill_pending_inputs(None if previous is None else previous.sampled_token_ids)
             if static is not None:
-                logits = self.static_decode.run(batch, size)
+                logits = self.static_decode.run(batch, graph_key)
             else:
                 logits = self._forward(batch)
             sample_requests = batch.sample_requests

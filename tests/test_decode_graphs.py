@@ -15,12 +15,27 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.decode_graphs import StaticDecode, graph_batch_sizes, padded_batch_size
+from engine.attention import get_attention_backend
+from engine.block_pool import KVCacheManager
+from engine.decode_graphs import (
+    GraphKey,
+    StaticDecode,
+    context_bounds,
+    graph_batch_sizes,
+    padded_batch_size,
+    static_decode_bytes,
+)
+from engine.envs import use_triton_interpreter
 from engine.request import PENDING_TOKEN
+from tests.test_handoff import handoff
 from tests.test_parity import TINY_CONFIGS, mixed_workload
 from tests.tiny_models import hf_greedy, make_tiny_model
 
 pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    use_triton_interpreter()
+
+from engine.kernels.triton_attention import choose_num_splits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -83,10 +98,11 @@ def test_a_step_is_written_as_the_layout_says(tiny_triton):
     requests[1].all_token_ids[-1] = PENDING_TOKEN
     requests[1].pending_sample_index = 2
     static: StaticDecode = engine.runner.static_decode
-    batch, size = static.prepare(sched_out)
-    assert size == 4  # 3 sequences padded to the next graph size
+    batch, key = static.prepare(sched_out)
+    assert key == GraphKey(size=4, num_splits=1)  # 3 sequences padded to the next graph size
+    size = key.size
 
-    full = static._views(size)[0]
+    full = static._views(key)[0]
     block_size = engine.kv_manager.block_size
     positions = [r.num_computed_tokens for r in requests]
     assert full.positions.tolist() == positions + [0]
@@ -135,7 +151,7 @@ def test_static_path_gives_the_normal_paths_tokens(tiny_triton):
     def counting_prepare(out):
         prepared = prepare(out)
         if prepared is not None:
-            static_steps.append(prepared[1])
+            static_steps.append(prepared[1].size)
             pending.append(prepared[0].pending_rows is not None)
         return prepared
 
@@ -148,3 +164,95 @@ def test_static_path_gives_the_normal_paths_tokens(tiny_triton):
     assert stats.num_preemptions_swap > 0 and stats.num_preemptions_recompute > 0
     llm.engine.check_integrity()
     assert llm.engine.kv_manager.num_free_blocks == 40
+
+
+# ------------------------------------------------------------------ split-KV per step
+def split_backend(num_sms: int = 132):
+    """The Triton backend as if on a GPU of num_sms SMs: only its split counts change (the
+    interpreter runs a split launch exactly as a GPU would)."""
+    backend = get_attention_backend("triton", DEVICE)
+    backend.num_sms = num_sms
+    return backend
+
+
+def test_graphs_at_llama_8b_shapes_follow_the_longest_context():
+    """Llama-3.1-8B (8 KV heads) on 132 SMs, 256 sequences, 128k context: a size whose
+    programs fill the SMs has one graph, the smallest a few (at most 5), one per split count
+    a step's longest context can give; each graph's metadata splits as its key says and is
+    built for the longest context that key serves."""
+    max_model_len, block_size, num_kv_heads = 131072, 16, 8
+    kv = KVCacheManager(16, 0, block_size, max_model_len // block_size, initial_rows=1)
+    layer = torch.empty(1, block_size, num_kv_heads, 128, device=DEVICE)
+    static = StaticDecode(None, [(layer, layer)], kv, split_backend(132), batch_sizes=graph_batch_sizes(256),
+                          max_model_len=max_model_len, num_heads=32, device=torch.device(DEVICE))
+    keys = static.max_seq_lens
+    splits = {size: [key.num_splits for key in keys if key.size == size] for size in static.batch_sizes}
+    assert splits[1] == [1, 4, 8, 16, 32] and splits[2] == [1, 4, 8, 16, 17] and splits[16] == [1, 3]
+    assert all(splits[size] == [1] for size in static.batch_sizes if size * num_kv_heads >= 132)
+    assert max(map(len, splits.values())) == 5 and len(keys) == 49  # one per size (35) before
+    for key, max_seq_len in keys.items():
+        assert static._views(key)[1].num_splits == key.num_splits
+        assert static.graph_key(key.size, max_seq_len) == key
+        if max_seq_len < max_model_len:  # the longest context of its count
+            assert static.graph_key(key.size, max_seq_len + 1) != key
+    for seq_len in (1, 500, 1023, 1024, 1025, 3000, 4096, 4097, 100_000, max_model_len):
+        bucket = seq_len if seq_len < 1024 else 1 << (seq_len - 1).bit_length()
+        key = static.graph_key(1, seq_len)
+        assert key.num_splits == choose_num_splits(1, num_kv_heads, bucket, 132)
+        assert choose_num_splits(1, num_kv_heads, seq_len, 132) <= key.num_splits
+        assert keys[key] >= seq_len  # a graph's bound holds every context it serves
+    assert static.graph_key(1, 1023).num_splits == 1 and static.graph_key(1, 1024).num_splits == 4
+    # What sizing the KV cache keeps for these graphs besides their pool (engine/memory.py):
+    # the input buffers this object holds, and one bfloat16 [size, 4096] output per graph.
+    inputs = sum(t.numel() * t.element_size() for t in (static.buffer, static.query_start))
+    outputs = sum(key.size for key in keys) * 4096 * 2
+    assert static_decode_bytes(static.backend, static.batch_sizes, max_model_len, block_size, num_kv_heads, 4096,
+                               torch.bfloat16) == inputs + outputs
+    assert context_bounds(1500) == (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 511, 512,
+                                    1023, 1024, 1500)
+
+
+def test_a_static_step_splits_for_its_own_context(tmp_path):
+    """One sequence decoding across 1024 keys of context, on a backend faking 132 SMs: its
+    steps run 1 split under 1024 keys, then more (the count for the context rounded up to a
+    power of 2, never more), and the tokens stay transformers' greedy ones. The prompt is
+    prefilled by an engine on the cpu backend and handed over (the interpreter would take
+    minutes over 1022 tokens); the decode steps, the subject, run the Triton kernels."""
+    arch, heads, kv_heads, head_dim, tied, extra = TINY_CONFIGS["llama3-rope-gqa-hd16"]
+    hf_model, model_dir = make_tiny_model(tmp_path, arch, heads, kv_heads, head_dim, tied, dtype=torch.float32,
+                                          **extra)
+    hf_model.config.max_position_embeddings = 2048  # room for contexts that split
+    hf_model.save_pretrained(model_dir)
+    prompt = torch.randint(3, hf_model.config.vocab_size, (1022,), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with torch.device(DEVICE):
+        expected = hf_greedy(hf_model.to(DEVICE), prompt, params.max_tokens)
+
+    prefill_engine = LLM(model_dir, device=DEVICE, dtype="float32", attention_backend="auto", block_size=4,
+                         max_num_batched_tokens=1024).engine
+    engine = make_llm(model_dir, static=False, max_num_seqs=2).engine
+    runner = engine.runner
+    static = StaticDecode(runner.model, runner.kv_cache.layers, runner.kv_manager, split_backend(132),
+                          batch_sizes=graph_batch_sizes(2), max_model_len=engine.max_model_len,
+                          num_heads=runner.num_heads, device=runner.device)
+    runner.static_decode = static
+    steps = []  # (longest context, graph) of each static step
+    prepare = static.prepare
+
+    def recording_prepare(out):
+        prepared = prepare(out)
+        if prepared is not None:
+            key = prepared[1]
+            assert static._views(key)[1].num_splits == key.num_splits  # what the kernels launch with
+            steps.append((out.requests[0].num_computed_tokens + 1, key))
+        return prepared
+
+    static.prepare = recording_prepare
+    outputs = handoff(prefill_engine, engine, {"r": prompt}, params)
+    assert outputs["r"] == expected
+    assert [seq_len for seq_len, _ in steps] == [1023, 1024, 1025]
+    for seq_len, key in steps:
+        bucket = 1 << (seq_len - 1).bit_length()
+        assert key.size == 1 and key.num_splits <= choose_num_splits(1, kv_heads, bucket, 132)
+    assert [key.num_splits for _, key in steps] == [1, 4, 8]  # under 1024 keys; 1024; 2048 rounded up

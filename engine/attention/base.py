@@ -61,7 +61,8 @@ class AttentionBatch:
     decode_max_seq_len: int
     prefills: tuple[PrefillChunk, ...]  # sequences D..B-1 again, one record each
     # A static decode batch (engine/decode_graphs.py) keeps its launches the same every
-    # step: `max_seq_len` is then a bound (max_model_len), and block_tables' row stride,
+    # step: `max_seq_len` is then a bound (the longest context its graph serves, which sets
+    # its split count), and block_tables' row stride,
     # the width written that step, is this [1] int64 tensor's value rather than its shape's.
     table_stride: torch.Tensor | None = None
 

@@ -23,7 +23,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.attention.torch_backend import slot_view
-from engine.kernels.triton_attention import choose_num_splits, paged_attention
+from engine.kernels.triton_attention import choose_num_splits, choose_static_num_splits, paged_attention
 from engine.kernels.triton_ops import rope_and_store_kv
 
 
@@ -56,6 +56,13 @@ class TritonAttentionBackend(AttentionBackend):
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         )
 
+    def num_decode_splits(self, num_seqs: int, num_kv_heads: int, max_seq_len: int, *, is_static: bool) -> int:
+        """Parts each context of a decode-only batch is split into on this device. A static
+        batch (engine/decode_graphs.py) gets few distinct counts (`choose_static_num_splits`):
+        each is a CUDA graph of its own."""
+        choose = choose_static_num_splits if is_static else choose_num_splits
+        return choose(num_seqs, num_kv_heads, max_seq_len, self.num_sms)
+
     def build_metadata(
         self,
         batch: AttentionBatch,
@@ -67,7 +74,9 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> TritonAttentionMetadata:
         num_splits = 1
         if batch.max_query_len == 1:
-            num_splits = choose_num_splits(batch.num_seqs, num_kv_heads, batch.max_seq_len, self.num_sms)
+            # NOTE: a static batch's max_seq_len is the longest context its launches serve.
+            num_splits = self.num_decode_splits(batch.num_seqs, num_kv_heads, batch.max_seq_len,
+                                                is_static=batch.table_stride is not None)
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             query_start=batch.query_start,

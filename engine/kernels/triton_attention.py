@@ -250,15 +250,29 @@ def _launch_params(
     return _LaunchParams(block_q=block_q, tile_n=tile_n or default_tile_n, num_warps=4, num_stages=2)
 
 
+# Shorter contexts are never split: one program per (sequence, KV head) reads them quickly.
+MIN_SPLIT_SEQ_LEN = 1024
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Splits of the context for a decode-only batch: 1 unless the (sequence, KV head)
     programs leave SMs idle and contexts are long; then about two programs per SM,
     each split covering at least 256 keys, at most 32 splits."""
     num_programs = num_seqs * num_kv_heads
-    if num_programs >= num_sms or max_seq_len < 1024:
+    if num_programs >= num_sms or max_seq_len < MIN_SPLIT_SEQ_LEN:
         return 1
     wanted = math.ceil(2 * num_sms / num_programs)
     return max(1, min(wanted, max_seq_len // 256, 32))
+
+
+def choose_static_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """`choose_num_splits` for a static decode batch (a CUDA graph's, engine/decode_graphs.py):
+    for its longest context rounded up to a power of 2, so that a batch size gets a new
+    split count (a graph) at most once per doubling of the context. Contexts too short to
+    split keep 1. Never fewer splits than `choose_num_splits` gives the context itself."""
+    if max_seq_len < MIN_SPLIT_SEQ_LEN:
+        return 1
+    return choose_num_splits(num_seqs, num_kv_heads, triton.next_power_of_2(max_seq_len), num_sms)
 
 
 def paged_attention(
