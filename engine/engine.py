@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,9 +14,9 @@ from engine.block_pool import KVCacheManager, cdiv
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize
 from engine.kv_cache import KVCache, KVLayout
-from engine.memory import profile_kv_cache_budget
+from engine.memory import GraphReserve, check_share_is_free, kv_cache_budget, profile_memory, read_device_memory
 from engine.model.loader import LoadedModel, load_model
-from engine.decode_graphs import GraphCapture
+from engine.decode_graphs import GraphCapture, graph_batch_sizes, static_decode_bytes
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine.preemption import PreemptionCostModel
@@ -23,7 +24,10 @@ from engine.request import PENDING_TOKEN, InvalidRequestError, Request, RequestS
 from engine.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.thread_device import use_device
 from engine.timeline import FirstDecodeStep, PrefillChunk, StepBatch
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -41,9 +45,16 @@ class LLMEngine:
                 raise ValueError(f"device {config.device!r}: this machine has no CUDA device torch can use")
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            # Triton launches on the current device, whatever its tensors' device: one
-            # engine per process, so its device becomes the process's.
-            torch.cuda.set_device(self.device)
+            # Triton launches on the current device, whatever its tensors' device, and the
+            # current device is per thread: this (loading) thread's here, the engine and KV
+            # threads' as they start (engine/thread_device.py).
+            use_device(self.device)
+        # This process's share of the GPU must be free before anything is loaded (engine/memory.py).
+        memory_at_start = None
+        self.graph_reserve_bytes: int | None = None  # what sizing the KV cache kept for the graphs
+        if self.device.type == "cuda" and not config.cache.is_sized:
+            memory_at_start = read_device_memory(self.device)
+            check_share_is_free(memory_at_start, config.cache.gpu_memory_utilization, self.device)
         if loaded is None:
             loaded = load_model(
                 config.model, config.dtype, config.max_model_len, config.attention_backend,
@@ -64,11 +75,20 @@ class LLMEngine:
             dtype=config.dtype,
         )
         bytes_per_block = self.kv_layout.bytes_per_block
+        # CUDA graphs of decode steps: on a GPU, unless enforce_eager or the backend cannot.
+        backend = loaded.model.attention_backend
+        graph_sizes = ()
+        if self.device.type == "cuda" and not config.enforce_eager and backend.supports_static_batches:
+            graph_sizes = graph_batch_sizes(config.scheduler.max_num_seqs)
         free_bytes = None
-        if self.device.type == "cuda" and not config.cache.is_sized:
-            free_bytes = profile_kv_cache_budget(
-                loaded.model, self.kv_layout, config, self.max_model_len, self.device
-            )
+        if memory_at_start is not None:
+            reserve = None if not graph_sizes else GraphReserve(graph_sizes[-1], static_decode_bytes(
+                backend, graph_sizes, self.max_model_len, block_size, arch.num_kv_heads, arch.hidden_size,
+                config.dtype))
+            profile = profile_memory(loaded.model, self.kv_layout, config, self.max_model_len, self.device,
+                                     memory_at_start, reserve)
+            free_bytes = kv_cache_budget(profile, config.cache.gpu_memory_utilization, bytes_per_block)
+            self.graph_reserve_bytes = profile.graph_reserve_bytes
         num_blocks = config.cache.resolve_num_blocks(bytes_per_block, free_bytes)
         num_swap_blocks = config.cache.resolve_num_swap_blocks(bytes_per_block)
         self.kv_manager = KVCacheManager(
@@ -92,12 +112,16 @@ class LLMEngine:
             num_heads=arch.num_heads,
             seed=config.seed,
         )
-        # CUDA graphs of decode steps: on a GPU, unless enforce_eager or the backend cannot.
         self.graph_capture: GraphCapture | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.runner.backend.supports_static_batches:
+        if graph_sizes:
             self.graph_capture = self.runner.use_static_decode(
                 config.scheduler.max_num_seqs, self.max_model_len, capture=True
             )
+            reserve = self.graph_reserve_bytes
+            if reserve is not None and self.graph_capture.memory_bytes > reserve:
+                logger.warning("the CUDA graphs took %.0f MiB, more than the %.0f MiB kept for them when the KV "
+                               "cache was sized: lower gpu_memory_utilization if the GPU runs out of memory",
+                               self.graph_capture.memory_bytes / 2**20, reserve / 2**20)
         # Overlapped scheduling: the step launched last, its tokens not yet reported.
         overlap = config.overlap_scheduling
         self.overlap = overlap if overlap is not None else self.device.type == "cuda"

@@ -208,7 +208,7 @@ def test_baton_up_lays_the_workers_out_on_gpus():
     roles = role_args(shared)
     assert flags(roles.worker, "--kv-transport") == ["auto"]
     assert flags(roles.worker + roles.prefill, "--gpu-memory-utilization")[-1] == "0.2000"  # 0.25 of 0.8
-    assert flags(roles.worker + roles.decode, "--gpu-memory-utilization")[-1] == "0.8"
+    assert flags(roles.worker + roles.decode, "--gpu-memory-utilization")[-1] == "0.6000"  # the rest of 0.8
     assert flags(roles.prefill, "--device") == flags(roles.decode, "--device") == ["cuda"]
 
     split = parse(UpSettings, ["--device", "cuda", "--devices", "0,1", "--kv-transport", "nccl"])

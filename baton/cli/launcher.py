@@ -105,7 +105,7 @@ class UpSettings:
 
     @property
     def shares_a_gpu(self) -> bool:
-        """Both workers on one GPU: each sizes its KV cache from what the one before left."""
+        """Both workers on one GPU: each takes its share of --gpu-memory-utilization."""
         return device_type(self.device) == "cuda" and not self.colocated and len(set(self.devices)) < 2
 
     def worker_devices(self) -> tuple[str, str]:
@@ -138,11 +138,12 @@ def role_args(settings: UpSettings) -> RoleArgs:
     prefill_device, decode_device = settings.worker_devices()
     prefill, decode = ["--device", prefill_device], ["--device", decode_device]
     if settings.shares_a_gpu:
-        # The prefill worker starts first and takes its share; the decode worker, started once
-        # it serves, counts the prefill worker's memory as taken (engine/memory.py) and sizes
-        # its cache from the rest of the same utilization.
+        # Each worker's --gpu-memory-utilization is its own share of the GPU (engine/memory.py):
+        # the prefill worker takes --prefill-memory-fraction of the whole, the decode worker the
+        # rest. The decode worker starts once the prefill worker serves, so each finds its share free.
         share = settings.gpu_memory_utilization * settings.prefill_memory_fraction
         prefill += ["--gpu-memory-utilization", f"{share:.4f}"]
+        decode += ["--gpu-memory-utilization", f"{settings.gpu_memory_utilization - share:.4f}"]
     if settings.kv_cache_memory is not None:
         worker += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
     if settings.verify_kv:
