@@ -1,9 +1,12 @@
-"""Shared fixtures: thread count for 2-core CI, the real SmolLM2 model loaded once, and a
-Generation stub on the gateway of a module's deployment (its `system` fixture)."""
+"""Shared fixtures: thread count for 2-core CI, the real SmolLM2 model loaded once, a
+Generation stub on the gateway of a module's deployment (its `system` fixture), and GPU
+memory given back after every test on a GPU."""
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 import grpc
 import pytest
@@ -22,18 +25,20 @@ configure_process(num_threads=int(os.environ.get("BATON_TEST_THREADS", "2")))
 # such as /dev/shm and network namespaces, which concurrency would disturb).
 PARALLEL_FILES = frozenset({
     "test_admission.py", "test_affinity.py", "test_attention.py", "test_block_pool_properties.py",
-    "test_decode_graphs.py", "test_deploy.py", "test_detokenizer.py", "test_engine.py", "test_gpu.py",
-    "test_gpu_benchmark.py", "test_handoff.py", "test_kernels.py", "test_model.py", "test_otlp_sink.py",
-    "test_overlap.py", "test_parity.py", "test_prefix_cache.py", "test_sampler.py", "test_sampling_params.py",
-    "test_scheduler.py", "test_source_rules.py", "test_triton_engine.py", "test_triton_kernels.py",
+    "test_cuda_threads.py", "test_decode_graphs.py", "test_deploy.py", "test_detokenizer.py", "test_engine.py",
+    "test_gpu.py", "test_gpu_benchmark.py", "test_gpu_memory.py", "test_handoff.py", "test_kernels.py",
+    "test_model.py", "test_otlp_sink.py", "test_overlap.py", "test_parity.py", "test_prefix_cache.py",
+    "test_sampler.py", "test_sampling_params.py", "test_scheduler.py", "test_source_rules.py",
+    "test_triton_engine.py", "test_triton_kernels.py",
 })
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests in PARALLEL_FILES are marked `parallel`. Tests marked `gpu` need CUDA: skipped
-    where torch sees no GPU (`make test-gpu` runs them)."""
+    """Tests in PARALLEL_FILES are marked `parallel`, but for those that start processes on
+    the GPU (`gpu_servers`). Tests marked `gpu` need CUDA: skipped where torch sees no GPU
+    (`make test-gpu` runs them)."""
     for item in items:
-        if item.path.name in PARALLEL_FILES:
+        if item.path.name in PARALLEL_FILES and item.get_closest_marker("gpu_servers") is None:
             item.add_marker(pytest.mark.parallel)
     if torch.cuda.is_available():
         return
@@ -41,6 +46,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory():
+    """After each test in a process that uses CUDA (the `gpu` tests, the Triton tests run
+    natively), the memory the test left cached in this process's allocator goes back to the
+    GPU and the peak statistics start over: the next test (an engine that needs its share of
+    the GPU free, a bound on `torch.cuda.max_memory_allocated`, a server started beside this
+    process) finds the GPU as if the test had not run. A failed test's engine would live on
+    in the traceback pytest keeps for post-mortem debugging (`sys.last_*`): dropped first.
+    Nothing happens in a process that never initialised CUDA (every CPU run)."""
+    yield
+    if not torch.cuda.is_initialized():
+        return
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    gc.collect()  # what the test dropped may sit in reference cycles, its tensors with it
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
 
 
 @pytest.fixture(scope="session")

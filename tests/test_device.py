@@ -5,6 +5,7 @@ upload, and the fused ops chosen by device."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,7 +137,11 @@ def test_backend_choice_by_device_and_dtype():
 
 def baton_up_streams_text(tmp_path, args: list[str], colocated: bool = True) -> str:
     """`baton up` (`--colocated` unless told otherwise) with `args` serves a streamed text
-    request, then stops cleanly; returns what `baton status` printed meanwhile."""
+    request, then stops cleanly; returns what `baton status` printed meanwhile.
+
+    `baton up` and the processes it starts form a process group of their own: whatever of it
+    is left when this returns or fails (a launcher that did not stop, a worker it left
+    behind) is killed, so that nothing holds the GPU, the CPUs or a port into the next test."""
     port = free_port()
     log_path = tmp_path / "baton-up.log"
     with open(log_path, "w") as log:
@@ -144,6 +149,7 @@ def baton_up_streams_text(tmp_path, args: list[str], colocated: bool = True) -> 
             [sys.executable, "-m", "baton.cli", "up", "--port", str(port), *(["--colocated"] if colocated else []),
              *args],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
         )
     try:
         deadline = time.monotonic() + 600
@@ -165,7 +171,14 @@ def baton_up_streams_text(tmp_path, args: list[str], colocated: bool = True) -> 
         assert status.returncode == 0, status.stderr
     finally:
         process.send_signal(signal.SIGTERM)
-        code = process.wait(timeout=120)
+        try:
+            code = process.wait(timeout=120)
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # nothing of the group is left: the usual case
+                pass
+            process.wait()
     assert code == 0, log_path.read_text()[-5000:]
     return status.stdout
 
@@ -176,3 +189,12 @@ def test_baton_up_serves_a_dummy_model_as_text(tmp_path):
     the worker builds the random model, text streams back."""
     baton_up_streams_text(tmp_path, ["--model", "dummy:llama-3.2-1b", "--kv-cache-memory", "64M", "--threads", "2",
                                      "--dtype", "bfloat16"])
+
+
+@pytest.mark.timeout(900)
+def test_baton_up_serves_a_dummy_model_disaggregated_over_ipc(tmp_path):
+    """`baton up` with its prefill worker: the prompt's KV handed to the decode worker over
+    ipc (shared memory on CPU, CUDA IPC on a GPU: tests/test_gpu_handoff.py), text streamed."""
+    status = baton_up_streams_text(tmp_path, ["--model", "dummy:tiny", "--kv-cache-memory", "16M", "--threads", "1"],
+                                   colocated=False)
+    assert re.search(r"KV ipc +[1-9][0-9]* transfers, 0 failed", status) and "refused" not in status, status

@@ -2,11 +2,15 @@
 
 The Triton kernels' own tests (tests/test_triton_kernels.py) run natively there
 too, in bfloat16 as well; these check the whole engine on the GPU: greedy
-parity with transformers in float32 under chunking and both kinds of
-preemption, with CUDA graphs and overlapped scheduling (the defaults on CUDA) and
-without; steps that never make the host wait on the device but to read their
+parity with transformers in float32 under chunking and preemption (of both kinds
+on the plain loop), with CUDA graphs and overlapped scheduling (the defaults on
+CUDA) and without; steps that never make the host wait on the device but to read their
 tokens; KV sizing by profiling, random-weight models in bfloat16, and a streamed
-request through `baton up --colocated --device cuda`.
+request through `baton up --colocated --device cuda` (marker `gpu_servers`: `make test-gpu`
+runs it in a pytest process of its own, so that the server finds the GPU free).
+
+Each test holds the GPU memory it uses until it ends, no longer (tests/conftest.py gives
+it back between tests), so the tests do not depend on each other or on their order.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs-overlap", "eager-plain"])
 @pytest.mark.parametrize("name", ["llama-gqa-hd32-untied-bias", "qwen2-gqa-hd32-qkv-bias", "llama3-rope-gqa-hd16"])
 def test_greedy_parity_on_gpu_float32(name, eager, tmp_path):
+    """Lengths alone decide the schedule, and the loop: the eager, plain loop schedules as
+    on the CPU, where this pool preempts by swap and, once the swap pool is full, by
+    recompute, for each of these models (tests/test_parity.py). Overlapped scheduling admits
+    and preempts at other steps, so there only preemption itself is asserted, not its kinds."""
     arch, heads, kv_heads, head_dim, tied, extra = TINY_CONFIGS[name]
     hf_model, model_dir = make_tiny_model(
         tmp_path, arch, heads, kv_heads, head_dim, tied, dtype=torch.float32, **extra
@@ -55,6 +63,7 @@ def test_greedy_parity_on_gpu_float32(name, eager, tmp_path):
     replayed = []
     if not eager:
         assert engine.graph_capture.batch_sizes == (1, 2, 4, 8, 16, 20)
+        # The graphs' pool, as this process's allocator counts it: other processes cannot move it.
         assert engine.graph_capture.seconds > 0 and engine.graph_capture.memory_bytes > 0
         prepare = engine.runner.static_decode.prepare
         engine.runner.static_decode.prepare = lambda out: replayed.append(prepare(out)) or replayed[-1]
@@ -64,11 +73,15 @@ def test_greedy_parity_on_gpu_float32(name, eager, tmp_path):
     if not eager:
         assert sum(p is not None for p in replayed) > 10, "decode steps should replay graphs"
     stats = llm.get_metrics()
-    assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap > 0
+    if eager:
+        assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap > 0, stats
+    else:
+        assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0, stats
 
 
 def test_kv_cache_sized_from_gpu_memory_utilization():
     total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.reset_peak_memory_stats()  # this test's peak, not an earlier test's
     llm = LLM("dummy:llama-3.2-1b", device="cuda", gpu_memory_utilization=0.3, max_model_len=4096)
     engine = llm.engine
     assert engine.kv_cache.blocks.device.type == "cuda" and engine.kv_cache.blocks.dtype == torch.bfloat16
@@ -82,7 +95,11 @@ def test_kv_cache_sized_from_gpu_memory_utilization():
 
 
 def test_dummy_model_in_bfloat16_streams_tokens_and_is_seeded():
-    llm = LLM("dummy:smollm2-135m", device="cuda", kv_cache_memory_bytes=1 << 30, seed=7)
+    # No prefix caching: the repeat would reuse the first run's full blocks and compute only
+    # the prompt's last tokens, in matmuls of another shape, whose bfloat16 rounding may
+    # change what is sampled. Both runs compute the same tokens in the same steps instead.
+    llm = LLM("dummy:smollm2-135m", device="cuda", kv_cache_memory_bytes=1 << 30, seed=7,
+              enable_prefix_caching=False)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=3, ignore_eos=True)
     first = llm.generate(["The quick brown fox"], params)[0]
     again = llm.generate(["The quick brown fox"], params)[0]
@@ -91,7 +108,11 @@ def test_dummy_model_in_bfloat16_streams_tokens_and_is_seeded():
     assert first.text  # the dummy tokenizer decodes every id
 
 
+@pytest.mark.gpu_servers
 def test_baton_up_colocated_on_cuda_answers_a_streamed_request(tmp_path):
+    # 0.8 of the GPU for the one worker (an 8B model's 16 GB of weights, then its cache): that
+    # share must be free when it starts, so `make test-gpu` runs this test in a pytest process
+    # that holds no GPU memory (marker gpu_servers).
     baton_up_streams_text(tmp_path, ["--device", "cuda", "--model", "dummy:llama-3.1-8b",
                                      "--gpu-memory-utilization", "0.8"])
 

@@ -3,15 +3,21 @@
 Two processes on one GPU move blocks over ipc (a CUDA IPC handle of the decode side's
 cache), bitwise and checksummed, scattered and contiguous; the transport chosen for
 two workers on one GPU is ipc, and NCCL is refused there at channel open; a decode
-process killed mid-transfer leaves the sender serving with a healthy CUDA context;
+process killed mid-transfer leaves the sender serving with a healthy CUDA context, a
+prefill process killed mid-transfer fails the receiver at once and leaves nothing held;
 and `baton up --device cuda` serves disaggregated on one GPU with KV over ipc.
 
 NCCL between two GPUs needs a machine with two: not covered here.
+
+The tests that start processes on the GPU are marked `gpu_servers`: `make test-gpu` runs
+them in a pytest process of their own, which holds no GPU memory, and none leaves a process
+behind (`spawned` kills what a failed test left running), so each finds the GPU free.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import re
 import signal
@@ -25,7 +31,7 @@ from kvtransfer import KvEndpoint, KvTransferError, TransportRefusedError, block
 from kvtransfer.connect import join, listen
 from kvtransfer.endpoint import gpu_uuid, local_endpoint
 from tests.test_device import baton_up_streams_text
-from tests.test_kv_ipc import die_right_after_go
+from tests.test_kv_ipc import die_right_after_go, stop_after_first_copy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -62,14 +68,30 @@ def _child(role, rendezvous_queue, results, *args) -> None:
         results.put(("error", role.__name__, traceback.format_exc()))
 
 
-def _start(roles, *args):
-    ctx = mp.get_context("spawn")
-    rendezvous_queue, results = ctx.Queue(), ctx.Queue()
-    processes = {role.__name__: ctx.Process(target=_child, args=(role, rendezvous_queue, results, *args), daemon=True)
-                 for role in roles}
-    for process in processes.values():
-        process.start()
-    return processes, results, rendezvous_queue
+@pytest.fixture
+def spawned():
+    """`start(roles, *args)`: each role in a spawned process of its own; returns the processes
+    by role name, the results queue and the rendezvous queue. Whatever is still running when
+    the test ends (a test failed before its peers finished) is killed then, so that no process
+    holds the GPU into the next test."""
+    started = []
+
+    def start(roles, *args):
+        ctx = mp.get_context("spawn")
+        rendezvous_queue, results = ctx.Queue(), ctx.Queue()
+        processes = {role.__name__: ctx.Process(target=_child, args=(role, rendezvous_queue, results, *args),
+                                                daemon=True)
+                     for role in roles}
+        for process in processes.values():
+            process.start()
+            started.append(process)
+        return processes, results, rendezvous_queue
+
+    yield start
+    for process in started:
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=30)
 
 
 def _collect(processes, results, names, timeout_s: float = 300.0) -> dict:
@@ -122,8 +144,9 @@ def gpu_receiver(rendezvous_queue) -> list[list[int]]:
     return sums
 
 
-def test_two_processes_on_one_gpu_move_blocks_over_cuda_ipc():
-    processes, results, _queue = _start((gpu_receiver, gpu_sender))
+@pytest.mark.gpu_servers
+def test_two_processes_on_one_gpu_move_blocks_over_cuda_ipc(spawned):
+    processes, results, _queue = spawned((gpu_receiver, gpu_sender))
     outcome = _collect(processes, results, ["gpu_receiver", "gpu_sender"])
     assert outcome["gpu_receiver"] == outcome["gpu_sender"]
 
@@ -175,10 +198,11 @@ def dying_gpu_receiver(rendezvous_queue, receiver_gone) -> None:
     channel.recv_blocks(cache, list(range(10, 50)), 1, list(range(40)))
 
 
-def test_a_decode_process_killed_mid_transfer_leaves_the_sender_serving():
+@pytest.mark.gpu_servers
+def test_a_decode_process_killed_mid_transfer_leaves_the_sender_serving(spawned):
     ctx = mp.get_context("spawn")
     receiver_gone = ctx.Event()
-    processes, results, _queue = _start((dying_gpu_receiver, surviving_gpu_sender), receiver_gone)
+    processes, results, _queue = spawned((dying_gpu_receiver, surviving_gpu_sender), receiver_gone)
     processes["dying_gpu_receiver"].join(300)
     assert processes["dying_gpu_receiver"].exitcode == -signal.SIGKILL
     receiver_gone.set()
@@ -187,6 +211,53 @@ def test_a_decode_process_killed_mid_transfer_leaves_the_sender_serving():
     assert sender_side["broken"] and sender_side["released"] and sender_side["healthy"], sender_side
 
 
+def dying_gpu_sender(rendezvous_queue, mid_copy) -> None:
+    cache = _cache(seed=3)
+    channel = join(rendezvous_queue.get(timeout=120), cache)
+    stop_after_first_copy(lambda: (torch.cuda.synchronize(), mid_copy.set(), time.sleep(600)))  # killed there
+    channel.send_blocks(cache, [1, 2, 3, 10, 20, 30], 1, [5, 6, 7, 8, 9, 11])
+
+
+def surviving_gpu_receiver(rendezvous_queue, mid_copy) -> dict:
+    cache = _cache(seed=None, shareable=True)
+    offer = listen("gpu-sender-dies", "ipc", "", cache, 30.0)
+    rendezvous_queue.put(offer.rendezvous)
+    channel = offer.accept()
+    started = time.monotonic()
+    try:
+        channel.recv_blocks(cache, [5, 6, 7, 8, 9, 11], 1, [1, 2, 3, 10, 20, 30])
+        error = None
+    except KvTransferError as raised:
+        error = raised
+    waited = time.monotonic() - started
+    settled = channel.wait_settled(10.0)
+    untouched = sorted(set(range(POOL)) - {5, 6, 7, 8, 9, 11})
+    healthy = bool((torch.ones(1024, device="cuda") * 2).sum().item() == 2048)
+    return {"failed": error is not None, "message": str(error), "waited": waited, "settled": settled,
+            "broken": channel.is_broken, "healthy": healthy, "mid_copy": mid_copy.is_set(),
+            "untouched": bool((cache.block_rows[untouched] == -7.0).all())}
+
+
+@pytest.mark.gpu_servers
+def test_a_prefill_process_killed_mid_transfer_fails_the_receiver_at_once_and_leaks_nothing(spawned):
+    """The CUDA IPC sender killed between two copies into the decode side's cache: the
+    receiver fails at once (the socket closed with it), not at its timeout; its blocks outside
+    the transfer are untouched, its CUDA context healthy, and the channel settles (so the
+    decode worker frees the request's blocks: nothing leaks)."""
+    ctx = mp.get_context("spawn")
+    mid_copy = ctx.Event()
+    processes, results, _queue = spawned((surviving_gpu_receiver, dying_gpu_sender), mid_copy)
+    assert mid_copy.wait(300), "the sender never reached the middle of its copy"
+    killed_at = time.monotonic()
+    os.kill(processes["dying_gpu_sender"].pid, signal.SIGKILL)
+    receiver = _collect({"surviving_gpu_receiver": processes["surviving_gpu_receiver"]}, results,
+                        ["surviving_gpu_receiver"])["surviving_gpu_receiver"]
+    assert time.monotonic() - killed_at < 60 and receiver["waited"] < 25.0, receiver
+    assert receiver["failed"] and "gone" in receiver["message"], receiver
+    assert receiver["settled"] and receiver["broken"] and receiver["untouched"] and receiver["healthy"], receiver
+
+
+@pytest.mark.gpu_servers
 def test_baton_up_disaggregated_on_one_gpu_hands_kv_over_ipc(tmp_path):
     status = baton_up_streams_text(tmp_path, ["--device", "cuda", "--model", "dummy:llama-3.1-8b",
                                               "--gpu-memory-utilization", "0.85"], colocated=False)

@@ -238,7 +238,7 @@ def test_a_wrong_header_is_refused_before_any_byte_lands():
 # ---------------------------------------------------------------- peers that die or freeze
 
 
-def _stop_after_first_copy(then) -> None:
+def stop_after_first_copy(then) -> None:
     """Make this process's sender copy one run (or staged batch), report, then `then()`."""
     from kvtransfer import ipc
 
@@ -257,7 +257,7 @@ def _stop_after_first_copy(then) -> None:
 def dying_sender(rendezvous_queue, mid_copy) -> None:
     cache = filled_cache(LARGE, seed=5)
     channel = _join(rendezvous_queue, cache)
-    _stop_after_first_copy(lambda: (mid_copy.set(), time.sleep(60)))  # killed there
+    stop_after_first_copy(lambda: (mid_copy.set(), time.sleep(60)))  # killed there
     channel.send_blocks(cache, [1, 2, 3, 10, 20, 30], 1, [5, 6, 7, 8, 9, 11])
 
 
@@ -299,7 +299,7 @@ def freezing_sender(rendezvous_queue, mid_copy, resumed, sender_up, checked) -> 
     cache = filled_cache(LARGE, seed=6)
     sender_up.set()  # started: the receiver's 2 s timeout may run from now
     channel = _join(rendezvous_queue, cache)
-    _stop_after_first_copy(lambda: (mid_copy.set(), os.kill(os.getpid(), signal.SIGSTOP)))
+    stop_after_first_copy(lambda: (mid_copy.set(), os.kill(os.getpid(), signal.SIGSTOP)))
     with pytest.raises(KvTransferError, match="gave up") as raised:
         channel.send_blocks(cache, [1, 2, 3, 10, 20, 30], 1, [5, 6, 7, 8, 9, 11])
     return str(raised.value)

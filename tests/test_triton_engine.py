@@ -6,7 +6,8 @@ kernels must get right inside a real engine: prompts cut into chunks that
 attend over their cached prefix, decodes and chunks in one launch, block size
 4 so that sequences span many scattered blocks, and a pool small enough that
 sequences are preempted by recompute and by swap. On a GPU the same test runs
-natively (tests/test_gpu.py adds the CUDA-only checks).
+natively, on the same loop (tests/test_gpu.py adds the CUDA-only checks, CUDA
+graphs and overlapped scheduling among them).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def test_triton_backend_greedy_parity(name, tmp_path):
     hf_model, model_dir = make_tiny_model(
         tmp_path, arch, heads, kv_heads, head_dim, tied, dtype=torch.float32, **extra
     )
-    # Lengths alone decide the schedule: with this seed the pool below preempts
-    # four times by recompute and once by swap, whatever the model.
+    # Lengths and the engine's loop alone decide the schedule: with this seed the pool
+    # below preempts four times by recompute and once by swap, whatever the model, on the
+    # plain loop (a step at a time, eager: the CPU's default, pinned for the GPU).
+    # Overlapped scheduling, the GPU's default, admits and preempts at other steps.
     prompts, max_tokens = mixed_workload(hf_model.config.vocab_size, num_prompts=8, seed=1)
     hf_model = hf_model.to(DEVICE)  # the reference on the same device
     with torch.device(DEVICE):
@@ -49,6 +52,8 @@ def test_triton_backend_greedy_parity(name, tmp_path):
         num_swap_blocks=4,
         preemption_mode="swap",
         admission_reserve_steps=0,
+        overlap_scheduling=False,
+        enforce_eager=True,
     )
     assert llm.engine.runner.backend.name == "triton"
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
