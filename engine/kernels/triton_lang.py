@@ -9,12 +9,37 @@ decorated when Baton's kernel modules are imported, after
 `engine.envs.use_triton_interpreter` has set the variable, so the kernels run
 under the interpreter whatever was imported first. On a GPU they compile to the
 same reductions as `tl.sum` and `tl.max`.
+
+Also here, applied at import under the interpreter only: the one fix Triton 3.6's
+interpreter needs to run the kernels with numpy 2.4 or later (see below).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+def _squeeze_scalar_index() -> None:
+    """Triton 3.6's interpreter takes a scalar's `__index__` (a `range` bound in a kernel
+    loop) as `int()` of its one-element array, which numpy 2.4 refuses ("only
+    0-dimensional arrays can be converted"; triton-lang/triton#9171). Triton 3.8 and later
+    squeeze the array first; this wraps the older interpreter's patching of `tl.tensor` to
+    do the same, inside the scope the interpreter restores after each launch."""
+    from triton.runtime import interpreter
+
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def squeezing_patch_lang_tensor(tensor, scope) -> None:
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = squeezing_patch_lang_tensor
+
+
+# knobs.runtime.interpret: what triton.jit reads (TRITON_INTERPRET, set by engine.envs).
+if triton.knobs.runtime.interpret and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 8):
+    _squeeze_scalar_index()
 
 
 @triton.jit
