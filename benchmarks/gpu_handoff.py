@@ -25,9 +25,10 @@ from pathlib import Path
 from benchmarks.workload import WorkloadConfig, make_workload
 
 # A prompt's KV: blocks of 16 tokens, scattered over the receiver's cache.
-TRANSFER_BLOCKS = {"tiny": 8, "quick": 128, "full": 256}
+TRANSFER_BLOCKS = {"tiny": 8, "check": 128, "quick": 128, "full": 256}
 SERVING = {  # requests, Poisson rate per second, prompt and output lengths
     "tiny": dict(num_requests=6, rate=8.0, prompt=(16, 64), output=(4, 16)),
+    "check": dict(num_requests=48, rate=8.0, prompt=(128, 1024), output=(32, 128)),
     "quick": dict(num_requests=96, rate=12.0, prompt=(128, 1024), output=(32, 256)),
     "full": dict(num_requests=256, rate=16.0, prompt=(128, 2048), output=(32, 512)),
 }
@@ -99,13 +100,13 @@ def measure_serving(model: str, device: str, mode: str, gpu_memory_utilization: 
 
 def section_handoff(run) -> dict:
     """benchmarks/gpu.py's `handoff` section."""
-    from benchmarks.gpu import Target
+    from benchmarks.gpu_targets import Target
 
     run.release_decode_llm()
     mode = run.payload["mode"]
     dtype = str(run.dtype).removeprefix("torch.")
     transfer = measure_transfer(run.args.model, str(run.device), dtype, TRANSFER_BLOCKS[mode],
-                                repeats=3 if mode == "tiny" else 10)
+                                repeats={"tiny": 3, "check": 5}.get(mode, 10))
     serving = measure_serving(run.args.model, str(run.device), mode, run.args.gpu_memory_utilization,
                               prefill_memory_fraction=0.4, seed=run.args.seed)
     targets = [

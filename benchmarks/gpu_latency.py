@@ -116,7 +116,7 @@ def _idle_fraction(steps) -> float | None:
 
 def section_latency(run) -> dict:
     """benchmarks/gpu.py's `latency` section: every mode at each of the sizes' latency batches."""
-    from benchmarks.gpu import Target
+    from benchmarks.gpu_targets import Target
 
     sizes = run.sizes
     copy_gb_per_s = run.copy_bandwidth()
@@ -125,7 +125,8 @@ def section_latency(run) -> dict:
     capture = llm.engine.graph_capture
     modes = [mode for mode, (graphs, _) in MODES.items() if static_decode is not None or not graphs]
     print(f"steady decode at context {sizes.latency_context}, modes {', '.join(modes)}"
-          + (f"; {len(capture.batch_sizes)} graphs captured in {capture.seconds:.1f} s, "
+          + (f"; {len(capture.graph_keys)} graphs ({len(capture.batch_sizes)} batch sizes) captured in "
+             f"{capture.seconds:.1f} s, "
              f"{capture.memory_bytes / 2**20:.0f} MiB" if capture is not None else ""), flush=True)
     points: dict[tuple[str, int], LatencyPoint] = {}
     try:
@@ -161,8 +162,10 @@ def section_latency(run) -> dict:
         "copy_gb_per_s": copy_gb_per_s,
         "hbm_floor_ms_per_token": floor_ms,
         "graph_capture": None if capture is None else {
-            "batch_sizes": list(capture.batch_sizes), "seconds": capture.seconds,
-            "memory_bytes": capture.memory_bytes},
+            "batch_sizes": list(capture.batch_sizes), "num_graphs": len(capture.graph_keys),
+            "seconds": capture.seconds, "memory_bytes": capture.memory_bytes,
+            # what sizing the KV cache kept for the graphs (engine/memory.py); None: a sized cache
+            "reserve_bytes": llm.engine.graph_reserve_bytes},
         "points": [{**point.__dict__, "ms_per_token": point.ms_per_token} for point in points.values()],
         "targets": [target.to_json() for target in targets],
     }

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-from dataclasses import dataclass
+import traceback
+from dataclasses import asdict, dataclass, replace
 from time import perf_counter
 
 import numpy as np
@@ -24,7 +25,10 @@ import torch
 
 from benchmarks.gpu_bandwidth import synchronize
 from benchmarks.offline_throughput import SystemResult, _check_lengths, run_hf_static
-from benchmarks.workload import BenchRequest, total_output_tokens
+from benchmarks.gpu_targets import Target
+from benchmarks.workload import BenchRequest, make_workload, total_output_tokens, total_prompt_tokens
+
+WORKLOADS = ("mixed", "sharegpt")  # mixed first: it carries the hf-static target
 
 ALL_SYSTEMS = ("baton-continuous", "baton-static", "hf-static", "hf-continuous")
 HF_CB_CUDA_GRAPHS = {"on": True, "off": False, "auto": None}  # "auto": transformers' own heuristic
@@ -338,3 +342,86 @@ def first_token_agreement(result: SystemResult, reference: SystemResult) -> floa
     both systems serve the same weights (later tokens may drift apart in bfloat16)."""
     pairs = list(zip(result.output_token_ids, reference.output_token_ids))
     return sum(a[:1] == b[:1] for a, b in pairs) / len(pairs)
+
+
+# ----------------------------------------------------------------------------- the section
+
+
+def section_offline(run) -> dict:
+    """benchmarks/gpu.py's `offline` section: every system on each workload, on the same weights."""
+    from engine.dummy_models import dummy_model
+
+    run.release_decode_llm()
+    args, sizes = run.args, run.sizes
+    vocab_size = dummy_model(args.model).vocab_size
+    makers = {"mixed": lambda: make_workload(vocab_size, replace(sizes.mixed, seed=args.seed)),
+              "sharegpt": lambda: make_lognormal_workload(vocab_size, replace(sizes.sharegpt, seed=args.seed))}
+    workloads = {name: makers[name]() for name in WORKLOADS if name in args.workloads}
+    longest = max(r.num_prompt_tokens + r.max_tokens for requests in workloads.values() for r in requests)
+    config = OfflineConfig(
+        model=args.model, device=run.device, dtype=run.dtype, max_model_len=-(-(longest + 16) // 256) * 256,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        static_batch_size=args.static_batch_size or sizes.static_batch_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, hf_cb_cuda_graphs=args.hf_cb_cuda_graphs,
+        hf_cb_max_requests=args.hf_cb_max_requests, num_warmup_requests=sizes.num_warmup_requests, seed=args.seed,
+    )
+    hf_model = build_hf_model(args.model, run.dtype, run.device, args.seed)
+    loaded = baton_model_from_hf(hf_model, config)
+    section = {"config": {k: str(v) for k, v in asdict(config).items()}, "workloads": {}, "targets": []}
+    try:
+        for workload, requests in workloads.items():
+            entry = {"num_requests": len(requests), "num_prompt_tokens": total_prompt_tokens(requests),
+                     "num_output_tokens": total_output_tokens(requests), "systems": {}, "unavailable": {}}
+            section["workloads"][workload] = entry
+            print(f"{workload}: {entry['num_requests']} requests, {entry['num_prompt_tokens']} prompt tokens, "
+                  f"{entry['num_output_tokens']} output tokens", flush=True)
+            results = {}
+            for name in args.systems:
+                try:
+                    result = run_system(name, hf_model, loaded, requests, config)
+                except Exception as error:
+                    if not name.startswith("hf-"):
+                        raise
+                    # A baseline the installed transformers cannot run is reported, not fatal.
+                    traceback.print_exc()
+                    release_memory(run.device)
+                    entry["unavailable"][name] = repr(error)[:1000]
+                    print(f"  {name}: unavailable ({error!r})", flush=True)
+                    continue
+                results[name] = result
+                entry["systems"][name] = {"seconds": result.seconds, "num_output_tokens": result.num_output_tokens,
+                                          "output_tokens_per_second": result.tokens_per_second, **result.extra}
+                print(f"  {name:<17} {result.seconds:8.2f} s {result.tokens_per_second:10.1f} output tok/s",
+                      flush=True)
+                run.record("offline", section)
+            if "hf-static" in results:
+                entry["first_token_agreement_with_hf_static"] = {
+                    name: first_token_agreement(res, results["hf-static"]) for name, res in results.items()
+                    if name != "hf-static"}
+            section["targets"] = offline_targets(section["workloads"])
+            run.record("offline", section)
+    finally:
+        del hf_model, loaded
+        release_memory(run.device)
+    for target in section["targets"]:
+        print(Target(**{k: v for k, v in target.items() if k != "passed"}).line(), flush=True)
+    return section
+
+
+def offline_targets(workloads: dict) -> list[dict]:
+    def ratio(workload: str, system: str, baseline: str) -> float | None:
+        systems = workloads.get(workload, {}).get("systems", {})
+        if system not in systems or baseline not in systems:
+            return None
+        return systems[system]["output_tokens_per_second"] / systems[baseline]["output_tokens_per_second"]
+
+    targets = [Target("offline-mixed-vs-hf-static", "mixed workload, baton-continuous / hf-static throughput",
+                      ratio("mixed", "baton-continuous", "hf-static"), 3.0),
+               Target("offline-mixed-vs-hf-continuous",
+                      "mixed workload, baton-continuous / hf-continuous (generate_batch) throughput",
+                      ratio("mixed", "baton-continuous", "hf-continuous"), 1.5)]
+    for workload in WORKLOADS:
+        targets.append(Target(f"offline-{workload}-vs-baton-static",
+                              f"{workload} workload, baton-continuous / baton-static throughput",
+                              ratio(workload, "baton-continuous", "baton-static"), 2.5))
+    return [t.to_json() for t in targets]

@@ -1,5 +1,6 @@
 """How much each section of benchmarks/gpu.py measures: FULL (the default), QUICK
-(--quick) and TINY (--tiny, the CPU smoke run)."""
+(--quick), CHECK (--check: `make gpu-check`'s figures, a few minutes of one GPU) and TINY
+(--tiny, the CPU smoke run)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from benchmarks.workload import WorkloadConfig
 
 @dataclass(frozen=True)
 class BenchSizes:
-    """How much each section measures: FULL, QUICK (--quick) or TINY (--tiny: the CPU smoke)."""
+    """How much each section measures: FULL, QUICK (--quick), CHECK (--check) or TINY (--tiny: the CPU smoke)."""
 
     copy_bytes: int
     copy_iters: int
@@ -50,6 +51,15 @@ QUICK = replace(
                      (1, 4096), (16, 4096)),
     attention_iters=20,
     sharegpt=LogNormalWorkloadConfig(num_requests=256), mixed=WorkloadConfig(num_requests=256),
+)
+# The figures `make gpu-check` judges, in as little GPU time as they can be had: batch 1 and
+# 64 only (13 graphs to capture), and a mixed workload of two static batches.
+CHECK = replace(
+    QUICK, copy_bytes=1 << 30, decode_batches=(1, 64), decode_context=512,
+    roofline_points=((1, 512), (64, 512)), roofline_target=(64, 512),
+    attention_shapes=((64, 1024), (4, 16384)), attention_iters=10,
+    sharegpt=LogNormalWorkloadConfig(num_requests=128), mixed=WorkloadConfig(num_requests=128),
+    num_warmup_requests=16,
 )
 TINY = BenchSizes(
     copy_bytes=64 << 20, copy_iters=5,

@@ -235,7 +235,8 @@ def test_environment_variables_are_read_in_one_module_per_layer():
 # ------------------------------------------------------------------ size and tasks
 def test_no_hand_written_source_file_over_500_lines():
     files = [p for p in REPO_ROOT.rglob("*") if p.suffix in (".py", ".cpp", ".h", ".proto")
-             and "_pb2" not in p.name and not {".venv", ".git", "build"} & set(p.relative_to(REPO_ROOT).parts)]
+             and "_pb2" not in p.name and not {".git", "build"} & set(parts := p.relative_to(REPO_ROOT).parts)
+             and not parts[0].startswith(".venv")]  # .venv, and make rehearse-gpu-stack's
     assert len(files) > 50
     long = {str(p.relative_to(REPO_ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
@@ -298,6 +299,11 @@ NOT_DEAD = {
     "is_high_priority_stream": "a torch.distributed backend option",
     "pytestmark": "read by pytest",
     "pytest_collection_modifyitems": "a pytest hook (conftest.py)",
+    "free_gpu_memory": "an autouse pytest fixture",
+    "pytest_runtest_logstart": "a pytest hook (benchmarks/gpu_check/pytest_records.py)",
+    "pytest_runtest_logreport": "a pytest hook (benchmarks/gpu_check/pytest_records.py)",
+    "pytest_collectreport": "a pytest hook (benchmarks/gpu_check/pytest_records.py)",
+    "location": "a pytest hook's signature",
     "pre_tokenizer": "a tokenizers.Tokenizer component, set for the library to read",
     "decoder": "a tokenizers.Tokenizer component, set for the library to read",
 }

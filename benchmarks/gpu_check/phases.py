@@ -1,0 +1,97 @@
+"""The GPU check's five phases: what each runs on a GPU and on a CPU, and its share of the
+budget. A phase runs in a process of its own (`python -m benchmarks.gpu_check.phase NAME`),
+in a process group of its own, killed at its deadline.
+
+The test phases run Baton's own tests, chosen per device: on a GPU the whole GPU suite's
+share of them (several pytest workers at once where the tests allow, since Triton's
+compiles dominate), on a CPU a cross-section that runs in about a minute under Triton's
+interpreter. The GPU suite's tests are the checks: a failure here is a failing test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.gpu_check.records import FAIL, PHASE_ENV, RECORDS_ENV, CheckLog
+
+# Set in a phase's environment to make it hang (tests of the runner's deadline handling).
+HANG_ENV = "BATON_GPU_CHECK_HANG"
+
+# pytest arguments per device. The kernel and engine tests compile many Triton variants: on a
+# GPU several pytest workers (pytest-xdist) compile at once. The handoff tests start servers
+# that take shares of the GPU's memory: one at a time. tests/test_gpu_memory.py (the KV
+# cache's sizing, on made-up memory readings) runs on CPU only: nothing in it needs a GPU.
+KERNEL_TESTS = {
+    "cuda": ["tests/test_triton_kernels.py", "-n", "8"],
+    "cpu": ["tests/test_triton_kernels.py", "-k",
+            "(test_paged_attention_matches_dense_reference and kv1-g8-d64-bs16-tile32 and (decode or chunks or mixed))"
+            " or test_split_kv_matches_single_pass[3 or test_table_stride_read_from_memory[3]"
+            " or (test_rope_and_store_kv and dtype0) or test_add_rms_norm[576"],
+}
+ENGINE_TESTS = {
+    "cuda": ["tests/test_gpu.py", "-m", "not gpu_servers", "tests/test_triton_engine.py",
+             "tests/test_decode_graphs.py", "-n", "4"],
+    "cpu": ["tests/test_triton_engine.py::test_triton_backend_greedy_parity[llama3-rope-gqa-hd16]",
+            "tests/test_decode_graphs.py::test_a_step_is_written_as_the_layout_says",
+            "tests/test_decode_graphs.py::test_graphs_at_llama_8b_shapes_follow_the_longest_context",
+            "tests/test_overlap.py::test_a_stop_token_ends_the_stream_without_the_step_after",
+            "tests/test_gpu_memory.py"],
+}
+HANDOFF_TESTS = {
+    # Colocated serving on the GPU: the figures phase's serving section.
+    "cuda": ["tests/test_gpu_handoff.py"],
+    "cpu": ["tests/test_kv_ipc.py::test_ipc_transfers_are_bitwise_and_touch_nothing_else",
+            "tests/test_kv_ipc.py::test_a_sender_killed_mid_copy_fails_the_receiver_at_once_and_leaves_nothing_behind",
+            "tests/test_kv_ipc.py::test_a_receiver_killed_mid_transfer_leaves_the_sender_serving",
+            "tests/test_device.py::test_baton_up_serves_a_dummy_model_disaggregated_over_ipc"],
+}
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    title: str
+    weight: float  # its share of the budget left when it starts, against the later phases'
+    run: Callable[[CheckLog, str, Path], None]  # (log, device, work directory)
+
+
+def _pytest(selection: dict[str, list[str]]) -> Callable[[CheckLog, str, Path], None]:
+    def run(log: CheckLog, device: str, work: Path) -> None:
+        import pytest
+
+        os.environ[RECORDS_ENV], os.environ[PHASE_ENV] = str(log.path), log.phase
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "benchmarks.gpu_check.pytest_records", "-rfE",
+                            "--durations=10", *selection[device]])
+        if code not in (0, 1):  # 1: tests failed, each its own check
+            log.add("pytest", FAIL, detail=f"pytest exited with {code!s} (2: interrupted, 3: internal error, "
+                                             "4: usage, 5: no tests collected)")
+
+    return run
+
+
+def _environment(log: CheckLog, device: str, work: Path) -> None:
+    from benchmarks.gpu_check import environment
+
+    environment.run(log, device, work)
+
+
+def _figures(log: CheckLog, device: str, work: Path) -> None:
+    from benchmarks.gpu_check import figures
+
+    figures.run(log, device, work)
+
+
+PHASES = (
+    Phase("environment", "GPU, driver, versions, every module importable", 0.05, _environment),
+    Phase("kernels", "Triton kernels against torch (bf16, fp16, fp32 on a GPU)", 0.15, _pytest(KERNEL_TESTS)),
+    Phase("engine", "greedy parity, graphs + overlap and eager, preemption, one wait a step", 0.2,
+          _pytest(ENGINE_TESTS)),
+    Phase("handoff", "CUDA IPC between processes, killed peers, baton up disaggregated", 0.22,
+          _pytest(HANDOFF_TESTS)),
+    Phase("figures", "bandwidth, decode latency, graphs, GPU idle, offline throughput, P/D serving", 0.38,
+          _figures),
+)
+PHASE_NAMES = tuple(phase.name for phase in PHASES)

@@ -1,0 +1,52 @@
+"""A pytest plugin for the GPU check's test phases: each test's outcome as a `Check`, written
+as the test ends (and a STARTED line as it begins), to the file named by
+BATON_GPU_CHECK_RECORDS. With pytest-xdist the hooks run in the controlling process, so one
+process writes the file. Loaded with `-p benchmarks.gpu_check.pytest_records`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from benchmarks.gpu_check.records import FAIL, PASS, PHASE_ENV, RECORDS_ENV, SKIP, CheckLog
+
+DETAIL_CHARS = 1500
+
+
+def _log() -> CheckLog | None:
+    path = os.environ.get(RECORDS_ENV)
+    return None if not path else CheckLog(Path(path), os.environ.get(PHASE_ENV, "tests"))
+
+
+def _name(nodeid: str) -> str:
+    return nodeid.removeprefix("tests/")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    log = _log()
+    if log is not None:
+        log.start(_name(nodeid))
+
+
+def pytest_runtest_logreport(report):
+    log = _log()
+    if log is None:
+        return
+    name = _name(report.nodeid)
+    if report.failed:  # in setup, the call or teardown
+        where = "" if report.when == "call" else f" (in {report.when})"
+        text = report.longreprtext.strip()
+        log.add(name, FAIL, detail=(text[-DETAIL_CHARS:] + where), seconds=report.duration)
+    elif report.skipped and report.when in ("setup", "call"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        log.add(name, SKIP, detail=str(reason).removeprefix("Skipped: "))
+    elif report.passed and report.when == "call":
+        log.add(name, PASS, seconds=report.duration)
+
+
+def pytest_collectreport(report):
+    """A test module that does not import is a failed check of its own (it used to stop
+    the whole collection on the GPU machine)."""
+    log = _log()
+    if log is not None and report.failed:
+        log.add(f"collect {_name(report.nodeid)}", FAIL, detail=report.longreprtext.strip()[-DETAIL_CHARS:])
