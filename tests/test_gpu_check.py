@@ -100,7 +100,8 @@ def test_a_run_stopped_from_outside_kills_its_phase_and_says_what_it_had(tmp_pat
     assert hung.returncode == 1, hung.stdout  # nothing of the phase is left running
 
 
-def test_the_pytest_plugin_records_each_test_as_it_ends(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_the_pytest_plugin_records_each_test_as_it_ends(tmp_path, workers):
     (tmp_path / "test_sample.py").write_text(
         "import pytest\n"
         "def test_ok(): pass\n"
@@ -114,8 +115,9 @@ def test_the_pytest_plugin_records_each_test_as_it_ends(tmp_path):
     env = {**os.environ, "BATON_GPU_CHECK_RECORDS": str(records), "BATON_GPU_CHECK_PHASE": "sample",
            "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                    "benchmarks.gpu_check.pytest_records", "--continue-on-collection-errors", "-c", os.devnull,
-                    "--rootdir", str(tmp_path), str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, timeout=120)
+                    "benchmarks.gpu_check.pytest_records", "--continue-on-collection-errors", *workers,
+                    "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path)],
+                   env=env, cwd=tmp_path, capture_output=True, timeout=120)
     checks = {c.name.split("/")[-1]: c for c in read_checks(records, "sample", killed=False)}
     assert {name: c.status for name, c in checks.items()} == {
         "collect test_broken.py": FAIL, "test_sample.py::test_ok": PASS, "test_sample.py::test_bad": FAIL,
@@ -124,6 +126,8 @@ def test_the_pytest_plugin_records_each_test_as_it_ends(tmp_path):
     assert "wrong" in checks["test_sample.py::test_bad"].detail
     assert "no_such_module" in checks["collect test_broken.py"].detail
     assert checks["test_sample.py::test_skipped"].detail == "not here"
+    # One line as each test starts and one as it ends, written by one process (xdist: the controller).
+    assert len(records.read_text().splitlines()) == 2 * 5 + 1
 
 
 def test_a_check_cut_short_is_a_timeout_if_killed_and_a_failure_if_it_crashed(tmp_path):

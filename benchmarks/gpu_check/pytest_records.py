@@ -1,7 +1,8 @@
 """A pytest plugin for the GPU check's test phases: each test's outcome as a `Check`, written
 as the test ends (and a STARTED line as it begins), to the file named by
-BATON_GPU_CHECK_RECORDS. With pytest-xdist the hooks run in the controlling process, so one
-process writes the file. Loaded with `-p benchmarks.gpu_check.pytest_records`."""
+BATON_GPU_CHECK_RECORDS. With pytest-xdist the controlling process writes every worker's
+reports and the workers write nothing, so one process writes the file. Loaded with
+`-p benchmarks.gpu_check.pytest_records`."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ DETAIL_CHARS = 1500
 
 
 def _log() -> CheckLog | None:
+    """The phase's log; None where nothing is recorded: no file named, or a pytest-xdist
+    worker (the controller gets every worker's reports and records them)."""
     path = os.environ.get(RECORDS_ENV)
-    return None if not path else CheckLog(Path(path), os.environ.get(PHASE_ENV, "tests"))
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    return CheckLog(Path(path), os.environ.get(PHASE_ENV, "tests"))
 
 
 def _name(nodeid: str) -> str:
