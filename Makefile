@@ -77,7 +77,7 @@ test-gpu:
 # One call that proves Baton on a GPU (benchmarks/gpu_check): five phases (environment,
 # kernels, engine, handoff, figures), each in its own process group under its own deadline,
 # within BUDGET_S seconds; at most 8 files under OUT (summary.json, summary.txt, a log per
-# phase, nvidia-smi.csv). On the GPU machine: `source .gpu/env.sh; make gpu-check` (the device
+# phase). On the GPU machine: `source .gpu/env.sh; make gpu-check` (the device
 # tool's $OUT is where the files come back from). DEVICE=cpu: every phase on CPU with a tiny
 # model and the kernels under Triton's interpreter, in this repo's venv (CI runs it).
 DEVICE ?= cuda

@@ -73,6 +73,8 @@ def measure_serving(model: str, device: str, mode: str, gpu_memory_utilization: 
         prefill_memory_fraction=prefill_memory_fraction, max_num_batched_tokens=2048, verify_kv=False,
         threads=4, prefill_threads=4, decode_threads=4, max_local_prefill_tokens=None,
         max_prefill_queue_tokens=None,
+        # The workload's longest request, not the model's 128k: fewer CUDA graphs to capture.
+        max_model_len=max(shape["prompt"]) + max(shape["output"]) + 64,
     )
     systems = {}
     with tempfile.TemporaryDirectory(prefix="baton-gpu-handoff-") as tmp:

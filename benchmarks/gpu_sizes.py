@@ -53,7 +53,8 @@ QUICK = replace(
     sharegpt=LogNormalWorkloadConfig(num_requests=256), mixed=WorkloadConfig(num_requests=256),
 )
 # The figures `make gpu-check` judges, in as little GPU time as they can be had: batch 1 and
-# 64 only (13 graphs to capture), and a mixed workload of two static batches.
+# 64 only (11 batch sizes, 16 graphs to capture on 132 SMs), and a mixed workload of two
+# static batches.
 CHECK = replace(
     QUICK, copy_bytes=1 << 30, decode_batches=(1, 64), decode_context=512,
     roofline_points=((1, 512), (64, 512)), roofline_target=(64, 512),

@@ -196,7 +196,8 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[l
         from baton.cli.launcher import UpSettings, role_args
 
         up = UpSettings(model=args.model, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
-                        prefill_memory_fraction=args.prefill_memory_fraction, colocated=not disaggregated)
+                        prefill_memory_fraction=args.prefill_memory_fraction, colocated=not disaggregated,
+                        max_model_len=getattr(args, "max_model_len", None))
         roles = role_args(up)
         worker_args += roles.worker
         prefill_args, decode_args, stagger = roles.prefill, roles.decode, up.shares_a_gpu

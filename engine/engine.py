@@ -117,11 +117,11 @@ class LLMEngine:
             self.graph_capture = self.runner.use_static_decode(
                 config.scheduler.max_num_seqs, self.max_model_len, capture=True
             )
-            reserve = self.graph_reserve_bytes
-            if reserve is not None and self.graph_capture.memory_bytes > reserve:
+            kept = self.graph_reserve_bytes
+            if kept is not None and self.graph_capture.memory_bytes > kept:
                 logger.warning("the CUDA graphs took %.0f MiB, more than the %.0f MiB kept for them when the KV "
                                "cache was sized: lower gpu_memory_utilization if the GPU runs out of memory",
-                               self.graph_capture.memory_bytes / 2**20, reserve / 2**20)
+                               self.graph_capture.memory_bytes / 2**20, kept / 2**20)
         # Overlapped scheduling: the step launched last, its tokens not yet reported.
         overlap = config.overlap_scheduling
         self.overlap = overlap if overlap is not None else self.device.type == "cuda"

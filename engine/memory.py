@@ -150,13 +150,15 @@ def profile_memory(model: torch.nn.Module, layout: KVLayout, config: EngineConfi
     del hidden, logits
     graph_bytes = 0
     if graph_reserve is not None:
-        # The graphs' pool holds what the largest padded decode batch allocates while it runs.
+        # The graphs' pool holds what the largest padded decode batch allocates while it runs,
+        # in the allocator's segments: counted as reserved, as the capture's memory is.
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+        before = torch.cuda.memory_reserved(device)
         decodes = [SequenceSpan([i], 0, 1) for i in range(graph_reserve.batch_size)]
         _forward(model, cache, layout, decodes, [], device)
         torch.cuda.synchronize(device)
-        graph_bytes = graph_reserve.total_bytes(torch.cuda.max_memory_allocated(device) - before)
+        graph_bytes = graph_reserve.total_bytes(torch.cuda.max_memory_reserved(device) - before)
     del cache
     torch.cuda.empty_cache()
     return MemoryProfile(start, read_device_memory(device), peak, graph_bytes)

@@ -38,6 +38,7 @@ if not torch.cuda.is_available():
 from engine.kernels.triton_attention import choose_num_splits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TEST_KV_BYTES = 1 << 30
 
 
 def test_graph_batch_sizes():
@@ -74,6 +75,10 @@ def tiny_triton(tmp_path_factory):
 
 
 def make_llm(model_dir: str, static: bool, overlap: bool = False, **kwargs) -> LLM:
+    # A sized cache (a CPU engine's default size): on a GPU an unsized one would take 0.9 of
+    # it, which another engine of the test or a test beside it needs free.
+    if "num_kv_blocks" not in kwargs:
+        kwargs.setdefault("kv_cache_memory_bytes", TEST_KV_BYTES)
     llm = LLM(model_dir, device=DEVICE, dtype="float32", attention_backend="triton", block_size=4,
               overlap_scheduling=overlap, enforce_eager=True, **kwargs)
     if static:  # on a GPU, captured as graphs
@@ -230,7 +235,7 @@ def test_a_static_step_splits_for_its_own_context(tmp_path):
         expected = hf_greedy(hf_model.to(DEVICE), prompt, params.max_tokens)
 
     prefill_engine = LLM(model_dir, device=DEVICE, dtype="float32", attention_backend="auto", block_size=4,
-                         max_num_batched_tokens=1024).engine
+                         max_num_batched_tokens=1024, kv_cache_memory_bytes=TEST_KV_BYTES).engine
     engine = make_llm(model_dir, static=False, max_num_seqs=2).engine
     runner = engine.runner
     static = StaticDecode(runner.model, runner.kv_cache.layers, runner.kv_manager, split_backend(132),

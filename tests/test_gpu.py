@@ -114,7 +114,7 @@ def test_baton_up_colocated_on_cuda_answers_a_streamed_request(tmp_path):
     # share must be free when it starts, so `make test-gpu` runs this test in a pytest process
     # that holds no GPU memory (marker gpu_servers).
     baton_up_streams_text(tmp_path, ["--device", "cuda", "--model", "dummy:llama-3.1-8b",
-                                     "--gpu-memory-utilization", "0.8"])
+                                     "--gpu-memory-utilization", "0.8", "--max-model-len", "4096"])
 
 
 def test_a_step_waits_on_the_device_only_to_read_its_tokens(tmp_path):

@@ -9,7 +9,12 @@ import torch.nn.functional as F
 from engine import kernels
 from engine.model.llama import RMSNorm, apply_rotary
 
-kernels.load_cpu_kernels()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cpu_kernels():
+    """Built (or loaded) for these tests, not when the module is imported."""
+    kernels.load_cpu_kernels()
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 

@@ -203,13 +203,14 @@ def test_baton_up_lays_the_workers_out_on_gpus():
         return [args[i + 1] for i, flag in enumerate(args) if flag == name]
 
     shared = parse(UpSettings, ["--device", "cuda", "--gpu-memory-utilization", "0.8",
-                                "--prefill-memory-fraction", "0.25"])
+                                "--prefill-memory-fraction", "0.25", "--max-model-len", "4096"])
     assert shared.shares_a_gpu
     roles = role_args(shared)
     assert flags(roles.worker, "--kv-transport") == ["auto"]
     assert flags(roles.worker + roles.prefill, "--gpu-memory-utilization")[-1] == "0.2000"  # 0.25 of 0.8
     assert flags(roles.worker + roles.decode, "--gpu-memory-utilization")[-1] == "0.6000"  # the rest of 0.8
     assert flags(roles.prefill, "--device") == flags(roles.decode, "--device") == ["cuda"]
+    assert flags(roles.worker, "--max-model-len") == ["4096"]
 
     split = parse(UpSettings, ["--device", "cuda", "--devices", "0,1", "--kv-transport", "nccl"])
     assert not split.shares_a_gpu
@@ -222,6 +223,7 @@ def test_baton_up_lays_the_workers_out_on_gpus():
     for bad, message in ((["--devices", "0,1"], "--devices needs --device cuda"),
                          (["--device", "cuda", "--devices", "0"], "two GPU indices"),
                          (["--prefill-memory-fraction", "1.5"], "must lie in"),
+                         (["--max-model-len", "0"], "--max-model-len must be positive"),
                          (["--kv-transport", "tcp"], "--kv-transport must be one of")):
         with pytest.raises(SettingsError, match=message):
             parse(UpSettings, bad)

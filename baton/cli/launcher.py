@@ -60,6 +60,7 @@ class UpSettings:
                                   shown="all cores each; an idle worker's threads sleep")
     kv_cache_memory: int | None = setting(None, "KV cache budget per worker, e.g. 512M, 2G", parse=parse_size,
                                           shown=KV_CACHE_MEMORY_SHOWN)
+    max_model_len: int | None = setting(None, "cap on prompt + output tokens, in both workers", shown="the model's")
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
     prefix_caching: bool = setting(default_of(CacheConfig, "enable_prefix_caching"),
                                    "share the KV of prompts that start alike, in both workers "
@@ -93,6 +94,8 @@ class UpSettings:
         object.__setattr__(self, "bearer_key", load_api_key(self.api_key, self.api_key_file))
         if self.split_cores and len(os.sched_getaffinity(0)) < 2:
             raise SettingsError("--split-cores needs at least 2 cores")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise SettingsError("--max-model-len must be positive")
         if self.kv_transport not in TRANSPORT_CHOICES:
             raise SettingsError(f"--kv-transport must be one of {', '.join(TRANSPORT_CHOICES)}")
         if not 0.0 < self.prefill_memory_fraction < 1.0:
@@ -146,6 +149,8 @@ def role_args(settings: UpSettings) -> RoleArgs:
         decode += ["--gpu-memory-utilization", f"{settings.gpu_memory_utilization - share:.4f}"]
     if settings.kv_cache_memory is not None:
         worker += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
+    if settings.max_model_len is not None:
+        worker += ["--max-model-len", str(settings.max_model_len)]
     if settings.verify_kv:
         worker.append("--verify-kv")
     if not settings.prefix_caching:

@@ -17,8 +17,8 @@ reported as such (benchmarks/gpu_check/phases.py says what each runs):
                  eager, the GPU's idle share at batch 64, offline throughput against
                  transformers and Baton static, disaggregated against colocated on one GPU
 
-OUT gets summary.json (rewritten after every phase), summary.txt (the one-screen table of
-every check: PASS / FAIL / TIMEOUT / SKIP, its figure and target), a log per phase and
-nvidia-smi.csv. `make gpu-check DEVICE=cpu` runs every phase on CPU with a tiny model and the
+OUT gets summary.json (rewritten after every phase; on a GPU, nvidia-smi's samples in it),
+summary.txt (the one-screen table of every check: PASS / FAIL / TIMEOUT / SKIP, its figure
+and target) and a log per phase. `make gpu-check DEVICE=cpu` runs every phase on CPU with a tiny model and the
 kernels under Triton's interpreter (CI does, with a phase made to hang: BATON_GPU_CHECK_HANG).
 """

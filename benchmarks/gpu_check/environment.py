@@ -40,6 +40,8 @@ def _driver() -> str | None:
 
 
 def describe_machine(device: str) -> dict:
+    """The machine and the versions. Not benchmarks/gpu.py's environment(): this must report
+    even where Baton's own modules, or the libraries they import, do not import."""
     facts = {
         "device": device,
         "python": platform.python_version(),

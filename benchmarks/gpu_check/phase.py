@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
 
-from benchmarks.gpu_check.phases import HANG_ENV, PHASE_NAMES, PHASES
+from benchmarks.gpu_check.phases import HANG_ENV, PHASE_NAMES, PHASES, PLANTED_SERVER
 from benchmarks.gpu_check.records import FAIL, CheckLog
 
 
@@ -28,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     log = CheckLog(records_path(args.work, phase.name), phase.name)
     if os.environ.get(HANG_ENV) == phase.name:
         log.start("planted hang")
+        # Like a server a test starts in a session of its own: out of the phase group's reach.
+        subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(3600)  # {PLANTED_SERVER}"],
+                         start_new_session=True)
         print(f"{HANG_ENV}={phase.name}: hanging until killed", flush=True)
         while True:
             time.sleep(60)

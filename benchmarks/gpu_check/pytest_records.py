@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from benchmarks.gpu_check.records import FAIL, PASS, PHASE_ENV, RECORDS_ENV, SKIP, CheckLog
 
 DETAIL_CHARS = 1500
@@ -55,3 +57,22 @@ def pytest_collectreport(report):
     log = _log()
     if log is not None and report.failed:
         log.add(f"collect {_name(report.nodeid)}", FAIL, detail=report.longreprtext.strip()[-DETAIL_CHARS:])
+
+
+def pytest_collection_finish(session):
+    """How many tests the phase has, so a phase cut short shows how far it got. Under
+    pytest-xdist the controller collects nothing itself: its workers report (below)."""
+    log = _log()
+    if log is not None and not session.config.pluginmanager.hasplugin("dsession"):
+        _collected(log, len(session.items))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    log = _log()
+    if log is not None:
+        _collected(log, len(ids))
+
+
+def _collected(log: CheckLog, num_tests: int) -> None:
+    log.add("collected", PASS, value=num_tests, unit="tests")

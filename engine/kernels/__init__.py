@@ -9,6 +9,8 @@ two cores; `make setup` runs it so that tests and servers start warm.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 # What the kernels are compiled for (AT_DISPATCH_FLOATING_TYPES_AND(kBFloat16, ...)).
 CPU_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+_NAME = "baton_cpu_kernels"
 _SOURCES = (_DIR / "cpu_attention.cpp", _DIR / "cpu_ops.cpp")
 _HEADERS = (_DIR / "cpu_math.h",)
 
@@ -49,15 +52,34 @@ def load_cpu_kernels() -> None:
     flags.append(f"-march={native_arch()}")
     flags.append(f"-DBATON_HEADERS_DIGEST={_headers_digest()}")
     logger.info("loading Baton's CPU kernels (the first build takes about half a minute)")
-    cpp_extension.load(
-        name="baton_cpu_kernels",
-        sources=[str(path) for path in _SOURCES],
-        extra_cflags=flags,
-        extra_include_paths=[str(_DIR)],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
+    with _build_lock(Path(cpp_extension._get_build_directory(_NAME, verbose=False))):
+        cpp_extension.load(
+            name=_NAME,
+            sources=[str(path) for path in _SOURCES],
+            extra_cflags=flags,
+            extra_include_paths=[str(_DIR)],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold the build directory for this process, also against a loader that died in it.
+
+    torch's own lock is a file whose mere existence makes every later loader wait: a
+    process killed while loading (a worker killed at start, a check's phase at its
+    deadline) left it behind, and every Baton process on the machine then hung at start.
+    An flock dies with its holder; every Baton loader takes it first, so a torch lock
+    found under it was left by a dead loader."""
+    with open(build_dir / "baton.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a process that died while loading the CPU kernels", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def cpu_kernels_loaded() -> bool:
