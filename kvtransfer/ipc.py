@@ -66,7 +66,8 @@ from kvtransfer.ipc_frames import (
     tag_bytes,
     tag_of,
 )
-from kvtransfer.ipc_memory import export_cache, map_cache
+from kvtransfer.ipc_memory import (compile_copy_rows, copies_in_one_launch, copy_rows_on_device, export_cache,
+                                   index_on, map_cache)
 from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.proof import channel_proof, check_secret, is_proof
 from kvtransfer.transport import KvTransferError, KvTransport, TransferStats, first_line
@@ -235,6 +236,8 @@ class IpcChannel(KvTransport):
             theirs = KvLayoutSpec(**welcome["layout"])
             spec.check_matches(theirs)
             peer_rows = map_cache(welcome["cache"], fds, theirs, int(welcome["num_blocks"]), kv_cache.blocks.device)
+            if kv_cache.blocks.device.type == "cuda" and peer_rows.device == kv_cache.blocks.device:
+                compile_copy_rows(peer_rows)
             frames.send(READY)
         except BaseException as error:
             if isinstance(error, (ValueError, KeyError, TypeError)):  # the layouts differ, or a malformed frame
@@ -391,6 +394,12 @@ class IpcChannel(KvTransport):
         peer = self._peer_rows
         src_ids, dst_ids, plan = prepared.src_ids, prepared.dst_ids, prepared.plan
         cuda = self._stream is not None
+        if cuda and peer.device == rows.device and copies_in_one_launch(plan):
+            # Every block in one kernel: a memcpy per scattered block is bound by the host.
+            self._check_abort(tag)
+            copy_rows_on_device(rows, peer, src_ids, dst_ids)
+            self._drain()
+            return
         for run in plan.runs:
             self._check_abort(tag)
             src, dst, count = src_ids[run.start], dst_ids[run.start], run.num_blocks
@@ -398,8 +407,8 @@ class IpcChannel(KvTransport):
         for begin, end in plan.staged_slices():
             self._check_abort(tag)
             positions = plan.staged[begin:end]
-            src = _index([src_ids[p] for p in positions], rows.device)
-            dst = _index([dst_ids[p] for p in positions], peer.device)
+            src = index_on([src_ids[p] for p in positions], rows.device)
+            dst = index_on([dst_ids[p] for p in positions], peer.device)
             gathered = wide_rows(rows).index_select(0, src)
             wide_rows(peer).index_copy_(0, dst, gathered.to(peer.device, non_blocking=cuda))
         self._drain()  # in the receiver's memory before we say DONE
@@ -473,13 +482,6 @@ class IpcChannel(KvTransport):
         else:
             text = f"channel {self.channel_id}: transfer failed: {message}"
         return KvTransferError(text, in_doubt=in_doubt)
-
-
-def _index(ids: list[int], device: torch.device) -> torch.Tensor:
-    """Block ids as an index on `device`, copied from pinned memory without a host wait."""
-    if device.type != "cuda":
-        return torch.tensor(ids, dtype=torch.long)
-    return torch.tensor(ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
 
 
 def _spec_dict(spec: KvLayoutSpec) -> dict:

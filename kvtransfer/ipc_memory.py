@@ -27,6 +27,11 @@ from engine.shared_memory import SharedMemory
 from kvtransfer.endpoint import gpu_uuid
 from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.transport import KvTransferError
+from kvtransfer.wire import wide_rows
+
+# CUDA on one device: a plan of more pieces than this is copied by one copy_rows launch
+# (engine/kernels/triton_ops.py); a few long runs stay memcpys, the fastest copy there is.
+MAX_MEMCPY_RUNS = 4
 
 
 # KVCache: (export, fds), or why it cannot be shared (tried once: it never could later).
@@ -130,3 +135,35 @@ def _local_gpu(uuid: str) -> int:
         if gpu_uuid(torch.device("cuda", index)) == uuid:
             return index
     raise ValueError(f"the receiver's GPU {uuid} is not visible to this process (CUDA_VISIBLE_DEVICES?)")
+
+
+def compile_copy_rows(rows: torch.Tensor) -> None:
+    """Compile copy_rows for these rows now, between two scratch rows of their shape,
+    rather than on the first transfer's critical path."""
+    from engine.kernels.triton_ops import copy_rows
+
+    scratch = torch.zeros(2, *wide_rows(rows).shape[1:], dtype=wide_rows(rows).dtype, device=rows.device)
+    ids = torch.tensor([0], dtype=torch.long, device=rows.device)
+    copy_rows(scratch, scratch, ids, ids + 1)
+    torch.cuda.current_stream(rows.device).synchronize()
+
+
+def copies_in_one_launch(plan) -> bool:
+    """CUDA, same device: whether one copy_rows launch beats the plan's memcpys (runs) and
+    gathers (staged blocks): any plan of more than a few pieces."""
+    return len(plan.runs) + (1 if plan.staged else 0) > MAX_MEMCPY_RUNS
+
+
+def copy_rows_on_device(rows: torch.Tensor, peer: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> None:
+    """peer[dst_ids[i]] = rows[src_ids[i]] in one copy_rows launch on the current stream
+    (both on one CUDA device; Triton is imported only here, where CUDA is)."""
+    from engine.kernels.triton_ops import copy_rows
+
+    copy_rows(wide_rows(rows), wide_rows(peer), index_on(src_ids, rows.device), index_on(dst_ids, rows.device))
+
+
+def index_on(ids: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids as an index on `device`, copied from pinned memory without a host wait."""
+    if device.type != "cuda":
+        return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)

@@ -69,7 +69,7 @@ def test_cpu_gpu_check_runs_every_phase_and_survives_a_hung_one(tmp_path):
     engine_tests = [c for c in phases["engine"]["checks"] if "::" in c["name"]]
     assert engine_tests and all(c["status"] == PASS for c in engine_tests)
     assert any("test_kv_ipc.py" in name for name in checks) and any("disaggregated" in name for name in checks)
-    for name in ("copy bandwidth", "decode-batch1-vs-hbm-floor", "offline-mixed-vs-hf-static", "handoff-serving",
+    for name in ("copy bandwidth", "decode-batch1-vs-hbm-floor", "offline-mixed-vs-baton-static", "handoff-serving",
                  "handoff-no-held-blocks"):
         assert checks[name]["status"] == PASS and checks[name]["value"] > 0, checks[name]
     # Measured, not judged, on CPU; what only a GPU has is skipped, not faked.

@@ -21,7 +21,13 @@ if not torch.cuda.is_available():
     use_triton_interpreter()
 
 from engine.kernels.triton_attention import choose_num_splits, paged_attention  # noqa: E402
-from engine.kernels.triton_ops import add_rms_norm, rms_norm, rope_and_store_kv  # noqa: E402
+from engine.kernels.triton_ops import (  # noqa: E402
+    add_rms_norm,
+    copy_rows,
+    rms_norm,
+    rope_and_store_kv,
+    silu_and_mul,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bfloat16 tl.dot is wrong under the interpreter: bfloat16 only on a GPU.
@@ -299,3 +305,34 @@ def test_rms_norm_promotes_like_torch():
     out = rms_norm(x, weight, 1e-6)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, reference_rms_norm(x, weight, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [96, 1536])
+def test_silu_and_mul(inter, dtype):
+    """As the model's torch formula, F.silu(gate) * up, each op rounded to the dtype."""
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(5, 2 * inter, generator=gen) * 4).to(dtype).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = silu_and_mul(gate_up)
+    assert out.shape == (5, inter) and out.dtype == dtype
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert silu_and_mul(gate_up[:0]).shape == (0, inter)
+
+
+@pytest.mark.parametrize("row_len", [48, 5000])
+def test_copy_rows_moves_exactly_the_listed_rows(row_len):
+    """Rows land at their destinations bit for bit; every other destination row is untouched."""
+    gen = torch.Generator().manual_seed(row_len)
+    src = torch.randint(-(2**62), 2**62, (40, row_len), generator=gen, dtype=torch.int64).to(DEVICE)
+    dst = torch.randint(-(2**62), 2**62, (50, row_len), generator=gen, dtype=torch.int64).to(DEVICE)
+    src_ids = torch.randperm(40, generator=gen)[:17]
+    dst_ids = torch.randperm(50, generator=gen)[:17]
+    expected = dst.clone()
+    expected[dst_ids.to(DEVICE)] = src[src_ids.to(DEVICE)]
+    copy_rows(src, dst, src_ids.to(DEVICE), dst_ids.to(DEVICE))
+    assert torch.equal(dst, expected)
+    before = dst.clone()
+    copy_rows(src, dst, src_ids[:0].to(DEVICE), dst_ids[:0].to(DEVICE))
+    assert torch.equal(dst, before)

@@ -13,6 +13,11 @@ The cache views are `[num_blocks, block_size, KvH, Dh]` whose block stride may
 span every layer (block-major cache), so slots address in 64 bits.
 
 The RMSNorm kernels run one program per row, the whole row in one tile.
+
+`silu_and_mul` reads the gate and up halves of the MLP's fused projection once and
+writes silu(gate) * up, rounded once as torch rounds each op. `copy_rows` copies
+rows of one 2-D tensor into rows of another at two lists of ids in one launch: the
+ipc handoff's scattered KV blocks (one memcpy each would be host-bound).
 """
 
 from __future__ import annotations
@@ -163,6 +168,67 @@ def rope_and_store_kv(
         BLOCK_SIZE=block_size,
         # 8 warps past 64 rotated heads of 128 dims: 4 spill registers there (sm_90 compile).
         num_warps=8 if rotated_heads_pad * half_dim_pad >= 8192 else 4,
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < inter
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=valid, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_in + inter + cols, mask=valid, other=0.0)
+    # torch's F.silu computes in float32 and rounds; the product rounds again.
+    gate32 = gate.to(tl.float32)
+    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
+    out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=valid)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up for gate_up [N, 2I] (gate columns then up columns) -> [N, I]."""
+    num_rows, width = gate_up.shape
+    assert width % 2 == 0 and gate_up.stride(-1) == 1
+    inter = width // 2
+    if gate_up.dtype == torch.float64:  # the kernel computes in float32
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    out = torch.empty(num_rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows == 0:
+        return out
+    block = min(triton.next_power_of_2(inter), 1024)
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, row_len, stride_src, stride_dst,
+                      BLOCK: tl.constexpr):
+    pair = tl.program_id(0)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    src_row = tl.load(src_ids_ptr + pair).to(tl.int64)
+    dst_row = tl.load(dst_ids_ptr + pair).to(tl.int64)
+    valid = cols < row_len
+    values = tl.load(src_ptr + src_row * stride_src + cols, mask=valid)
+    tl.store(dst_ptr + dst_row * stride_dst + cols, values, mask=valid)
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """dst[dst_ids[i]] = src[src_ids[i]] for every i, in one launch on the current stream.
+    src, dst [rows, row_len] of one dtype with contiguous rows; ids int64 on the device.
+    Rows in dst_ids must be distinct (each lands once); src and dst may alias only if no
+    row is both read and written."""
+    assert src.dim() == dst.dim() == 2 and src.shape[1] == dst.shape[1] and src.dtype == dst.dtype
+    assert src.stride(1) == 1 and dst.stride(1) == 1 and src_ids.shape == dst_ids.shape
+    num_pairs, row_len = src_ids.numel(), src.shape[1]
+    if num_pairs == 0:
+        return
+    # 16 KiB a program: enough in flight per SM to stream at the memory's speed.
+    block = min(triton.next_power_of_2(row_len), max(16384 // src.element_size(), 1))
+    _copy_rows_kernel[(num_pairs, triton.cdiv(row_len, block))](
+        src, dst, src_ids, dst_ids, row_len, src.stride(0), dst.stride(0), BLOCK=block, num_warps=8
     )
 
 

@@ -4,7 +4,7 @@
     cpu      native, if built    engine/kernels/cpu_ops     cpu_ops         cpu_ops
     cpu      torch otherwise     torch                      torch           torch
              (and for float16)
-    cuda     triton              engine/kernels/triton_ops  torch (*)       torch
+    cuda     triton              engine/kernels/triton_ops  torch (*)       triton_ops
 
 (*) On CUDA the Triton attention backend rotates q and k inside its fused
 RoPE + KV-store kernel, so the model's own RoPE op only runs under other
@@ -45,7 +45,8 @@ def select_ops(device: torch.device | str, dtype: torch.dtype = torch.float32) -
     if device_type == "cuda":
         from engine.kernels import triton_ops
 
-        return ModelOps("triton", rms_norm=triton_ops.rms_norm, add_rms_norm=triton_ops.add_rms_norm)
+        return ModelOps("triton", rms_norm=triton_ops.rms_norm, add_rms_norm=triton_ops.add_rms_norm,
+                        silu_and_mul=triton_ops.silu_and_mul)
     from engine import kernels
 
     if dtype in kernels.CPU_KERNEL_DTYPES and kernels.cpu_kernels_available():
