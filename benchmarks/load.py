@@ -1,6 +1,7 @@
 """The client side of the serving benchmarks: GenerateStream calls and what the client saw
-of each (Outcome), a server that only refuses (the floor a burst of calls is measured
-against), and the processes' RSS and CPU time from /proc."""
+of each (Attempt, Outcome), goodput (requests completed within their deadline), a server
+that only refuses (the floor a burst of calls is measured against), and the processes'
+RSS and CPU time from /proc."""
 
 from __future__ import annotations
 
@@ -20,17 +21,79 @@ from benchmarks.workload import BenchRequest
 NUM_CHANNELS = 8  # client connections (one HTTP/2 connection caps its concurrent streams)
 
 
+# What gRPC says of a call whose deadline passed (on either side). Any other message on a
+# DEADLINE_EXCEEDED is the server's own: the gateway refused a deadline it could not meet.
+DEADLINE_PASSED = "Deadline Exceeded"
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One call as the client saw it: its status, seconds to its end, and its tokens."""
+
+    status: str  # "OK" or the gRPC status name
+    seconds: float
+    ttft: float | None  # seconds to its first token; None: none came
+    num_tokens: int
+    retry_after_s: float | None  # a refusal's RetryInfo
+    timeout_s: float | None  # the call's gRPC deadline, seconds from its send; None: none
+    message: str = ""  # a failure's
+
+    @property
+    def is_refusal(self) -> bool:
+        """Refused before any work: RESOURCE_EXHAUSTED, or a DEADLINE_EXCEEDED that the
+        server sent before its deadline passed (a deadline the gateway could not meet)."""
+        return self.status == "RESOURCE_EXHAUSTED" or (
+            self.status == "DEADLINE_EXCEEDED" and self.ttft is None and self.message != DEADLINE_PASSED)
+
+    @property
+    def is_unanswered(self) -> bool:
+        """Its deadline passed with neither a refusal nor a token: refused too late, or
+        admitted and never started (the client cannot tell which; either fails a target)."""
+        return self.status == "DEADLINE_EXCEEDED" and self.ttft is None and not self.is_refusal
+
+    def missed_by_s(self, max_tokens: int) -> float | None:
+        """A call cut off by its deadline after its first token (so admitted): how much later
+        it would have finished, its tokens left at its own pace so far. None for any other."""
+        if self.status != "DEADLINE_EXCEEDED" or self.ttft is None:
+            return None
+        pace = (self.seconds - self.ttft) / max(1, self.num_tokens - 1)
+        return max(0, max_tokens - self.num_tokens) * pace
+
+
 @dataclass
 class Outcome:
-    """One request as the client saw it (seconds since its phase began)."""
+    """One request as the client saw it (seconds since its phase began): its last attempt,
+    and the refusals before it."""
 
     status: str  # "OK" or the gRPC status name of its last attempt
-    sent: float
+    sent: float  # its first attempt
     finished: float
-    ttft: float | None = None
-    refusal_seconds: tuple[float, ...] = ()  # each RESOURCE_EXHAUSTED attempt's latency
+    ttft: float | None = None  # of its last attempt
+    refusal_seconds: tuple[float, ...] = ()  # each refused attempt's latency (Attempt.is_refusal)
     retry_after_s: float | None = None  # the last refusal's hint
+    num_output_tokens: int = 0
+    deadline_s: float | None = None  # the time it had from its first attempt; None: no deadline
+    is_refused: bool = False  # its last attempt was refused: never admitted
+    is_unanswered: bool = False  # its last attempt: Attempt.is_unanswered
+    missed_by_s: float | None = None  # started, then cut off by its deadline: Attempt.missed_by_s
 
+    @property
+    def is_within_deadline(self) -> bool:
+        """Completed, within its deadline (any completion, without one): goodput."""
+        return self.status == "OK" and (self.deadline_s is None or self.finished - self.sent <= self.deadline_s)
+
+
+def goodput(outcomes: list[Outcome], window_s: float, end: float = float("inf")) -> dict:
+    """Requests completed within their deadline (and by `end`, seconds since the phase
+    began) per second of `window_s`, and their output tokens per second."""
+    good = [o for o in outcomes if o.is_within_deadline and o.finished <= end]
+    return {"goodput_requests_per_s": len(good) / window_s if window_s > 0 else 0.0,
+            "goodput_output_tokens_per_s": sum(o.num_output_tokens for o in good) / window_s if window_s > 0 else 0.0}
+
+
+def statuses(outcomes: list[Outcome]) -> dict[str, int]:
+    """How many ended with each status."""
+    return {status: sum(1 for o in outcomes if o.status == status) for status in sorted({o.status for o in outcomes})}
 
 
 def percentile(values, q: float) -> float:
@@ -54,10 +117,10 @@ class Client:
         for channel in self._channels:
             await channel.close()
 
-    async def attempt(self, request: BenchRequest, timeout: float,
-                      answered: Callable[[], None] = lambda: None) -> tuple[str, float, float | None, float | None]:
-        """(status, seconds, ttft, retry hint) of one call; `answered()` at its first token
-        or its failure, whichever comes first."""
+    async def attempt(self, request: BenchRequest, timeout: float | None,
+                      answered: Callable[[], None] = lambda: None) -> Attempt:
+        """One call, with a gRPC deadline `timeout` seconds away (None: none); `answered()`
+        at its first token or its failure, whichever comes first."""
         import grpc
 
         from baton.wire.status import error_details_from_trailers
@@ -68,42 +131,53 @@ class Client:
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True),
         )
         sent = time.perf_counter()
-        ttft = None
+        ttft, num_tokens = None, 0
         try:
-            async for _ in next(self._stubs).GenerateStream(message, timeout=timeout):
+            async for reply in next(self._stubs).GenerateStream(message, timeout=timeout):
                 if ttft is None:
                     ttft = time.perf_counter() - sent
                     answered()
+                num_tokens += len(reply.token_ids)
         except grpc.aio.AioRpcError as error:
             if ttft is None:
                 answered()
             retry = error_details_from_trailers(error.trailing_metadata()).retry_after_s
-            return error.code().name, time.perf_counter() - sent, ttft, retry
-        return "OK", time.perf_counter() - sent, ttft, None
+            return Attempt(error.code().name, time.perf_counter() - sent, ttft, num_tokens, retry, timeout,
+                           error.details() or "")
+        return Attempt("OK", time.perf_counter() - sent, ttft, num_tokens, None, timeout)
 
-    async def once(self, request: BenchRequest, base: float, timeout: float) -> Outcome:
+    async def once(self, request: BenchRequest, base: float, timeout: float | None) -> Outcome:
+        """One call, its deadline `timeout` seconds away (None: none); no retry."""
         sent = time.perf_counter() - base
-        status, seconds, ttft, retry = await self.attempt(request, timeout)
-        refusals = (seconds,) if status == "RESOURCE_EXHAUSTED" else ()
-        return Outcome(status, sent, sent + seconds, ttft, refusals, retry)
+        attempt = await self.attempt(request, timeout)
+        refused = attempt.is_refusal
+        return Outcome(attempt.status, sent, sent + attempt.seconds, attempt.ttft,
+                       (attempt.seconds,) if refused else (), attempt.retry_after_s, attempt.num_tokens,
+                       timeout, refused, attempt.is_unanswered, attempt.missed_by_s(request.max_tokens))
 
     async def until_served(self, request: BenchRequest, base: float, deadline_s: float,
                            answered: Callable[[bool], None] = lambda first: None) -> Outcome:
-        """Retry after each refusal's hint (doubling backoff, jitter) until `deadline_s`;
+        """Retry after each RESOURCE_EXHAUSTED's hint (doubling backoff, jitter) until
+        `deadline_s` from the first attempt, each attempt's gRPC deadline what is left;
         `answered(first)` as each attempt has its answer: its refusal or its first token."""
-        sent = time.perf_counter() - base
+        start = time.perf_counter()
+        sent = start - base
         refusals: list[float] = []
         while True:
-            left = deadline_s - (time.perf_counter() - base)
+            left = deadline_s - (time.perf_counter() - start)
             if left <= 0:
-                return Outcome("DEADLINE_EXCEEDED", sent, time.perf_counter() - base, None, tuple(refusals))
+                return Outcome("DEADLINE_EXCEEDED", sent, time.perf_counter() - base, None, tuple(refusals),
+                               deadline_s=deadline_s, is_refused=True)
             first = not refusals
-            status, seconds, ttft, retry = await self.attempt(request, left, lambda: answered(first))
-            if status != "RESOURCE_EXHAUSTED":
-                return Outcome(status, sent, time.perf_counter() - base, ttft, tuple(refusals))
-            refusals.append(seconds)
-            backoff = (retry or 1.0) * random.uniform(1, 2) * 2 ** min(len(refusals) - 1, 3)
-            await asyncio.sleep(min(backoff, max(0.0, deadline_s - (time.perf_counter() - base))))
+            attempt = await self.attempt(request, left, lambda: answered(first))
+            if attempt.is_refusal:
+                refusals.append(attempt.seconds)
+            if attempt.status != "RESOURCE_EXHAUSTED":
+                return Outcome(attempt.status, sent, time.perf_counter() - base, attempt.ttft, tuple(refusals),
+                               attempt.retry_after_s, attempt.num_tokens, deadline_s, attempt.is_refusal,
+                               attempt.is_unanswered, attempt.missed_by_s(request.max_tokens))
+            backoff = (attempt.retry_after_s or 1.0) * random.uniform(1, 2) * 2 ** min(len(refusals) - 1, 3)
+            await asyncio.sleep(min(backoff, max(0.0, deadline_s - (time.perf_counter() - start))))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -212,9 +286,9 @@ class RefusingServer:
                     raise RuntimeError(f"the refusing server did not start (exit code {self._process.exitcode})")
             self.client = Client(f"127.0.0.1:{self.port}")
             for _ in range(NUM_CHANNELS):  # every channel connected, as the gateway's are by then
-                status, *_ = await self.client.attempt(BenchRequest("connect", [1], 1), 30)
-                if status != "RESOURCE_EXHAUSTED":
-                    raise RuntimeError(f"the refusing server answered {status}")
+                attempt = await self.client.attempt(BenchRequest("connect", [1], 1), 30)
+                if attempt.status != "RESOURCE_EXHAUSTED":
+                    raise RuntimeError(f"the refusing server answered {attempt.status}")
         except BaseException:
             self._process.kill()
             raise

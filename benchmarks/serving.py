@@ -20,8 +20,14 @@ Four systems, one after the other in this order in one run, on the same arrival 
                             cores, so each gets half the threads of 1+1's
 
 Reported per system: TTFT, TPOT, ITL and end-to-end latency (p50/p90/p99),
-output tokens/s and requests/s over the run, plus the KV handoff's observed
-bandwidth and, with tracing, the spans and traces received. Then the KV transfer
+output tokens/s and requests/s over the run, goodput beside them (requests completed
+within their deadline per second, and their output tokens per second), plus the KV
+handoff's observed bandwidth and, with tracing, the spans and traces received.
+`--deadline-s` sends each request with that gRPC deadline, which the gateway's admission
+takes as its SLO: a request may then be refused or cut off, and only those completed
+within it count as goodput (the in-process engine gets no deadline; its requests that
+finished later count as missed). Without it (the default) no deadline is sent, every
+request must complete, and goodput equals throughput. Then the KV transfer
 comparison between two processes (kvtransfer.bench: ipc, Gloo, a raw Gloo message
 and a plain copy of the same bytes). Targets: disaggregated output tokens/s >= 0.9x
 engine, and at least Gloo's (disaggregated / disaggregated+gloo >= 1.0);
@@ -41,93 +47,18 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.serving_report import RequestTiming, print_report, summarize
 from benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
 
 ALL_SYSTEMS = ("disaggregated", "disaggregated+tracing", "disaggregated+gloo", "colocated", "engine",
                "multihost-1+1", "multihost-2+2")
 # Not run unless asked for (--systems): they need root, for network namespaces.
 DEFAULT_SYSTEMS = ALL_SYSTEMS[:5]
-
-
-@dataclass
-class RequestTiming:
-    """One request's timeline (seconds, relative to its send time)."""
-
-    arrival: float
-    token_times: list[float] = field(default_factory=list)  # one entry per generated token
-    num_output_tokens: int = 0
-    finished: float = 0.0
-
-
-@dataclass
-class SystemResult:
-    name: str
-    seconds: float
-    num_requests: int
-    num_output_tokens: int
-    ttft: dict
-    tpot: dict
-    itl: dict
-    e2e: dict
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.num_output_tokens / self.seconds
-
-    @property
-    def requests_per_s(self) -> float:
-        return self.num_requests / self.seconds
-
-
-def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
-    array = np.asarray(values)
-    return {
-        "p50": float(np.percentile(array, 50)),
-        "p90": float(np.percentile(array, 90)),
-        "p99": float(np.percentile(array, 99)),
-        "mean": float(array.mean()),
-    }
-
-
-def summarize(name: str, rounds: list[list[RequestTiming]], extras: list[dict] | None = None) -> SystemResult:
-    """One system's figures over its rounds: the run's seconds are the sum of each
-    round's first arrival to last finish; latencies pool every request."""
-    seconds = sum(max(t.arrival + t.finished for t in timings) - min(t.arrival for t in timings)
-                  for timings in rounds)
-    timings = [t for round_timings in rounds for t in round_timings]
-    ttft, tpot, itl, e2e = [], [], [], []
-    for t in timings:
-        ttft.append(t.token_times[0])
-        e2e.append(t.finished)
-        if len(t.token_times) > 1:
-            tpot.append((t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1))
-            itl.extend(np.diff(t.token_times).tolist())
-    extras = extras or [{}]
-    extra = extras[0] if len(extras) == 1 else {
-        **{f"round{i + 1}": e for i, e in enumerate(extras)},
-        "round_output_tokens_per_s": [sum(t.num_output_tokens for t in r) /
-                                      (max(t.arrival + t.finished for t in r) - min(t.arrival for t in r))
-                                      for r in rounds],
-    }
-    return SystemResult(
-        name,
-        seconds,
-        len(timings),
-        sum(t.num_output_tokens for t in timings),
-        percentiles(ttft),
-        percentiles(tpot),
-        percentiles(itl),
-        percentiles(e2e),
-        extra,
-    )
 
 
 def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
@@ -140,7 +71,10 @@ def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
 
 
 # ------------------------------------------------------------------------- gRPC
-async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[float]) -> list[RequestTiming]:
+async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[float],
+                     deadline_s: float | None = None) -> list[RequestTiming]:
+    """Each request at its offset; with `deadline_s`, as each call's gRPC deadline, a call
+    that fails is recorded with its status (without, it stops the run)."""
     import grpc
 
     from baton.wire.v1 import generation_pb2 as pb
@@ -159,12 +93,18 @@ async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[f
                 token_ids=pb.TokenIds(ids=request.prompt_token_ids),
                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True),
             )
-            async for reply in stub.GenerateStream(message, timeout=3600):
-                now = time.perf_counter() - sent
-                timing.token_times.extend([now] * len(reply.token_ids))
-                timing.num_output_tokens += len(reply.token_ids)
+            timing.deadline_s = deadline_s
+            try:
+                async for reply in stub.GenerateStream(message, timeout=deadline_s or 3600):
+                    now = time.perf_counter() - sent
+                    timing.token_times.extend([now] * len(reply.token_ids))
+                    timing.num_output_tokens += len(reply.token_ids)
+            except grpc.aio.AioRpcError as error:
+                if deadline_s is None:
+                    raise
+                timing.status = error.code().name
             timing.finished = time.perf_counter() - sent
-            if timing.num_output_tokens != request.max_tokens:
+            if timing.status == "OK" and timing.num_output_tokens != request.max_tokens:
                 raise RuntimeError(f"{request.request_id}: {timing.num_output_tokens} of {request.max_tokens} tokens")
             return timing
 
@@ -172,13 +112,11 @@ async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[f
 
 
 def gateway_args(args) -> list[str]:
-    """The gateway's routing flags, as asked for, and no admission bound on queued tokens."""
+    """The gateway's routing flags, as asked for (its admission as by default: a Poisson
+    burst queues, benchmarks/overload.py refuses)."""
     return [f"--{flag}={value}" for flag, value in (
         ("max-local-prefill-tokens", args.max_local_prefill_tokens),
         ("max-prefill-queue-tokens", args.max_prefill_queue_tokens),
-        # Throughput, not overload (benchmarks/overload.py): every request is served, as by
-        # the in-process engine; the gateway's default bound would refuse a Poisson burst's prompts.
-        ("max-queued-tokens", 1 << 30),
     ) if value is not None]
 
 
@@ -226,7 +164,8 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[l
             env=env,
         )
         try:
-            timings = asyncio.run(drive_grpc(deployment.gateway, requests, offsets))
+            timings = asyncio.run(drive_grpc(deployment.gateway, requests, offsets,
+                                             getattr(args, "deadline_s", None)))
             decode = deployment.stats("decode")
             extra = {"mean_seqs_per_step": decode.mean_seqs_per_step,
                      "kv_blocks_left_held": _blocks_left_held(deployment)}
@@ -273,7 +212,7 @@ def run_multihost(name: str, args, requests, offsets, log_dir: Path) -> tuple[li
             threads=decode_threads, timeout_s=900,
         )
         try:
-            timings = asyncio.run(drive_grpc(cluster.deployment.gateway, requests, offsets))
+            timings = asyncio.run(drive_grpc(cluster.deployment.gateway, requests, offsets, args.deadline_s))
             decode = [cluster.deployment.stats(cluster.process(f"decode-{i}")) for i in range(count)]
             transports = sorted({t.transport for stats in decode for t in stats.kv_transports})
             num_bytes = sum(stats.num_transferred_bytes for stats in decode)
@@ -338,70 +277,9 @@ def run_engine(args, requests, offsets) -> tuple[list[RequestTiming], dict]:
             await engine.stop()
 
     timings = asyncio.run(drive())
+    for timing in timings:  # none was sent: a request that finished later missed it
+        timing.deadline_s = args.deadline_s
     return timings, {"mean_seqs_per_step": llm.get_metrics().mean_seqs_per_step}
-
-
-# ----------------------------------------------------------------------- report
-def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> list[tuple[str, float, float, bool]]:
-    print(f"\nworkload: {args.num_requests} requests, Poisson rate {args.rate}/s, seed {args.seed}, "
-          f"prompts {args.min_prompt_len}-{args.max_prompt_len}, outputs {args.min_output_len}-{args.max_output_len}")
-    width = max([14, *(len(name) for name in results)])
-    header = f"{'system':<{width}} {'out tok/s':>9} {'req/s':>6} " + " ".join(
-        f"{m + ' p50/p90/p99 ms':>26}" for m in ("TTFT", "TPOT", "ITL", "E2E")
-    )
-    print(header)
-    for result in results.values():
-        cells = []
-        for metric in (result.ttft, result.tpot, result.itl, result.e2e):
-            cells.append(f"{metric['p50'] * 1e3:8.1f}/{metric['p90'] * 1e3:8.1f}/{metric['p99'] * 1e3:8.1f}")
-        print(f"{result.name:<{width}} {result.output_tokens_per_s:9.1f} {result.requests_per_s:6.2f} " + " ".join(
-            f"{c:>26}" for c in cells))
-    def fields(extra: dict) -> str:
-        return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items()
-                         if not isinstance(v, (dict, list)))
-
-    for result in results.values():
-        if args.rounds == 1 and result.extra:
-            print(f"  {result.name}: {fields(result.extra)}")
-        for i in range(args.rounds if args.rounds > 1 else 0):
-            rate = result.extra["round_output_tokens_per_s"][i]
-            print(f"  {result.name} round {i + 1}: out tok/s={rate:.1f}, {fields(result.extra[f'round{i + 1}'])}")
-    checks = []
-    if "disaggregated" in results and "engine" in results:
-        ratio = results["disaggregated"].output_tokens_per_s / results["engine"].output_tokens_per_s
-        checks.append(("disaggregated / engine output tok/s", ratio, 0.9, ratio >= 0.9))
-    if "disaggregated+tracing" in results and "disaggregated" in results:
-        ratio = results["disaggregated+tracing"].output_tokens_per_s / results["disaggregated"].output_tokens_per_s
-        checks.append(("tracing on / off output tok/s", ratio, 0.97, ratio >= 0.97))
-        if args.rounds > 1:
-            per_round = [on / off for on, off in zip(results["disaggregated+tracing"].extra["round_output_tokens_per_s"],
-                                                     results["disaggregated"].extra["round_output_tokens_per_s"])]
-            print("tracing on / off by round: " + ", ".join(f"{r:.3f}" for r in per_round))
-    if "disaggregated+gloo" in results and "engine" in results:
-        ratio = results["disaggregated+gloo"].output_tokens_per_s / results["engine"].output_tokens_per_s
-        checks.append(("disaggregated+gloo / engine output tok/s", ratio, 0.0, True))
-    if "disaggregated+gloo" in results and "disaggregated" in results:
-        ratio = results["disaggregated"].output_tokens_per_s / results["disaggregated+gloo"].output_tokens_per_s
-        checks.append(("disaggregated (ipc) / disaggregated+gloo output tok/s", ratio, 1.0, ratio >= 1.0))
-    if "colocated" in results and "engine" in results:
-        ratio = results["colocated"].output_tokens_per_s / results["engine"].output_tokens_per_s
-        checks.append(("colocated / engine output tok/s", ratio, 0.0, True))
-    if "multihost-2+2" in results and "multihost-1+1" in results:
-        # On one machine the 2+2 workers share the cores 1+1's had: the bound is ~1x.
-        ratio = results["multihost-2+2"].output_tokens_per_s / results["multihost-1+1"].output_tokens_per_s
-        checks.append((f"multihost 2+2 / 1+1 output tok/s (same {os.cpu_count()} cores)", ratio, 0.0, True))
-    if kv is not None:
-        from kvtransfer.bench import describe
-
-        print("\nKV transfer between two processes, " + describe(kv))
-        checks.append(("KV block transfer over Gloo / raw send/recv bandwidth", kv["ratio"], 0.9, kv["ratio"] >= 0.9))
-        checks.append(("KV transfer ipc / Gloo speed", kv["ipc_vs_gloo"], 1.0, kv["ipc_vs_gloo"] >= 1.0))
-    print()
-    for name, value, target, passed in checks:
-        verdict = "PASS" if passed else "FAIL"
-        target_text = f"target >= {target}" if target else "reported"
-        print(f"{name}: {value:.3f} ({target_text}) {verdict if target else ''}")
-    return checks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -425,6 +303,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="gateway routing (default: the gateway's): prompts this short prefill on the decode worker")
     p.add_argument("--max-prefill-queue-tokens", type=int, default=None,
                    help="gateway routing (default: the gateway's): prefill queue above which prompts may go local")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="each request's gRPC deadline, its SLO: goodput counts those completed within it "
+                        "(default: none sent, goodput = throughput)")
     p.add_argument("--verify-kv", action="store_true", help="checksum every handed-off block")
     p.add_argument("--kv-bench-blocks", type=int, default=64, help="blocks in the raw-vs-block KV comparison (0: skip)")
     p.add_argument("--kv-bench-repeats", type=int, default=9)
@@ -485,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         payload = {
             "args": vars(args),
             "results": {name: {**asdict(r), "output_tokens_per_s": r.output_tokens_per_s,
-                               "requests_per_s": r.requests_per_s} for name, r in results.items()},
+                               "requests_per_s": r.requests_per_s,
+                               "goodput_output_tokens_per_s": r.goodput_output_tokens_per_s,
+                               "goodput_requests_per_s": r.goodput_requests_per_s} for name, r in results.items()},
             "kv_transfer": kv,
             "checks": [{"name": n, "value": v, "target": t, "passed": p} for n, v, t, p in checks],
         }

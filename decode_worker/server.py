@@ -16,7 +16,7 @@ from baton.runtime import tracing
 from baton.runtime.addresses import split_address
 from baton.runtime.settings import DecodeWorkerSettings
 from baton.runtime.tasks import BackgroundTasks
-from baton.runtime.worker import WorkerBase, abort_refused, serve_worker
+from baton.runtime.worker import WorkerBase, abort_refused, call_deadline, serve_worker
 from baton.wire import convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import DecodeRequest, FieldError, KvHandle, ReleaseKv, TokenEvent
@@ -98,10 +98,11 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             yield convert.token_event_to_pb(event)
 
     async def _decode(self, message: worker_pb2.DecodeRequest, context, span):
+        deadline = call_deadline(context)
         engine = await self._require_engine(context)
         request_id = message.request.request_id
         # Released by _forget, whichever way the call ends.
-        await self.accept_call(context, request_id, len(message.request.prompt_token_ids))
+        await self.accept_call(context, request_id, len(message.request.prompt_token_ids), message.request.attempt)
         traced = tracing.recording(span)
         try:
             request = convert.decode_request_from_pb(message)
@@ -109,7 +110,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             if traced:
                 span.set_attributes(tracing.request_attributes(
                     self.model_info.model, work.params, operation="text_completion"))
-            stream = await self._admit(request, span, traced)
+            stream = await self._admit(request, span, traced, deadline)
         except KvLayoutMismatchError as error:
             self._forget(request_id)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
@@ -147,12 +148,13 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 # Client gone (cancel, deadline, gateway loss) or shutdown: free it here now.
                 await engine.abort(request_id)
 
-    async def _admit(self, request: DecodeRequest, span, traced: bool):
-        """Queue the request in the engine (a handed-off one is pulled once admitted)."""
+    async def _admit(self, request: DecodeRequest, span, traced: bool, deadline: float | None):
+        """Queue the request in the engine (a handed-off one is pulled once admitted), its
+        call's `deadline` ordering it among the waiting."""
         work, handle = request.request, request.kv_handle
         if handle is None:
             return await self.engine.add_request(work.request_id, work.prompt_token_ids, work.params,
-                                                 priority=work.priority, trace=traced,
+                                                 priority=work.priority, deadline=deadline, trace=traced,
                                                  num_generated_tokens=work.num_generated_tokens)
         handle = await self._check_prefill_worker(handle)
         handle.layout.check_matches(self.layout)
@@ -161,7 +163,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             self._spans[work.request_id] = span
         return await self.engine.add_prefilled_request(work.request_id, work.prompt_token_ids,
                                                        request.first_token_id, work.params,
-                                                       priority=work.priority, trace=traced,
+                                                       priority=work.priority, deadline=deadline, trace=traced,
                                                        num_generated_tokens=work.num_generated_tokens)
 
     async def _check_prefill_worker(self, handle: KvHandle) -> KvHandle:

@@ -155,12 +155,14 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
+        deadline: float | None = None,
         prefill_only: bool = False,
         trace: bool = False,
         num_generated_tokens: int = 0,
     ) -> RequestStream:
         """Queue a request; raises ValueError on bad input (nothing is then queued), an
-        InvalidRequestError naming the attribute at fault for a request the engine could never run."""
+        InvalidRequestError naming the attribute at fault for a request the engine could never run.
+        `deadline` (time.monotonic() seconds) orders the queues: see LLMEngine.add_request."""
         return await self._add(
             request_id,
             lambda engine: engine.add_request(
@@ -168,6 +170,7 @@ class AsyncEngine:
                 params,
                 request_id=request_id,
                 priority=priority,
+                deadline=deadline,
                 prefill_only=prefill_only,
                 trace=trace,
                 num_generated_tokens=num_generated_tokens,
@@ -182,6 +185,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
+        deadline: float | None = None,
         trace: bool = False,
         num_generated_tokens: int = 0,
     ) -> RequestStream:
@@ -194,6 +198,7 @@ class AsyncEngine:
                 params,
                 request_id=request_id,
                 priority=priority,
+                deadline=deadline,
                 trace=trace,
                 num_generated_tokens=num_generated_tokens,
             ),

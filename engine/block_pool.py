@@ -91,6 +91,10 @@ class BlockPool:
             ref_counts[block_id] = 1
         return block_ids
 
+    def sort_free(self) -> None:
+        """Put the free list in a fresh pool's order: allocations hand out ascending runs again."""
+        self._free.sort(reverse=True)
+
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add a holder to blocks in use, or to cached blocks nobody holds (a prefix hit)."""
         ref_counts = self._ref_counts

@@ -188,6 +188,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # Schedule step N+1 while the device runs step N (see LLMEngine.step); None: on CUDA only.
     overlap_scheduling: bool | None = None
+    # Measure the step-time model when a worker starts (engine/step_time.py), so that it
+    # is published before the first request.
+    calibrate_step_time: bool = True
 
     def __post_init__(self) -> None:
         device_type(self.device)

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,6 +24,7 @@ from engine.request import PENDING_TOKEN, InvalidRequestError, Request, RequestS
 from engine.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.step_time import StepTimeModel
 from engine.thread_device import use_device
 from engine.timeline import FirstDecodeStep, PrefillChunk, StepBatch
 
@@ -102,6 +103,7 @@ class LLMEngine:
         self.kv_cache = KVCache(self.kv_layout, num_blocks, num_swap_blocks, self.device,
                                 shareable=config.cache.shareable)
         self.cost_model = PreemptionCostModel(bytes_per_block)
+        self.step_time = StepTimeModel(self.cost_model)
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, self.cost_model, self.max_model_len
         )
@@ -142,6 +144,7 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        deadline: float | None = None,
         prefill_only: bool = False,
         trace: bool = False,
         num_generated_tokens: int = 0,
@@ -161,8 +164,14 @@ class LLMEngine:
         the request generated elsewhere (it moved here when that worker was lost); a
         seeded request's generator skips their draws, so its stream continues as if
         undisturbed. The sampling limits are the caller's to count down.
+
+        `deadline`: when the caller gives up on the request (time.monotonic() seconds;
+        None: never). Within a priority the queues serve the earliest first, and
+        preemption takes one without a deadline, then the latest, first; ending the
+        request at its deadline is the caller's (abort).
         """
-        request = self._new_request(prompt, sampling_params, request_id, priority, trace, num_generated_tokens)
+        request = self._new_request(prompt, sampling_params, request_id, priority, trace, num_generated_tokens,
+                                    deadline)
         request.prefill_only = prefill_only
         self.scheduler.add_request(request)
         return request
@@ -175,6 +184,7 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        deadline: float | None = None,
         trace: bool = False,
         num_generated_tokens: int = 0,
     ) -> Request:
@@ -184,11 +194,11 @@ class LLMEngine:
         step's `kv_receives`; the caller fills them, then calls
         `complete_kv_receive`. It then decodes from the first token as if it
         had been prefilled here (a seeded request's generator skips the draw
-        the other engine made; `num_generated_tokens` as in add_request).
+        the other engine made; `num_generated_tokens` and `deadline` as in add_request).
         """
         self._check_token_ids("first_token_id", [first_token_id], is_list=False)
         request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority, trace,
-                                    num_generated_tokens + 1)
+                                    num_generated_tokens + 1, deadline)
         request.all_token_ids.append(first_token_id)
         request.kv_remote = True
         self.scheduler.add_request(request)
@@ -228,6 +238,7 @@ class LLMEngine:
         priority: int,
         trace: bool = False,
         num_draws_made: int = 0,
+        deadline: float | None = None,
     ) -> Request:
         """A new request; a seeded one's generator has skipped `num_draws_made` draws
         (tokens sampled for it elsewhere)."""
@@ -243,6 +254,7 @@ class LLMEngine:
             prompt_token_ids,
             params,
             priority=priority,
+            deadline=deadline,
             eos_token_ids=self.eos_token_ids,
         )
         if trace:
@@ -291,6 +303,7 @@ class LLMEngine:
         A request that step N ends (EOS, a stop token or string) has then also run in
         step N+1: that token reaches no one, and its blocks are freed with the request.
         """
+        started = time.perf_counter()
         launched = self._launch() if self.scheduler.has_schedulable_requests() else None
         done = [launched]
         if self.overlap:
@@ -303,7 +316,7 @@ class LLMEngine:
         step_output = StepOutput()
         for step in done:
             if step is not None:
-                step_output.outputs.extend(self._complete(step).outputs)
+                step_output.outputs.extend(self._complete(step, started).outputs)
         if launched is not None and launched.kv_receives:
             step_output.kv_receives = launched.kv_receives
         if self._aborted_outputs:
@@ -341,8 +354,9 @@ class LLMEngine:
         ]
         return _InFlightStep(sched_out, launched, positions, batch, kv_receives)
 
-    def _complete(self, step: _InFlightStep) -> StepOutput:
-        """Wait for a launched step's tokens and turn them into outputs."""
+    def _complete(self, step: _InFlightStep, started: float) -> StepOutput:
+        """Wait for a launched step's tokens and turn them into outputs (in the `step` call
+        that began at perf_counter `started`)."""
         scheduler = self.scheduler
         runner_out = step.launched.result()
         # Requests that ended while the step ran (aborted, or stopped by the step before).
@@ -400,12 +414,9 @@ class LLMEngine:
                         events=None if request.events is None else request.take_events(),
                     )
                 )
-        num_prefill = runner_out.num_prefill_tokens
-        # Learn the prefill rate only from steps that are mostly prefill (and, on CUDA,
-        # swap nothing: there the swap copies are not timed apart from the step).
-        if (num_prefill >= 64 and num_prefill >= 0.9 * step.scheduled.total_num_scheduled_tokens
-                and not (runner_out.swap_bytes and self.device.type == "cuda")):
-            self.cost_model.observe_prefill(num_prefill, runner_out.seconds - runner_out.swap_seconds)
+        # On CUDA the swap copies are not timed apart from the step: learn from steps without.
+        if not (runner_out.swap_bytes and self.device.type == "cuda"):
+            self.step_time.observe(runner_out, step.scheduled, time.perf_counter() - started)
         for num_bytes, seconds in self.runner.finished_swaps():
             self.cost_model.observe_swap(num_bytes, seconds)
         return StepOutput(outputs=outputs)
@@ -444,8 +455,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- metrics
     def get_metrics(self, with_queue_times: bool = True) -> SchedulerStats:
-        """Scheduler counters; `with_queue_times` adds every finished request's queue time."""
-        return self.scheduler.stats(with_queue_times)
+        """Scheduler counters, step-time model; `with_queue_times`: every queue time too."""
+        return replace(self.scheduler.stats(with_queue_times), **self.step_time.estimate()._asdict())
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -21,7 +21,7 @@ class PreemptionCostModel:
     The engine feeds both rates back as it measures them (exponential moving
     averages), so the choice follows the hardware: on a GPU, swapping a long
     sequence over PCIe beats re-running its prefill; a short one is cheaper to
-    recompute.
+    recompute. The prefill rate is also the step-time model's (engine/step_time.py).
     """
 
     def __init__(
@@ -35,6 +35,7 @@ class PreemptionCostModel:
         self.prefill_seconds_per_token = prefill_seconds_per_token
         self.swap_bytes_per_second = swap_bytes_per_second
         self._smoothing = smoothing
+        self.num_prefill_observations = 0  # until the first, the rate is the default guess
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens * self.prefill_seconds_per_token
@@ -47,10 +48,18 @@ class PreemptionCostModel:
             return PreemptionKind.SWAP
         return PreemptionKind.RECOMPUTE
 
+    @property
+    def measured_prefill_seconds_per_token(self) -> float:
+        """The prefill rate as measured; 0.0 before any measurement."""
+        return self.prefill_seconds_per_token if self.num_prefill_observations else 0.0
+
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
             rate = seconds / num_tokens
-            self.prefill_seconds_per_token += self._smoothing * (rate - self.prefill_seconds_per_token)
+            # The first measurement replaces the default guess outright.
+            smoothing = self._smoothing if self.num_prefill_observations else 1.0
+            self.prefill_seconds_per_token += smoothing * (rate - self.prefill_seconds_per_token)
+            self.num_prefill_observations += 1
 
     def observe_swap(self, num_bytes: int, seconds: float) -> None:
         if num_bytes > 0 and seconds > 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass
 from operator import attrgetter
@@ -81,6 +82,11 @@ class RequestTimings:
 by_sort_key = attrgetter("sort_key")
 
 
+def deadline_key(deadline: float | None) -> float:
+    """A deadline as a sort key: no deadline sorts after every deadline."""
+    return math.inf if deadline is None else deadline
+
+
 class Request:
     """A request's tokens and progress.
 
@@ -97,6 +103,7 @@ class Request:
         "all_token_ids",
         "sampling_params",
         "priority",
+        "deadline",
         "arrival_time",
         "arrival_step",
         "arrival_index",
@@ -133,6 +140,7 @@ class Request:
         sampling_params: SamplingParams,
         *,
         priority: int = 0,
+        deadline: float | None = None,
         eos_token_ids: tuple[int, ...] = (),
         arrival_step: int = 0,
         arrival_time: float | None = None,
@@ -146,6 +154,9 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority
+        # When its caller gives up on it (time.monotonic() seconds; None: never). Orders
+        # the queues within a priority level, earliest first; nothing here enforces it.
+        self.deadline = deadline
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_step = arrival_step
         self.arrival_index = 0  # order of arrival at the scheduler, for ties
@@ -159,8 +170,9 @@ class Request:
         self.generator: torch.Generator | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
         self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
-        # Running-queue order: (effective priority at admission, admission sequence number).
-        self.sort_key: tuple[int, int] = (priority, 0)
+        # Running-queue order: (effective priority at admission, deadline (inf: none),
+        # admission sequence number); the last is preempted first.
+        self.sort_key: tuple[int, float, int] = (priority, deadline_key(deadline), 0)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.num_preemptions = 0

@@ -10,20 +10,23 @@ import grpc
 from baton.wire import convert, stats_convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import DeploymentStatus, WorkerStatus
+from gateway.admission import GatewayAdmission
 from gateway.workers import Worker, WorkerPool
 
 STATS_TIMEOUT_S = 5.0
 
 
 class GatewayAdminService(worker_pb2_grpc.GatewayAdminServicer):
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, admission: GatewayAdmission | None = None) -> None:
         self.pool = pool
+        self.admission = admission
         self.model = ""  # set once the workers are known
 
     async def GetDeploymentStatus(self, request, context) -> worker_pb2.DeploymentStatus:
-        """Every configured worker's stats, asked for now, all at once."""
+        """Every configured worker's stats, asked for now, all at once, and admission's."""
         statuses = await asyncio.gather(*(self._status(worker) for worker in self.pool.workers))
-        return stats_convert.deployment_status_to_pb(DeploymentStatus(self.model, tuple(statuses)))
+        admission = self.admission.status() if self.admission is not None else None
+        return stats_convert.deployment_status_to_pb(DeploymentStatus(self.model, tuple(statuses), admission))
 
     @staticmethod
     async def _status(worker: Worker) -> WorkerStatus:

@@ -1,120 +1,248 @@
-"""The gateway's admission control: an AdmissionQueue (baton/runtime/admission.py) whose
-limits, unless configured, follow the capacity its workers report.
+"""The gateway's admission control: whether a request may start, decided at once.
+
+Two bounds, and a forecast (gateway/forecast.py):
 
 - requests in flight (`--max-concurrent-requests`): the decode workers' max_num_seqs,
   summed. Every admitted request then has a place in a running batch once prefilled,
-  so none waits on a decode worker while its prefill worker holds its KV;
-- prompt tokens queued, admitted but without a first token yet
-  (`--max-queued-tokens`): QUEUE_STEPS, half a step of the prefill workers'
-  token budgets (the decode workers' when there are no prefill workers: they
-  prefill then). The count includes the prompts being prefilled, so a newcomer's
-  first token waits for at most that many tokens, its own included: the bound is
-  a bound on time to first token. Half a step still keeps a prefill worker busy
-  (one part of the queue is computed while the rest waits). On the overload
-  benchmark (benchmarks/overload.py, SmolLM2-135M, 3x the capacity, roles on
-  cores of their own) half a step held the accepted TTFT p99 at 1.1-1.3x the
-  unloaded p99 for 5% less goodput than a whole step, which let it reach 2.2x
-  (3.0x at 1.5 steps). The price: a prompt longer than the bound gets in only when
-  nothing is queued, so under sustained overload such prompts are refused far more
-  often than short ones; a deployment that serves them sets `--max-queued-tokens` to
-  at least its longest prompts. (A bound on the tokens ahead of a newcomer instead,
-  which does not depend on its length, cut goodput by a third on the same benchmark.)
+  so none waits on a decode worker while its prefill worker holds its KV. Checked
+  before tokenizing: an overloaded gateway refuses at once;
+- the forecast first token (`--max-queue-wait-s`, DEFAULT_MAX_QUEUE_WAIT_S, a minute): the
+  prompt tokens queued ahead of it and its own, at the prefill workers' measured
+  rate. A burst queues while its last request's first token is forecast within the
+  bound: seconds, so that what a person or a benchmark client sends at once is served;
+- its deadline (the gRPC deadline, the request's SLO): a request whose forecast last
+  token falls past DEADLINE_SHARE of the time it has is refused before any prefill
+  is spent, and so is one that would push an admitted request past its own. A
+  deadline that not even an idle deployment could meet is DEADLINE_EXCEEDED; every
+  other refusal is RESOURCE_EXHAUSTED with a RetryInfo (when the cause should clear).
+- optionally, prompt tokens queued (`--max-queued-tokens`, off by default): a hard
+  bound on the queue in tokens, for a deployment that wants one.
 
-Beyond either, a request is refused at once: RESOURCE_EXHAUSTED with a RetryInfo.
-The request count is checked before tokenizing, the prompt tokens right after.
+The gateway dispatches what it admits at once; the order in which the admitted wait
+for their prefill is the prefill workers' (priority, then earliest deadline, then
+arrival), and the forecast assumes that order. Requests moved off a lost worker are
+not admitted again: admission is the gateway's promise to a request, made once.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, replace
 
 import grpc
 
 from baton.runtime.admission import AdmissionLimits, AdmissionQueue, Overloaded
 from baton.runtime.settings import GatewaySettings
+from baton.wire.records import AdmissionStatus
+from engine.sampling_params import SamplingParams
 from gateway.errors import RequestError
+from gateway.forecast import (
+    CONCURRENCY,
+    DEADLINE,
+    QUEUE_WAIT,
+    Admitted,
+    DecodeScale,
+    Forecast,
+    OutputLengths,
+    Rates,
+    Verdict,
+)
 from gateway.workers import POLL_INTERVAL_S, Worker, WorkerPool
 
-QUEUE_STEPS = 0.5
+DEFAULT_MAX_QUEUE_WAIT_S = 60.0
 # With no worker's limits known yet (none has answered a poll): the dispatcher
 # refuses with UNAVAILABLE anyway, so admission stands aside.
 UNKNOWN = AdmissionLimits(max_requests=1 << 30, max_queued_tokens=1 << 40)
+FORECAST_WINDOW = 256  # requests whose forecast and observed first tokens are compared
+MIN_RETRY_S, MAX_RETRY_S = 0.1, 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayLimits:
-    """The configured limits; 0 means derived from the workers."""
+    """The configured limits; 0 means derived from the workers (or, for the token bound, none)."""
 
     max_concurrent_requests: int = 0
     max_queued_tokens: int = 0
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
 
     def __post_init__(self) -> None:
         if self.max_concurrent_requests < 0 or self.max_queued_tokens < 0:
             raise ValueError("admission limits must be >= 0 (0: derived from the workers)")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> GatewayLimits:
-        return cls(settings.max_concurrent_requests, settings.max_queued_tokens)
+        return cls(settings.max_concurrent_requests, settings.max_queued_tokens, settings.max_queue_wait_s)
 
-    def derive(self, prefill: list[Worker], decode: list[Worker]) -> AdmissionLimits:
-        """The limits over these workers' last polled stats (down ones too: a worker that
+    def derive(self, decode: list[Worker]) -> AdmissionLimits:
+        """The bounds over these workers' last polled stats (down ones too: a worker that
         blips out for a poll should not halve the gateway's limits)."""
         requests = self.max_concurrent_requests or sum(w.stats.max_num_seqs for w in decode)
-        budgets = [w.stats.max_num_batched_tokens for w in (prefill if _known(prefill) else decode)]
-        step = sum(budgets)  # 0: no worker's budget is known yet
-        tokens = self.max_queued_tokens or (max(1, int(QUEUE_STEPS * step)) if step else 0)
-        return AdmissionLimits(requests or UNKNOWN.max_requests, tokens or UNKNOWN.max_queued_tokens)
+        return AdmissionLimits(requests or UNKNOWN.max_requests, self.max_queued_tokens or UNKNOWN.max_queued_tokens)
 
 
-def _known(workers: list[Worker]) -> bool:
-    return any(w.stats.max_num_batched_tokens for w in workers)
+def pooled_rates(prefill: list[Worker], decode: list[Worker]) -> Rates:
+    """The serving workers' published models, pooled: prefill workers prefill together
+    (the decode workers, when no prefill worker serves); a decode step's model is the
+    decode workers' mean."""
+    decoders = [w for w in decode if w.is_up and w.stats.decode_step_base_s > 0]
+    prefillers = [w for w in prefill if w.is_up and w.stats.prefill_s_per_token > 0] or \
+        [w for w in decoders if w.stats.prefill_s_per_token > 0]
+    per_second = sum(1.0 / w.stats.prefill_s_per_token for w in prefillers)
+    return Rates(
+        prefill_s_per_token=1.0 / per_second if per_second else None,
+        decode_base_s=sum(w.stats.decode_step_base_s for w in decoders) / len(decoders) if decoders else None,
+        decode_per_seq_s=sum(w.stats.decode_step_per_seq_s for w in decoders) / len(decoders) if decoders else 0.0,
+        num_decode_workers=len(decoders),
+    )
+
+
+class AdmissionStats:
+    """What admission did: refusals by reason, deadlines missed after admission, and
+    forecast against observed first tokens (seconds from arrival)."""
+
+    def __init__(self) -> None:
+        self.num_admitted = 0
+        self.refused: Counter[str] = Counter()
+        self.num_deadline_misses = 0  # admitted, then ended at their deadline
+        self.num_met_deadlines = 0  # finished with a deadline, within it
+        self.ttft_pairs: deque[tuple[float, float]] = deque(maxlen=FORECAST_WINDOW)  # (forecast, observed)
+
+    def mean_ttft(self) -> tuple[float | None, float | None]:
+        """Mean forecast and observed first token of the last FORECAST_WINDOW requests."""
+        if not self.ttft_pairs:
+            return None, None
+        n = len(self.ttft_pairs)
+        return sum(f for f, _ in self.ttft_pairs) / n, sum(o for _, o in self.ttft_pairs) / n
 
 
 class GatewayAdmission:
-    """Admits or refuses the gateway's requests; limits re-derived at most once a poll."""
+    """Admits or refuses the gateway's requests; bounds re-derived at most once a poll."""
 
-    def __init__(self, pool: WorkerPool, limits: GatewayLimits = GatewayLimits()) -> None:
+    def __init__(self, pool: WorkerPool, limits: GatewayLimits = GatewayLimits(),
+                 clock=time.monotonic) -> None:
         self.pool = pool
         self.configured = limits
-        self.queue = AdmissionQueue(UNKNOWN)
+        self.queue = AdmissionQueue(UNKNOWN, clock)
+        self.forecast = Forecast()
+        self.outputs = OutputLengths()
+        self.decode_scale = DecodeScale()
+        self.stats = AdmissionStats()
+        self._clock = clock
+        self._orders = itertools.count()
         self._derived_at = float("-inf")
+        self._rates = Rates(None, None, 0.0, 0)
 
     @property
     def limits(self) -> AdmissionLimits:
         self._refresh()
         return self.queue.limits
 
+    @property
+    def rates(self) -> Rates:
+        self._refresh()
+        return self._rates
+
     def _refresh(self) -> None:
-        """The workers' stats change once a poll, so the derived limits may too."""
-        now = time.monotonic()
+        """The workers' stats change once a poll, so the derived limits and rates may too."""
+        now = self._clock()
         if now - self._derived_at >= POLL_INTERVAL_S:
-            self.queue.limits = self.configured.derive(self.pool.prefill, self.pool.decode)
+            self.queue.limits = self.configured.derive(self.pool.decode)
+            self._rates = replace(pooled_rates(self.pool.prefill, self.pool.decode),
+                                  decode_scale=self.decode_scale.value)
             self._derived_at = now
 
     def admit(self, request_id: str) -> None:
-        """Take a request on before tokenizing it; RequestError RESOURCE_EXHAUSTED if full."""
+        """Take a request on before tokenizing it; RequestError RESOURCE_EXHAUSTED if as
+        many are in flight as the decode workers can run."""
         self._refresh()
         try:
             self.queue.admit(request_id)
         except Overloaded as refusal:
-            raise _refused(refusal) from None
+            self.stats.refused[CONCURRENCY] += 1
+            raise _refused(Verdict(CONCURRENCY, str(refusal), refusal.retry_after_s)) from None
 
-    def queue_tokens(self, request_id: str, num_tokens: int) -> None:
-        """Its prompt, once tokenized; RequestError RESOURCE_EXHAUSTED (and released) if
-        too many tokens are queued."""
-        try:
-            self.queue.queue_tokens(request_id, num_tokens)
-        except Overloaded as refusal:
-            raise _refused(refusal) from None
+    def queue_tokens(self, request_id: str, num_tokens: int, params: SamplingParams | None = None,
+                     priority: int = 0, deadline: float | None = None, arrival: float | None = None) -> float | None:
+        """Its prompt, once tokenized, and what it asks for: RequestError (and released)
+        if the forecast says no. `deadline`: time.monotonic() seconds, None for none.
+        Returns its forecast first token, seconds from arrival (None: no model yet)."""
+        now = self._clock()
+        params = params or SamplingParams()
+        request = Admitted(request_id, priority, deadline, now if arrival is None else arrival, next(self._orders),
+                           num_tokens, params.max_tokens, self.outputs.expected(params.max_tokens, params.ignore_eos))
+        verdict = self.forecast.judge(request, self.rates, now, self.configured.max_queue_wait_s)
+        if verdict is None:
+            try:
+                self.queue.queue_tokens(request_id, num_tokens)
+            except Overloaded as refusal:
+                verdict = Verdict(QUEUE_WAIT, str(refusal), refusal.retry_after_s)
+        if verdict is not None:
+            self.queue.withdraw(request_id)
+            self.stats.refused[verdict.reason] += 1
+            raise _refused(verdict)
+        self.forecast.add(request)
+        self.stats.num_admitted += 1
+        return request.forecast_ttft_s
 
     def started(self, request_id: str) -> None:
+        """Its first token came: its prompt is no longer queued."""
         self.queue.started(request_id)
+        request = self.forecast.admitted.get(request_id)
+        if request is not None and not request.started:
+            self.forecast.started(request_id)
+            request.first_token_at = self._clock()
+            if request.forecast_ttft_s is not None:
+                self.stats.ttft_pairs.append((request.forecast_ttft_s, request.first_token_at - request.arrival))
 
-    def release(self, request_id: str) -> None:
+    def generated(self, request_id: str, num_tokens: int) -> None:
+        request = self.forecast.admitted.get(request_id)
+        if request is not None:
+            request.num_generated += num_tokens
+
+    def release(self, request_id: str, outcome: str | None = None) -> None:
+        """It ended, however; `outcome`: its finish reason, or "deadline" when its deadline
+        passed first (a forecast that failed it)."""
         self.queue.release(request_id)
+        request = self.forecast.remove(request_id)
+        if request is None:
+            return
+        if outcome == "stop":
+            self.outputs.add(request.num_generated)
+        if outcome in ("stop", "length"):
+            self.decode_scale.add(request, self._clock())
+        if outcome == DEADLINE:
+            self.stats.num_deadline_misses += 1
+        elif request.deadline is not None and outcome in ("stop", "length"):
+            self.stats.num_met_deadlines += 1
+
+    def status(self) -> AdmissionStatus:
+        """For `baton status`."""
+        wait = self.forecast_wait_s()
+        forecast, observed = self.stats.mean_ttft()
+        limit = self.limits.max_requests
+        return AdmissionStatus(
+            max_concurrent_requests=0 if limit == UNKNOWN.max_requests else limit,
+            max_queue_wait_s=self.configured.max_queue_wait_s, num_in_flight=self.queue.num_requests,
+            num_admitted=self.stats.num_admitted, num_refused_concurrency=self.stats.refused[CONCURRENCY],
+            num_refused_queue_wait=self.stats.refused[QUEUE_WAIT], num_refused_deadline=self.stats.refused[DEADLINE],
+            num_deadline_misses=self.stats.num_deadline_misses, num_met_deadlines=self.stats.num_met_deadlines,
+            forecast_known=wait is not None, forecast_queue_wait_s=wait or 0.0,
+            mean_forecast_ttft_s=forecast or 0.0, mean_observed_ttft_s=observed or 0.0,
+        )
+
+    def forecast_wait_s(self) -> float | None:
+        """The first token a request with an empty prompt would be forecast now (None: no model yet)."""
+        rates = self.rates
+        return rates.prefill_s(self.forecast.tokens_ahead((float("inf"),))) if rates.known else None
 
 
-def _refused(refusal: Overloaded) -> RequestError:
-    return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{refusal}; retry in {refusal.retry_after_s:.1f} s",
-                        retry_after_s=refusal.retry_after_s)
+def _refused(verdict: Verdict) -> RequestError:
+    if verdict.hopeless:
+        return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"refused: {verdict.message}", reason=verdict.reason)
+    retry = min(MAX_RETRY_S, max(MIN_RETRY_S, verdict.retry_after_s))
+    return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded: {verdict.message}; retry in {retry:.1f} s",
+                        retry_after_s=retry, reason=verdict.reason)

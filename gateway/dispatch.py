@@ -18,15 +18,18 @@ the prompt plus every token already streamed as its prompt (prefilled again on a
 prefill worker or there), the limits counted down and, for a seeded request, the
 generator's draws skipped (WorkRequest.continued). The client's stream goes on
 with the next token, none lost or repeated. A prefill worker lost while it
-prefills is given up the same way, and the prompt runs colocated.
+prefills is given up the same way, and the prompt runs colocated. Moved work
+carries its `attempt` (> 0), and no worker refuses it for its admission bounds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import grpc
 
@@ -48,6 +51,13 @@ DEFAULT_MAX_MIGRATIONS = 3
 # connection broke (or the worker refused it, being down), or the worker, shutting
 # down, let the request go.
 _WORKER_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+class PrefillSkipped(enum.Enum):
+    """Why a prompt runs colocated after all."""
+
+    LOST = "lost"  # its prefill worker died or stalled: moved work, which no worker refuses
+    REFUSED = "refused"  # its prefill worker's queue is full: new work, which the decode worker may refuse too
 
 
 class WorkerLost(Exception):
@@ -155,9 +165,12 @@ class Dispatcher:
                 # answer is lost: drop the lease now, not at expiry.
                 self._release_later(prefill, work, trace_metadata)
                 raise
-            if result is None and tracing.recording(span):
-                tracing.set_route(span, decode.address, None)  # the prefill worker was lost
-            if result is not None:
+            if isinstance(result, PrefillSkipped):
+                if tracing.recording(span):
+                    tracing.set_route(span, decode.address, None)
+                if result is PrefillSkipped.LOST:
+                    request = DecodeRequest(replace(work, attempt=work.attempt + 1))
+            else:
                 first = TokenEvent(
                     [result.first_token_id],
                     [result.first_logprob] if result.first_logprob is not None else [],
@@ -181,9 +194,10 @@ class Dispatcher:
                 yield event
 
     async def _prefill(self, worker: Worker, decode: Worker, work: WorkRequest,
-                       time_remaining: Callable[[], float | None], trace_metadata) -> PrefillResult | None:
-        """Prefill on `worker`; None if it is unreachable or lost meanwhile (the caller
-        then runs colocated)."""
+                       time_remaining: Callable[[], float | None],
+                       trace_metadata) -> PrefillResult | PrefillSkipped:
+        """Prefill on `worker`; PrefillSkipped if it is unreachable or lost meanwhile, or
+        refuses the request (the caller then runs colocated)."""
         worker.num_in_flight += 1
         call = asyncio.ensure_future(worker.client.prefill(work, timeout=time_remaining(), metadata=trace_metadata))
         try:
@@ -191,18 +205,19 @@ class Dispatcher:
                 call.cancel()  # reaches the worker if it comes back: it then frees the request
                 logger.warning("prefill worker %s lost; running %s colocated", worker.address, work.request_id)
                 self.pool.prefill_moved(worker, decode, len(work.prompt_token_ids))
-                return None
+                return PrefillSkipped.LOST
             return call.result()
         except grpc.aio.AioRpcError as error:
             if error.code() in (*_WORKER_LOST_CODES, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 # Lost, or its queue is full (then the decode worker refuses it in turn if
                 # its own is full too).
-                if error.code() in _WORKER_LOST_CODES:
+                is_lost = error.code() in _WORKER_LOST_CODES
+                if is_lost:
                     logger.warning("prefill worker %s %s; running %s colocated", worker.address,
                                    error.code().name, work.request_id)
                     self.pool.mark_down(worker)
                 self.pool.prefill_moved(worker, decode, len(work.prompt_token_ids))
-                return None
+                return PrefillSkipped.LOST if is_lost else PrefillSkipped.REFUSED
             raise RequestError.from_worker(error, "prefill failed") from None
         except ValueError as error:  # a KV handle no cache could have: a worker of another release
             self._release_later(worker, work, trace_metadata)

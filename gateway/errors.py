@@ -17,16 +17,19 @@ class RequestError(Exception):
     """A request fails with this gRPC status (raised before or while it runs).
 
     `field`: the request field at fault, sent as a google.rpc.BadRequest;
-    `retry_after_s`: when the caller may try again, sent as a google.rpc.RetryInfo.
+    `retry_after_s`: when the caller may try again, sent as a google.rpc.RetryInfo;
+    `reason`: why admission refused it (gateway/forecast.py), for the metrics.
     """
 
     def __init__(self, code: grpc.StatusCode, details: str, *, field: str | None = None,
-                 retry_after_s: float | None = None, error_details: ErrorDetails | None = None) -> None:
+                 retry_after_s: float | None = None, error_details: ErrorDetails | None = None,
+                 reason: str | None = None) -> None:
         """`error_details`, when given, stands for `field` and `retry_after_s` (a worker's,
         several fields perhaps)."""
         super().__init__(details)
         self.code = code
         self.details = details
+        self.reason = reason
         if error_details is None:
             error_details = ErrorDetails(((field, details),) if field is not None else (), retry_after_s)
         self.error_details = error_details

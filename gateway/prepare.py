@@ -53,6 +53,8 @@ class PreparedRequest:
     worker_request_id: str | None = None
     kv_token: str = field(default_factory=lambda: secrets.token_hex(16))  # 128 random bits
     prompt_field: str = "token_ids.ids"  # the client's prompt, as a worker's refusal of it names it
+    deadline: float | None = None  # its call's deadline, time.monotonic() seconds (None: none)
+    outcome: str | None = None  # once it ended: its finish reason, "abort", "deadline" or "error"
 
     def work(self) -> WorkRequest:
         return WorkRequest(self.worker_request_id or self.request_id, self.prompt_token_ids,

@@ -38,9 +38,9 @@ async def run_gateway(settings: GatewaySettings) -> None:
     pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers),
                       RoutingPolicy.from_settings(settings), tls, settings.stall_timeout_s,
                       settings.discovery_interval_s)
-    service = GenerationService(pool, max_migrations=settings.max_migrations,
-                                admission=GatewayAdmission(pool, GatewayLimits.from_settings(settings)))
-    admin = GatewayAdminService(pool)
+    admission = GatewayAdmission(pool, GatewayLimits.from_settings(settings))
+    service = GenerationService(pool, max_migrations=settings.max_migrations, admission=admission)
+    admin = GatewayAdminService(pool, admission)
     server, admin_server = _servers(settings)
     server.add_service(service, GENERATION)
     admin_server.add_service(admin, ADMIN)

@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 # gen_ai.operation.name by prompt kind.
 _OPERATIONS = {"messages": "chat", "text": "text_completion", "token_ids": "text_completion"}
 _STARTING = "gateway is starting: no worker is serving yet"
+# A request aborted this close to its deadline ended by it: the client's own timer
+# fires first, and its cancel reaches us before our copy of the deadline passes.
+DEADLINE_SLACK_S = 0.25
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -96,14 +99,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prepared = stream = None
         failure: RequestError | None = None
         try:
-            prepared = await self._prepare(message, span)
+            prepared = await self._prepare(message, span, context.time_remaining())
             stream = self._text_stream(prepared, context)
             async for delta in stream:
                 yield delta
         except RequestError as error:
             failure = error
-            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.metrics is not None:
-                self.metrics.refused.inc()
+            if self.metrics is not None and (error.reason is not None or
+                                             error.code == grpc.StatusCode.RESOURCE_EXHAUSTED):
+                self.metrics.refuse(error.reason or "worker")
             await context.abort(error.code, error.details,
                                 trailing_metadata=status.error_trailers(error.code, error.details,
                                                                         error.error_details))
@@ -120,11 +124,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             finally:
                 if prepared is not None:
                     self._in_flight.discard(prepared.request_id)
-                    self.admission.release(prepared.request_id)
+                    self.admission.release(prepared.request_id, prepared.outcome)
+                    self._record_deadline(prepared)
                 self._end_span(span, failure)
 
-    async def _prepare(self, message: pb.GenerateRequest, span) -> PreparedRequest:
-        """Read, validate, admit and tokenize; raises RequestError. The request is then in flight."""
+    async def _prepare(self, message: pb.GenerateRequest, span, time_remaining: float | None) -> PreparedRequest:
+        """Read, validate, admit and tokenize; raises RequestError. The request is then in
+        flight. `time_remaining`: seconds to the call's deadline (None: none), its SLO."""
+        arrival = time.monotonic()
+        deadline = None if time_remaining is None else arrival + time_remaining
         preparer = self.preparer
         if preparer is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, _STARTING)
@@ -142,12 +150,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             known_length = request.prompt_kind == "token_ids"
             if known_length:  # refused now if it must be, not after waiting for the tokenizer thread
-                self.admission.queue_tokens(request_id, len(request.prompt))
+                forecast = self.admission.queue_tokens(request_id, len(request.prompt), request.params,
+                                                       request.priority, deadline, arrival)
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_executor, preparer.prepare, request, request_id, span
             )
             if not known_length:
-                self.admission.queue_tokens(request_id, len(prepared.prompt_token_ids))
+                forecast = self.admission.queue_tokens(request_id, len(prepared.prompt_token_ids), prepared.params,
+                                                       prepared.priority, deadline, arrival)
+            prepared.arrival, prepared.deadline = arrival, deadline
+            if forecast is not None and self.metrics is not None:
+                self.metrics.forecast_ttft.observe(forecast)
         except BaseException:
             self._in_flight.discard(request_id)
             self.admission.release(request_id)
@@ -158,6 +171,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             tracing.set_request(span, self.info.model, prepared.params, _OPERATIONS[request.prompt_kind],
                                 request_id, len(prepared.prompt_token_ids), prepared.priority)
         return prepared
+
+    def _record_deadline(self, prepared: PreparedRequest) -> None:
+        if self.metrics is None or prepared.deadline is None:
+            return
+        if prepared.outcome == "deadline":
+            self.metrics.deadline_misses.inc()
+        elif prepared.outcome in ("stop", "length"):
+            self.metrics.within_deadline.inc()
 
     # ----------------------------------------------------------------- tracing
     @staticmethod
@@ -204,6 +225,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             async for event in events:
                 if not num_output:
                     self.admission.started(prepared.request_id)  # its prompt is no longer queued
+                self.admission.generated(prepared.request_id, len(event.token_ids))
                 num_output += len(event.token_ids)
                 if event.num_cached_tokens is not None:
                     num_cached = event.num_cached_tokens
@@ -234,6 +256,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 outcome = "abort"
             raise
         finally:
+            # Ended by its deadline (gRPC cancels the call then, or the client, whose clock
+            # runs a little ahead, cancels it first): admission failed it.
+            at_deadline = prepared.deadline is not None and time.monotonic() >= prepared.deadline - DEADLINE_SLACK_S
+            prepared.outcome = "deadline" if outcome == "abort" and at_deadline else outcome
             await events.aclose()
             if self.metrics is not None:
                 self.metrics.record_request(

@@ -63,6 +63,9 @@ REFRESH_TIMEOUT_S = 0.5
 # times (and at least the configured minimum): a step far longer than the recent mean
 # (a long prefill chunk among decodes) must not count as a stall.
 STALL_STEPS = 50
+# ... nor a burst's first steps, each a full token budget of prefill, however short the
+# recent ones were: this many of those, by the worker's own model.
+STALL_FULL_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -127,10 +130,13 @@ class Worker:
     @property
     def stall_timeout_s(self) -> float:
         """How long this worker may leave a request or a poll unanswered before it counts
-        as stalled: STALL_STEPS of its recent mean step time, at least the minimum."""
+        as stalled: STALL_STEPS of its recent mean step time, or STALL_FULL_STEPS of a step
+        that fills its token budget with prefill (by its published model: a burst's first
+        steps are that long, however short its recent ones were), at least the minimum."""
         recent = self.stats.recent
         step_s = recent.seconds / recent.num_steps if recent is not None and recent.num_steps > 1 else 0.0
-        return max(self.min_stall_timeout_s, STALL_STEPS * step_s)
+        full_step_s = self.stats.prefill_s(self.stats.max_num_batched_tokens) or 0.0
+        return max(self.min_stall_timeout_s, STALL_STEPS * step_s, STALL_FULL_STEPS * full_step_s)
 
     def set_up(self, up: bool, *, lost: bool = False) -> None:
         """In rotation or not. `lost`: it did not answer (or broke a call), and requests

@@ -8,7 +8,8 @@ opens it), and the send of one request's blocks over it.
                      join the channel it hosts
     SendKv        -> send(): accepted (lease pinned) ... blocks sent ... done
                      then the blocks are freed, sent or not (the decode side re-prefills)
-    ReleaseKv, or the lease expiring -> the blocks are freed unsent
+    ReleaseKv, or the lease expiring -> the blocks are freed unsent (a lease ends at the
+                     request's deadline if that comes first: its decode call ends then too)
 
 Only a caller that presents the request's kv_token (the gateway that prefilled it, and
 the decode worker it handed the KvHandle to) may release it, abort its prefill or pull
@@ -51,6 +52,9 @@ from kvtransfer import (
 logger = logging.getLogger(__name__)
 
 LEASE_SWEEP_S = 0.25
+# A lease whose request's deadline has (all but) passed still lasts this long: the table
+# takes only positive leases, and the next sweep frees it.
+MIN_LEASE_S = 0.001
 
 
 class SendRefused(Exception):
@@ -114,7 +118,10 @@ class KvSender:
         self._owners: dict[str, str] = {}
         self._channels: dict[str, _Channel] = {}
         self._sweeper: asyncio.Task | None = None
-        # Counters (WorkerStats).
+        # Held requests whose deadline, not lease_s, ends their lease (until disowned).
+        self._ends_at_deadline: set[str] = set()
+        # Counters (WorkerStats). Leases ended by their request's deadline are not counted:
+        # nobody could have pulled them, however many decode workers there were.
         self.num_leases_expired = 0
         self.last_refusal = ""  # why the last OpenKvChannel was refused its transport
 
@@ -143,16 +150,23 @@ class KvSender:
     def disown(self, request_id: str) -> None:
         """The request holds nothing here any more (its prefill ended unheld, its lease ended)."""
         self._owners.pop(request_id, None)
+        self._ends_at_deadline.discard(request_id)
 
     def _is_owner(self, request_id: str, kv_token: str) -> bool:
         owner = self._owners.get(request_id)
         return owner is not None and hmac.compare_digest(owner.encode(), kv_token.encode())
 
     # ------------------------------------------------------------------ leases
-    def hold(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
+    def hold(self, request_id: str, block_ids: list[int], num_tokens: int, deadline: float | None = None) -> float:
         """The engine holds `block_ids` for the (claimed) request: they wait under a lease
-        to be pulled."""
-        self.leases.hold(request_id, block_ids, num_tokens, self.lease_s)
+        to be pulled, for lease_s seconds or until the request's `deadline` (monotonic)
+        if that comes first. The lease's length."""
+        lease_s = self.lease_s
+        if deadline is not None and deadline - time.monotonic() < lease_s:
+            lease_s = max(MIN_LEASE_S, deadline - time.monotonic())
+            self._ends_at_deadline.add(request_id)
+        self.leases.hold(request_id, block_ids, num_tokens, lease_s)
+        return lease_s
 
     async def release(self, request: ReleaseKv) -> bool:
         """Give up a request's KV (its gateway is done with it). A request not held yet may
@@ -182,10 +196,12 @@ class KvSender:
             expired = self.leases.expired(time.monotonic())
             if not expired:
                 continue
-            self.num_leases_expired += len(expired)
+            lapsed = [request_id for request_id in expired if request_id not in self._ends_at_deadline]
             for request_id in expired:
                 self.disown(request_id)
-            logger.warning("KV lease expired for %d request(s): %s", len(expired), expired[:5])
+            if lapsed:
+                self.num_leases_expired += len(lapsed)
+                logger.warning("KV lease expired for %d request(s): %s", len(lapsed), lapsed[:5])
             await self.engine.call(lambda llm: [llm.release_kv(request_id) for request_id in expired])
 
     # ------------------------------------------------------------------ channels

@@ -10,7 +10,7 @@ import grpc
 
 from baton.runtime import tracing
 from baton.runtime.settings import PrefillWorkerSettings
-from baton.runtime.worker import WorkerBase, abort_invalid, abort_refused, serve_worker
+from baton.runtime.worker import WorkerBase, abort_invalid, abort_refused, call_deadline, serve_worker
 from baton.wire import convert, kv_convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import KvHandle, PrefillResult, SendKvDone, WorkRequest
@@ -70,16 +70,17 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         return await tracing.call_in_span(span, context, self._prefill(request, context, span))
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context, span) -> worker_pb2.PrefillResponse:
+        deadline = call_deadline(context)
         engine = await self._require_engine(context)
         request_id = request.request.request_id
-        await self.accept_call(context, request_id, len(request.request.prompt_token_ids))
+        await self.accept_call(context, request_id, len(request.request.prompt_token_ids), request.request.attempt)
         try:  # its prompt is queued here until the call ends, at its first token
-            return await self._prefill_admitted(engine, request, context, span)
+            return await self._prefill_admitted(engine, request, context, span, deadline)
         finally:
             self.admission.release(request_id)
 
-    async def _prefill_admitted(self, engine, request: worker_pb2.PrefillRequest, context,
-                                span) -> worker_pb2.PrefillResponse:
+    async def _prefill_admitted(self, engine, request: worker_pb2.PrefillRequest, context, span,
+                                deadline: float | None) -> worker_pb2.PrefillResponse:
         try:
             work = convert.prefill_request_from_pb(request)
             self.sender.claim(work.request_id, work.kv_token)
@@ -89,17 +90,18 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             await abort_invalid(context, error)
         result = None
         try:
-            result = await self._run(engine, work, context, span)
+            result = await self._run(engine, work, context, span, deadline)
             return convert.prefill_result_to_pb(result)
         finally:
             if result is None or result.kv_handle is None:  # nothing held: the token owns nothing
                 self.sender.disown(work.request_id)
 
-    async def _run(self, engine, work: WorkRequest, context, span) -> PrefillResult:
-        """The prefill, to its first token (and its KV held, unless that token ended it)."""
+    async def _run(self, engine, work: WorkRequest, context, span, deadline: float | None) -> PrefillResult:
+        """The prefill, to its first token (and its KV held, unless that token ended it,
+        until the lease or the call's `deadline` ends, whichever comes first)."""
         try:
             stream = await engine.add_request(work.request_id, work.prompt_token_ids, work.params,
-                                              priority=work.priority, prefill_only=True,
+                                              priority=work.priority, deadline=deadline, prefill_only=True,
                                               num_generated_tokens=work.num_generated_tokens,
                                               trace=tracing.recording(span))
         except ValueError as error:  # the engine refused it (InvalidRequestError names the field)
@@ -118,16 +120,17 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         self._observe(output, span)
         if output.finish_reason == "abort":
             await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
-        return self._result(work, output, span)
+        return self._result(work, output, span, deadline)
 
-    def _result(self, work: WorkRequest, output, span) -> PrefillResult:
+    def _result(self, work: WorkRequest, output, span, deadline: float | None) -> PrefillResult:
         first_logprob = output.new_logprobs[0] if output.new_logprobs else None
         if tracing.recording(span):
             tracing.set_prefill_result(span, output)
         if output.finished:  # the first token ended it: nothing is held
             return PrefillResult(output.new_token_ids[0], first_logprob, output.finish_reason,
                                  num_cached_tokens=output.num_cached_tokens or 0)
-        self.sender.hold(work.request_id, output.kv_block_ids, output.num_prompt_tokens)
+        # NOTE: the decode call shares the request's deadline: KV nobody pulled by then never will be.
+        lease_s = self.sender.hold(work.request_id, output.kv_block_ids, output.num_prompt_tokens, deadline)
         handle = KvHandle(
             prefill_worker_id=self.worker_id,
             prefill_address=self.address,
@@ -135,7 +138,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             num_tokens=output.num_prompt_tokens,
             num_blocks=len(output.kv_block_ids),
             layout=self.layout,
-            lease_s=self.settings.lease_s,
+            lease_s=lease_s,
             kv_token=work.kv_token,
             prefill_endpoint=self.kv_endpoint,
         )

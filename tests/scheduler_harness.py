@@ -43,6 +43,7 @@ def make_request(
     prompt_len: int,
     max_tokens: int = 8,
     priority: int = 0,
+    deadline: float | None = None,
     **params,
 ) -> Request:
     prompt = [10 + (i % 50) for i in range(prompt_len)]
@@ -51,6 +52,7 @@ def make_request(
         prompt,
         SamplingParams(temperature=0.0, max_tokens=max_tokens, **params),
         priority=priority,
+        deadline=deadline,
         eos_token_ids=(EOS,),
     )
 

@@ -173,34 +173,34 @@ def _pool(prefill_budgets: list[int], decode_seqs: list[int], decode_budget: int
 
 def test_gateway_limits_derive_from_the_workers():
     pool = _pool([512, 256], [64, 32])
-    limits = GatewayLimits().derive(pool.prefill, pool.decode)
-    assert limits == AdmissionLimits(64 + 32, 384)
-    # Colocated (no prefill worker): the decode workers prefill, by their budgets.
-    pool = _pool([], [64], decode_budget=1024)
-    assert GatewayLimits().derive(pool.prefill, pool.decode) == AdmissionLimits(64, 512)
-    # Configured limits win.
-    assert GatewayLimits(7, 900).derive(pool.prefill, pool.decode) == AdmissionLimits(7, 900)
+    assert GatewayLimits().derive(pool.decode) == AdmissionLimits(64 + 32, UNKNOWN.max_queued_tokens)
+    # Configured limits win; the token bound is off unless configured.
+    assert GatewayLimits(7, 900).derive(pool.decode) == AdmissionLimits(7, 900)
     # No worker has reported yet: no limit (the dispatcher answers UNAVAILABLE).
     pool = WorkerPool([], ["127.0.0.1:9"], RoutingPolicy(0, 0))
-    assert GatewayLimits().derive(pool.prefill, pool.decode) == UNKNOWN
+    assert GatewayLimits().derive(pool.decode) == UNKNOWN
     with pytest.raises(ValueError):
         GatewayLimits(-1, 0)
-    settings = GatewaySettings(decode_workers=("127.0.0.1:2",), max_concurrent_requests=5, max_queued_tokens=6)
-    assert GatewayLimits.from_settings(settings) == GatewayLimits(5, 6)
+    with pytest.raises(ValueError):
+        GatewayLimits(max_queue_wait_s=0)
+    settings = GatewaySettings(decode_workers=("127.0.0.1:2",), max_concurrent_requests=5, max_queued_tokens=6,
+                               max_queue_wait_s=2.5)
+    assert GatewayLimits.from_settings(settings) == GatewayLimits(5, 6, 2.5)
+    assert GatewayLimits.from_settings(GatewaySettings(decode_workers=("127.0.0.1:2",))).max_queue_wait_s == 60.0
 
 
 def test_gateway_refuses_with_resource_exhausted_and_a_retry_hint():
-    admission = GatewayAdmission(_pool([64], [2]))
+    admission = GatewayAdmission(_pool([64], [2]), GatewayLimits(max_queued_tokens=64))
     admission.admit("a")
-    admission.queue_tokens("a", 100)
+    admission.queue_tokens("a", 100)  # alone: longer than the bound, it still gets in
     admission.admit("b")
     with pytest.raises(RequestError) as refused:
         admission.admit("c")  # 2 requests: the decode worker's max_num_seqs
-    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refused.value.reason == "concurrency"
     assert refused.value.error_details.retry_after_s == DEFAULT_RETRY_S
     assert "retry in" in refused.value.details
     with pytest.raises(RequestError) as refused:
-        admission.queue_tokens("b", 100)  # 200 > a step of 64 tokens, with some already queued
+        admission.queue_tokens("b", 100)  # over the configured token bound, with some already queued
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert admission.queue.num_requests == 1
     admission.started("a")
@@ -219,3 +219,13 @@ def test_worker_limits_default_to_the_batch_and_the_cache():
         DecodeWorkerSettings(max_queued_requests=-1)
     with pytest.raises(ValueError):
         GatewaySettings(decode_workers=("127.0.0.1:2",), max_queued_tokens=-1)
+
+
+def test_exempt_work_is_admitted_past_the_limits_and_counts_toward_them():
+    """A request moved off a lost worker (WorkRequest.attempt > 0) is never refused."""
+    queue = AdmissionQueue(AdmissionLimits(max_requests=1, max_queued_tokens=10))
+    queue.admit("a", 10)
+    queue.admit("moved", 50, is_exempt=True)
+    assert queue.num_requests == 2 and queue.num_queued_tokens == 60 and queue.num_refused == 0
+    with pytest.raises(Overloaded):
+        queue.admit("new", 1)

@@ -341,8 +341,37 @@ def test_a_request_moves_off_a_lost_decode_worker_with_what_it_streamed(failure)
     work = moved.request
     assert work.request_id == "r~1" and moved.kv_handle is None
     assert work.prompt_token_ids == [5, 6, 7, 100, 101] and work.num_generated_tokens == 2
+    assert work.attempt == 1  # moved work: no worker refuses it
     assert (work.params.max_tokens, work.params.min_tokens, work.params.seed) == (2, 1, 9)
     assert not pool.decode[0].is_up and pool.decode[0].lost.is_set()
+
+
+@pytest.mark.parametrize(("code", "attempt"), [
+    (grpc.StatusCode.UNAVAILABLE, 1),  # lost: the prompt is moved work
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 0),  # refused: still new work, which may be refused again
+])
+def test_a_prompt_that_runs_colocated_after_a_lost_prefill_worker_is_moved_work(code, attempt):
+    class Failing(_FakePrefillClient):
+        async def prefill(self, work, timeout, metadata):
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
+
+    class Pool(_FakePool):
+        def mark_down(self, worker):
+            worker.set_up(False, lost=True)
+
+        def prefill_moved(self, worker, decode, num_tokens):
+            pass
+
+    async def scenario():
+        pool = Pool(Failing())
+        pool.decode.client = decode = _FakeDecodeClient([100, 101, 102, 103])
+        tokens = await _collect(Dispatcher(pool), _prepared("r"))
+        return tokens, decode.requests
+
+    tokens, (request,) = asyncio.run(scenario())
+    assert tokens == [100, 101, 102, 103]
+    assert request.kv_handle is None and request.request.request_id == "r"
+    assert request.request.attempt == attempt
 
 
 def test_a_slow_worker_that_answers_its_probe_keeps_its_request():

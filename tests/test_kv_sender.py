@@ -4,6 +4,7 @@ which request's KV."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 from baton.wire.records import OpenKvChannel, ReleaseKv, SendKv
 from engine.kv_cache import KVCache, KVLayout
 from kvtransfer import KvEndpoint, KvLayoutSpec, Rendezvous
-from prefill_worker.kv_sender import AlreadyClaimed, BlockCountMismatch, ChannelInUse, KvSender, NotHeld, _Channel
+from prefill_worker.kv_sender import (LEASE_SWEEP_S, MIN_LEASE_S, AlreadyClaimed, BlockCountMismatch, ChannelInUse,
+                                      KvSender, NotHeld, _Channel)
 
 
 # Two CPU workers on different hosts: their channels are gloo.
@@ -118,5 +120,33 @@ def test_a_stranger_cannot_release_abort_or_pull_a_requests_kv():
         assert "held" not in sender.leases and engine.released == ["held"]
         assert await sender.release(ReleaseKv("prefilling", "a" * 32))
         assert engine.aborted == ["prefilling"]
+
+    asyncio.run(scenario())
+
+
+def test_held_kv_is_freed_at_its_requests_deadline_if_that_comes_before_the_lease():
+    """Its decode call shares the deadline: KV nobody pulled by then never will be. Such
+    an end is not counted as an expired lease (no decode worker was too slow)."""
+
+    async def scenario() -> None:
+        sender, engine = _owned_sender()
+        sender.lease_s = 1.0
+        now = time.monotonic()
+        for request_id in ("soon", "past", "later", "none"):
+            sender.claim(request_id, "t" * 32)
+        assert sender.hold("soon", [1], num_tokens=4, deadline=now + 0.2) <= 0.2
+        assert sender.hold("past", [2], num_tokens=4, deadline=now - 1.0) == MIN_LEASE_S
+        assert sender.hold("later", [3], num_tokens=4, deadline=now + 3600.0) == 1.0  # the lease comes first
+        assert sender.hold("none", [4], num_tokens=4) == 1.0
+        sender.start()
+        try:
+            while "soon" not in engine.released and time.monotonic() < now + 0.9:  # before "later" ends
+                await asyncio.sleep(0.01)
+            assert sorted(engine.released) == ["past", "soon"] and sender.num_leases_expired == 0
+            assert "later" in sender.leases and "none" in sender.leases
+            await asyncio.sleep(1.0 + LEASE_SWEEP_S)
+        finally:
+            await sender.close()
+        assert sorted(engine.released) == ["later", "none", "past", "soon"] and sender.num_leases_expired == 2
 
     asyncio.run(scenario())

@@ -72,6 +72,91 @@ def test_aging_lets_low_priority_through_a_stream_of_high_priority():
     assert admitted_at is not None and admitted_at <= 10 * 4 + 2
 
 
+def admission_order(s) -> list[str]:
+    order = []
+    for out in run_to_completion(s):
+        for r in out.requests:
+            if r.request_id not in order:
+                order.append(r.request_id)
+    return order
+
+
+def test_waiting_requests_earliest_deadline_first_within_a_priority():
+    s = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64)
+    s.add_request(make_request("d30", 4, max_tokens=2, deadline=30.0))
+    s.add_request(make_request("none1", 4, max_tokens=2))
+    s.add_request(make_request("d10", 4, max_tokens=2, deadline=10.0))
+    s.add_request(make_request("none2", 4, max_tokens=2))
+    s.add_request(make_request("d20", 4, max_tokens=2, deadline=20.0))
+    # Deadlines earliest first, then the requests without one in arrival order.
+    assert admission_order(s) == ["d10", "d20", "d30", "none1", "none2"]
+
+
+def test_priority_comes_before_deadline():
+    s = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64)
+    s.add_request(make_request("low-urgent", 4, priority=1, max_tokens=2, deadline=1.0))
+    s.add_request(make_request("high-late", 4, priority=0, max_tokens=2, deadline=99.0))
+    s.add_request(make_request("high-none", 4, priority=0, max_tokens=2))
+    assert admission_order(s) == ["high-late", "high-none", "low-urgent"]
+
+
+def test_a_request_without_deadline_is_not_starved_by_a_stream_of_deadlines():
+    s = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, priority_aging_steps=4)
+    s.add_request(make_request("patient", 4, max_tokens=1))
+    admitted_at = None
+    for step in range(100):
+        s.add_request(make_request(f"urgent{step}", 4, max_tokens=1, deadline=1000.0 - step))
+        out, _ = fake_step(s)
+        if "patient" in scheduled(out):
+            admitted_at = step
+            break
+    # Requests arriving aging_steps steps after it are a level behind, deadline or not.
+    assert admitted_at == 4
+
+
+def test_a_requeued_request_keeps_its_deadline_place():
+    s = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=64, max_num_seqs=2,
+                       preemption_mode="recompute", admission_reserve_steps=0)
+    s.add_request(make_request("a", 7, max_tokens=10, deadline=5.0))
+    s.add_request(make_request("b", 7, max_tokens=10))
+    fake_step(s)
+    s.add_request(make_request("c", 3, max_tokens=10, deadline=50.0))  # wait: max_num_seqs
+    s.add_request(make_request("d", 3, max_tokens=10))
+    victims = []
+    for _ in range(40):
+        out, _ = fake_step(s)
+        victims += [r.request_id for r, _ in out.preempted]
+        if victims:
+            break
+    assert victims == ["b"]  # no deadline: preempted before a
+    # b is back in its arrival's place: after the deadline, before the newer request without one.
+    waiting = s.policy.waiting
+    assert [waiting.pop().request_id for _ in range(len(waiting))] == ["c", "b", "d"]
+
+
+@pytest.mark.parametrize(("deadlines", "victim"), [
+    ({"a": None, "b": 100.0, "c": 50.0}, "a"),  # no deadline first, though admitted first
+    ({"a": 100.0, "b": 50.0, "c": 10.0}, "a"),  # then the latest deadline
+    ({"a": 100.0, "b": 50.0, "c": None}, "c"),
+])
+def test_preemption_within_a_priority_prefers_no_deadline_then_the_latest(deadlines, victim):
+    s = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=64,
+                       preemption_mode="recompute", admission_reserve_steps=0)
+    for request_id, num_tokens in (("a", 7), ("b", 7), ("c", 3)):
+        s.add_request(make_request(request_id, num_tokens, max_tokens=10, deadline=deadlines[request_id]))
+    fake_step(s)
+    assert {r.request_id for r in s.running} == {"a", "b", "c"}
+    victims = []
+    for _ in range(40):
+        out, _ = fake_step(s)
+        victims += [r.request_id for r, _ in out.preempted]
+        if victims:
+            break
+    assert victims[0] == victim
+    run_to_completion(s)
+    assert s.kv.num_free_blocks == 7
+
+
 def test_preemption_picks_lowest_priority_latest_admitted():
     # 3 requests of 8 tokens with room for ~6 blocks of 4: growth must preempt.
     s = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=64,

@@ -62,7 +62,8 @@ def test_baton_up_answers_capital_of_france(tmp_path):
                                 capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
         assert status.returncode == 0, status.stderr
         assert re.search(r"KV ipc +[1-9][0-9]* transfers, 0 failed", status.stdout), status.stdout
-        assert "KV gloo" not in status.stdout and "refused" not in status.stdout
+        assert "KV gloo" not in status.stdout and "KV channel refused" not in status.stdout
+        assert re.search(r"refused +none", status.stdout), status.stdout
     finally:
         process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=120)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from baton.cli.local import start_deployment
-from baton.cli.status import diagnose, render
+from baton.cli.status import diagnose, diagnose_admission, render
 from baton.devtools.otlp_sink import OtlpSink
-from baton.wire.records import DeploymentStatus, WorkerStats, WorkerStatus
+from baton.wire import stats_convert
+from baton.wire.records import AdmissionStatus, DeploymentStatus, WorkerStats, WorkerStatus
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.scheduler.stats import RecentStats
@@ -211,3 +212,35 @@ def test_render_lists_an_unreachable_worker():
     text = render(deployment, findings)
     assert "10.0.0.1:1  decode  10.0.0.1:1  UNREACHABLE" in text
     assert "findings:\n  - 10.0.0.1:1: decode worker unreachable" in text
+
+
+def admission_status(**fields) -> AdmissionStatus:
+    base = dict(max_concurrent_requests=256, max_queue_wait_s=30.0, num_in_flight=3, num_admitted=100,
+                num_refused_concurrency=0, num_refused_queue_wait=0, num_refused_deadline=0, num_deadline_misses=0,
+                num_met_deadlines=40, forecast_known=True, forecast_queue_wait_s=0.25, mean_forecast_ttft_s=0.3,
+                mean_observed_ttft_s=0.35)
+    return AdmissionStatus(**{**base, **fields})
+
+
+def test_render_shows_admission_and_diagnoses_its_refusals_and_misses():
+    healthy = admission_status()
+    text = render(DeploymentStatus("m", (status(stats()),), healthy), diagnose_admission(healthy))
+    assert "gateway admission  3 in flight (limit 256), 100 admitted since start" in text
+    assert "  refused     none" in text and "  deadlines   40 met, 0 missed after admission" in text
+    assert ("  forecast    a first token now in 0.25 s (limit 30 s); recent first tokens 0.30 s forecast, "
+            "0.35 s observed (mean)") in text
+    assert "findings: none" in text
+    troubled = admission_status(num_refused_concurrency=1, num_refused_queue_wait=2, num_refused_deadline=3,
+                                num_deadline_misses=4)
+    problems_ = [f.problem for f in diagnose_admission(troubled)]
+    assert problems_ == ["deadlines missed after admission", "requests refused"]
+    text = render(DeploymentStatus("m", (), troubled), diagnose_admission(troubled))
+    assert "  refused     1 concurrency, 2 queue wait, 3 deadline" in text
+    assert "6 of 106 requests refused since start" in text
+    unknown = admission_status(forecast_known=False, max_concurrent_requests=0)
+    text = render(DeploymentStatus("m", (), unknown), [])
+    assert "(limit unknown)" in text and "forecast    none yet" in text
+    # The wire carries it, and --json shows it.
+    deployment = DeploymentStatus("m", (status(stats()),), troubled)
+    assert stats_convert.deployment_status_from_pb(stats_convert.deployment_status_to_pb(deployment)) == deployment
+    assert stats_convert.deployment_status_to_json(deployment)["admission"]["num_refused_deadline"] == "3"

@@ -1,10 +1,11 @@
-"""`baton up`: a gateway, a prefill worker and a decode worker as child processes on
-this machine, stopped together.
+"""`baton up`: a gateway, a prefill worker and a decode worker (or as many of each as
+`--num-prefill-workers` and `--num-decode-workers` say) as child processes on this
+machine, stopped together.
 
 On CPU the workers share the cores. On CUDA they share one GPU (`--device cuda`), its
-memory split between them by `--prefill-memory-fraction`, or each has its own
-(`--devices 0,1`). Either way they are on one host, so KV moves over ipc unless
-`--kv-transport` says otherwise."""
+memory split between the roles by `--prefill-memory-fraction`, or each role has its own
+(`--devices 0,1`); a role's workers on one GPU divide its part of it. Either way they are
+on one host, so KV moves over ipc unless `--kv-transport` says otherwise."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from baton.cli.local import start_deployment
+from baton.cli.local import Deployment, start_deployment
 from baton.runtime.server import configure_logging
 from baton.runtime.security import TlsConfig
 from baton.runtime.settings import (
@@ -67,14 +69,17 @@ class UpSettings:
                                    "(--no-prefix-caching: off)")
     kv_transport: str = setting("auto", "how KV moves from the prefill to the decode worker: auto (ipc: they "
                                         "share this host), ipc, nccl (two GPUs) or gloo (CPU)")
-    colocated: bool = setting(False, "no prefill worker: the decode worker prefills")
-    devices: tuple[str, ...] = setting((), "CUDA: the prefill worker's GPU and the decode worker's, e.g. 0,1",
-                                       parse=parse_list, shown="both on --device")
-    prefill_memory_fraction: float = setting(0.4, "workers sharing one GPU: the prefill worker's share of "
-                                                  "--gpu-memory-utilization (the decode worker has the rest)")
-    split_cores: bool = setting(False, "bind the prefill worker to half the cores and the decode worker to "
-                                       "the other half, as if each had a host of its own (--threads is then "
-                                       "one per core)", shown="off: both may use every core")
+    colocated: bool = setting(False, "no prefill worker: the decode workers prefill")
+    num_prefill_workers: int = setting(1, "prefill workers (none with --colocated)")
+    num_decode_workers: int = setting(1, "decode workers")
+    devices: tuple[str, ...] = setting((), "CUDA: the prefill workers' GPU and the decode workers', e.g. 0,1",
+                                       parse=parse_list, shown="all on --device")
+    prefill_memory_fraction: float = setting(0.4, "workers sharing one GPU: the prefill workers' share of "
+                                                  "--gpu-memory-utilization (the decode workers have the rest)")
+    split_cores: bool = setting(False, "bind the prefill workers to half the cores and the decode workers to "
+                                       "the other half, each role's divided between its workers, as if each "
+                                       "had a host of its own (--threads is then one per core)",
+                                shown="off: every worker may use every core")
     log_level: str = setting("INFO", "logging level")
     # Security: passed to every role (the API key to the gateway only).
     admin_port: int | None = setting(None, "serve GatewayAdmin (baton status) on this port of its own",
@@ -92,8 +97,13 @@ class UpSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tls", load_tls(self))
         object.__setattr__(self, "bearer_key", load_api_key(self.api_key, self.api_key_file))
-        if self.split_cores and len(os.sched_getaffinity(0)) < 2:
-            raise SettingsError("--split-cores needs at least 2 cores")
+        if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
+            raise SettingsError("--num-prefill-workers and --num-decode-workers must be at least 1")
+        if self.colocated and self.num_prefill_workers != 1:
+            raise SettingsError("--colocated runs no prefill worker: drop --num-prefill-workers")
+        num_workers = self.num_prefill + self.num_decode_workers
+        if self.split_cores and len(os.sched_getaffinity(0)) < max(num_workers, 2):
+            raise SettingsError(f"--split-cores needs at least {max(num_workers, 2)} cores, one per worker")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise SettingsError("--max-model-len must be positive")
         if self.kv_transport not in TRANSPORT_CHOICES:
@@ -102,20 +112,47 @@ class UpSettings:
             raise SettingsError("--prefill-memory-fraction must lie in (0, 1)")
         if self.devices:
             if len(self.devices) != 2 or not all(index.isdigit() for index in self.devices):
-                raise SettingsError("--devices takes two GPU indices: the prefill worker's and the decode worker's")
+                raise SettingsError("--devices takes two GPU indices: the prefill workers' and the decode workers'")
             if device_type(self.device) != "cuda":
                 raise SettingsError("--devices needs --device cuda")
 
     @property
+    def num_prefill(self) -> int:
+        """The prefill workers `baton up` starts: none when colocated."""
+        return 0 if self.colocated else self.num_prefill_workers
+
+    @property
+    def has_gpu_per_role(self) -> bool:
+        """--devices names two GPUs: the prefill workers on one, the decode workers on the other."""
+        return len(set(self.devices)) == 2
+
+    @property
     def shares_a_gpu(self) -> bool:
-        """Both workers on one GPU: each takes its share of --gpu-memory-utilization."""
-        return device_type(self.device) == "cuda" and not self.colocated and len(set(self.devices)) < 2
+        """Two workers or more on one GPU: each takes its share of --gpu-memory-utilization."""
+        if device_type(self.device) != "cuda":
+            return False
+        if self.has_gpu_per_role:
+            return self.num_prefill > 1 or self.num_decode_workers > 1
+        return self.num_prefill + self.num_decode_workers > 1
 
     def worker_devices(self) -> tuple[str, str]:
-        """The prefill worker's device and the decode worker's."""
+        """The prefill workers' device and the decode workers'."""
         if self.devices:
             return f"cuda:{self.devices[0]}", f"cuda:{self.devices[1]}"
         return self.device, self.device
+
+    def gpu_memory_shares(self) -> tuple[float, float]:
+        """Each prefill worker's --gpu-memory-utilization and each decode worker's, for
+        workers sharing a GPU: a role's part of its GPU (all of it with a GPU per role, else
+        --prefill-memory-fraction of it the prefill workers', the rest the decode workers')
+        divided between the role's workers."""
+        whole = self.gpu_memory_utilization
+        if self.has_gpu_per_role:
+            prefill_part = decode_part = whole
+        else:
+            prefill_part = whole * self.prefill_memory_fraction if self.num_prefill else 0.0
+            decode_part = whole - prefill_part
+        return prefill_part / max(self.num_prefill, 1), decode_part / self.num_decode_workers
 
 
 def up_command(args: argparse.Namespace) -> int:
@@ -128,9 +165,9 @@ def up_command(args: argparse.Namespace) -> int:
 class RoleArgs:
     """What `baton up` gives the processes it starts, besides their addresses."""
 
-    worker: list[str]  # both workers' flags
-    prefill: list[str]  # the prefill worker's own (over `worker`)
-    decode: list[str]  # the decode worker's own
+    worker: list[str]  # every worker's flags
+    prefill: list[str]  # the prefill workers' own (over `worker`)
+    decode: list[str]  # the decode workers' own
     gateway: list[str]
     env: dict[str, str]  # every process's extra environment
 
@@ -141,12 +178,13 @@ def role_args(settings: UpSettings) -> RoleArgs:
     prefill_device, decode_device = settings.worker_devices()
     prefill, decode = ["--device", prefill_device], ["--device", decode_device]
     if settings.shares_a_gpu:
-        # Each worker's --gpu-memory-utilization is its own share of the GPU (engine/memory.py):
-        # the prefill worker takes --prefill-memory-fraction of the whole, the decode worker the
-        # rest. The decode worker starts once the prefill worker serves, so each finds its share free.
-        share = settings.gpu_memory_utilization * settings.prefill_memory_fraction
-        prefill += ["--gpu-memory-utilization", f"{share:.4f}"]
-        decode += ["--gpu-memory-utilization", f"{settings.gpu_memory_utilization - share:.4f}"]
+        # Each worker's --gpu-memory-utilization is its own share of the GPU (engine/memory.py).
+        # The workers start one after another (start_deployment's stagger), so each finds its
+        # share free.
+        prefill_share, decode_share = settings.gpu_memory_shares()
+        if settings.num_prefill:
+            prefill += ["--gpu-memory-utilization", f"{prefill_share:.4f}"]
+        decode += ["--gpu-memory-utilization", f"{decode_share:.4f}"]
     if settings.kv_cache_memory is not None:
         worker += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
     if settings.max_model_len is not None:
@@ -168,10 +206,37 @@ def role_args(settings: UpSettings) -> RoleArgs:
     return RoleArgs([*worker, *tls], prefill, decode, gateway, env)
 
 
-def up(settings: UpSettings) -> int:
+def start_up(settings: UpSettings, log_dir: Path | None = None, *, metrics: bool = False) -> Deployment:
+    """Start what `baton up` runs and wait until it serves: each process logs to `log_dir`
+    (None: to our stdout); `metrics`: each serves Prometheus metrics on a port of its own
+    (the end-to-end tests read them)."""
     # Every worker may use every core: idle workers sleep (see start_deployment).
     threads = settings.threads or max(1, len(os.sched_getaffinity(0)))
     args = role_args(settings)
+    return start_deployment(
+        settings.model,
+        log_dir,
+        gateway_address=f"127.0.0.1:{settings.port}",
+        prefill=not settings.colocated,
+        num_prefill=settings.num_prefill_workers,
+        num_decode=settings.num_decode_workers,
+        worker_args=args.worker,
+        prefill_args=args.prefill,
+        decode_args=args.decode,
+        gateway_args=args.gateway,
+        metrics=metrics,
+        stagger=settings.shares_a_gpu,
+        threads=threads,
+        split_cores=settings.split_cores,
+        timeout_s=STARTUP_TIMEOUT_S,
+        env=args.env,
+        admin_address=None if settings.admin_port is None else f"127.0.0.1:{settings.admin_port}",
+        tls=settings.tls,
+        api_key=settings.bearer_key,
+    )
+
+
+def up(settings: UpSettings) -> int:
     stopping = False
 
     def stop(signum=None, frame=None) -> None:
@@ -180,30 +245,16 @@ def up(settings: UpSettings) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        deployment = start_deployment(
-            settings.model,
-            None,
-            gateway_address=f"127.0.0.1:{settings.port}",
-            prefill=not settings.colocated,
-            worker_args=args.worker,
-            prefill_args=args.prefill,
-            decode_args=args.decode,
-            gateway_args=args.gateway,
-            stagger=settings.shares_a_gpu,
-            threads=threads,
-            split_cores=settings.split_cores,
-            timeout_s=STARTUP_TIMEOUT_S,
-            env=args.env,
-            admin_address=None if settings.admin_port is None else f"127.0.0.1:{settings.admin_port}",
-            tls=settings.tls,
-            api_key=settings.bearer_key,
-        )
+        deployment = start_up(settings)
     except (RuntimeError, TimeoutError) as error:
         print(f"baton up: {error}", file=sys.stderr)
         return 1
     gateway = deployment.gateway
     transport = IPC if settings.kv_transport == "auto" else settings.kv_transport  # one host
     mode = "colocated" if settings.colocated else f"disaggregated, KV over {transport}"
+    if settings.num_prefill > 1 or settings.num_decode_workers > 1:
+        prefill_workers = f"{settings.num_prefill} prefill + " if settings.num_prefill else ""
+        mode += f", {prefill_workers}{settings.num_decode_workers} decode workers"
     client_flags = "".join([
         f" --tls-ca {settings.tls_ca}" if settings.tls_ca else "",
         " --api-key <key>" if settings.bearer_key else "",

@@ -1,5 +1,5 @@
-"""A local Baton deployment: gateway, prefill worker and decode worker as child processes
-on loopback. `baton up`, the end-to-end tests and the serving benchmark start it."""
+"""A local Baton deployment: a gateway, prefill workers and decode workers as child
+processes on loopback. `baton up`, the end-to-end tests and the serving benchmark start it."""
 
 from __future__ import annotations
 
@@ -154,20 +154,30 @@ def spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str],
     return Process(role, address, popen, log_path, metrics_port)
 
 
-def split_cpus(cpus: list[int], prefill: bool, num_decode: int = 1) -> tuple[list[int], list[list[int]]]:
-    """The prefill worker's cores (half of `cpus`) and each decode worker's (the other
-    half, divided between them; all of `cpus` without a prefill worker). Split by CPU id:
-    on a host with SMT, where a core's two threads may have distant ids, give each
-    worker --cpus of its own instead."""
-    num_parts = num_decode + (1 if prefill else 0)
+def split_cpus(cpus: list[int], prefill: bool, num_decode: int = 1,
+               num_prefill: int = 1) -> tuple[list[int], list[list[int]]]:
+    """The prefill workers' cores (half of `cpus`, and at least one per prefill worker:
+    `divide_cpus` shares them out) and each decode worker's (the rest, divided between
+    them; all of `cpus` without a prefill worker). Split by CPU id: on a host with SMT,
+    where a core's two threads may have distant ids, give each worker --cpus of its own
+    instead."""
+    num_prefill = num_prefill if prefill else 0
+    if len(cpus) < num_prefill + num_decode:
+        raise ValueError(f"splitting the cores takes at least {num_prefill + num_decode} of them; "
+                         f"there are {len(cpus)}")
+    # Few cores, many decode workers: one core each, the prefill workers the rest.
+    size = min(max(len(cpus) // 2, num_prefill), len(cpus) - num_decode) if num_prefill else 0
+    return cpus[:size], divide_cpus(cpus[size:], num_decode)
+
+
+def divide_cpus(cpus: list[int], num_parts: int) -> list[list[int]]:
+    """`cpus` in `num_parts` runs of consecutive ids, the first ones a core longer where
+    they do not divide evenly."""
     if len(cpus) < num_parts:
-        raise ValueError(f"splitting the cores takes at least {num_parts} of them; there are {len(cpus)}")
-    prefill_part, rest = (cpus[:len(cpus) // 2], cpus[len(cpus) // 2:]) if prefill else ([], cpus)
-    if len(rest) < num_decode:  # few cores, many decode workers: one each
-        prefill_part, rest = cpus[:len(cpus) - num_decode], cpus[len(cpus) - num_decode:]
-    size, extra = divmod(len(rest), num_decode)
-    bounds = [i * size + min(i, extra) for i in range(num_decode + 1)]
-    return prefill_part, [rest[bounds[i]:bounds[i + 1]] for i in range(num_decode)]
+        raise ValueError(f"{num_parts} workers need a core each; there are {len(cpus)}")
+    size, extra = divmod(len(cpus), num_parts)
+    bounds = [i * size + min(i, extra) for i in range(num_parts + 1)]
+    return [cpus[bounds[i]:bounds[i + 1]] for i in range(num_parts)]
 
 
 def wait_serving(address: str, deployment: Deployment, timeout_s: float) -> None:
@@ -209,6 +219,7 @@ def start_deployment(
     *,
     gateway_address: str | None = None,
     prefill: bool = True,
+    num_prefill: int = 1,
     prefill_address: str | None = None,
     num_decode: int = 1,
     worker_args: list[str] = (),
@@ -226,38 +237,51 @@ def start_deployment(
     stagger: bool = False,
 ) -> Deployment:
     """Start the processes (logs to `log_dir`, or to our stdout when None) and wait
-    until the gateway and every worker are SERVING. `metrics`: each serves Prometheus
+    until the gateway and every worker are SERVING. `prefill`: `num_prefill` prefill
+    workers hand the prompts' KV to the `num_decode` decode workers; False: none, the
+    decode workers prefill (colocated). `metrics`: each serves Prometheus
     metrics on a free port of its own (`Process.metrics_port`). `env`: extra environment
     variables of the processes, over ours (e.g. OTEL_EXPORTER_OTLP_ENDPOINT).
     `admin_address`: the gateway serves GatewayAdmin there ("auto": a free port).
     `tls`, `api_key`: how we reach the processes, when the caller's args (the
     --tls-* flags to every role, --api-key-file or BATON_API_KEY to the gateway) secure them.
-    The decode workers accept KV handles from the prefill worker only (`prefill_address`,
-    default a free port; their --allowed-prefill-workers, which `decode_args` may override).
-    `split_cores`: the prefill worker is bound to the first half of our cores and the
-    decode workers to the rest (--cpus), each with a thread per core, as if each role
-    had a host of its own; otherwise every worker may use every core, with `threads`.
-    `stagger`: the decode workers start once the prefill worker serves (workers sharing a
-    GPU: each sizes its KV cache from the memory the ones before it left)."""
+    The decode workers accept KV handles from the prefill workers only (the first one's
+    address is `prefill_address`, default a free port; their --allowed-prefill-workers,
+    which `decode_args` may override).
+    `split_cores`: the prefill workers are bound to the first half of our cores and the
+    decode workers to the rest (--cpus), each role's cores divided between its workers,
+    each with a thread per core, as if each worker had a host of its own; otherwise every
+    worker may use every core, with `threads`.
+    `stagger`: each worker starts once the one before it serves, the prefill workers
+    first (workers sharing a GPU: each sizes its KV cache from the memory the ones before
+    it left)."""
 
     def metrics_args() -> list[str]:
         return ["--metrics-port", str(free_port())] if metrics else []
 
+    if num_decode < 1 or (prefill and num_prefill < 1):
+        raise ValueError(f"a deployment needs a decode worker and, unless colocated, a prefill worker "
+                         f"(num_decode={num_decode}, num_prefill={num_prefill})")
+    num_prefill = num_prefill if prefill else 0
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     env = child_environment({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(env or {})})
     # The processes share this machine's cores. With OpenMP's passive wait a worker
     # with nothing to do sleeps instead of spinning its threads, so the cores go to
-    # whichever worker has work: the prefill worker during a burst of prompts, the
-    # decode worker in between (benchmarks/serving.py measures the split).
+    # whichever worker has work: the prefill workers during a burst of prompts, the
+    # decode workers in between (benchmarks/serving.py measures the split).
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    prefill_cores, decode_cores = ["--threads", str(threads)], [["--threads", str(threads)]] * num_decode
+    prefill_cores = [["--threads", str(threads)]] * num_prefill
+    decode_cores = [["--threads", str(threads)]] * num_decode
     if split_cores:
-        prefill_part, decode_parts = split_cpus(sorted(os.sched_getaffinity(0)), prefill, num_decode)
-        prefill_cores, decode_cores = (
-            ["--cpus", format_cpu_list(prefill_part), "--threads", str(len(prefill_part))],
-            [["--cpus", format_cpu_list(part), "--threads", str(len(part))] for part in decode_parts])
+        prefill_part, decode_parts = split_cpus(sorted(os.sched_getaffinity(0)), prefill, num_decode, num_prefill)
+        prefill_parts = divide_cpus(prefill_part, num_prefill) if num_prefill else []
+        prefill_cores = [["--cpus", format_cpu_list(part), "--threads", str(len(part))] for part in prefill_parts]
+        decode_cores = [["--cpus", format_cpu_list(part), "--threads", str(len(part))] for part in decode_parts]
     common = ["--model", model, *worker_args]
+    prefill_addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_prefill)]
+    if prefill_address is not None and prefill_addresses:
+        prefill_addresses[0] = prefill_address
     decode_addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_decode)]
     gateway_address = gateway_address or f"127.0.0.1:{free_port()}"
     if admin_address == "auto":
@@ -268,25 +292,24 @@ def start_deployment(
     if admin_address is not None:
         gateway_args += ["--admin-listen", admin_address]
     kv_peers = []  # the decode workers' --allowed-prefill-workers
-    if prefill:
-        prefill_address = prefill_address or f"127.0.0.1:{free_port()}"
-        args = ["prefill-worker", "--listen", prefill_address, "--worker-id", "prefill-0", *prefill_cores,
-                *common, *metrics_args(), *prefill_args]
-        deployment.processes.append(spawn("prefill", args, log_dir, env))
-        gateway_args += ["--prefill-workers", prefill_address]
+    if prefill_addresses:
+        gateway_args += ["--prefill-workers", ",".join(prefill_addresses)]
+        kv_peers = ["--allowed-prefill-workers", ",".join(prefill_addresses)]
+
+    def start(role: str, index: int, args: list[str]) -> None:
+        # The first of a role's logs is `role`.log, the others `role`-<index>.log.
+        deployment.processes.append(spawn(role, args, log_dir, env, f"{role}-{index}" if index else role))
         if stagger:
-            try:
-                wait_serving(prefill_address, deployment, timeout_s)
-            except BaseException:
-                deployment.stop()
-                raise
-        kv_peers = ["--allowed-prefill-workers", prefill_address]
-    for i, decode_address in enumerate(decode_addresses):
-        args = ["decode-worker", "--listen", decode_address, "--worker-id", f"decode-{i}", *kv_peers,
-                *decode_cores[i], *common, *metrics_args(), *decode_args]
-        deployment.processes.append(spawn("decode", args, log_dir, env, f"decode-{i}" if i else "decode"))
-    deployment.processes.append(spawn("gateway", gateway_args, log_dir, env))
+            wait_serving(deployment.processes[-1].address, deployment, timeout_s)
+
     try:
+        for i, address in enumerate(prefill_addresses):
+            start("prefill", i, ["prefill-worker", "--listen", address, "--worker-id", f"prefill-{i}",
+                                 *prefill_cores[i], *common, *metrics_args(), *prefill_args])
+        for i, address in enumerate(decode_addresses):
+            start("decode", i, ["decode-worker", "--listen", address, "--worker-id", f"decode-{i}", *kv_peers,
+                                *decode_cores[i], *common, *metrics_args(), *decode_args])
+        deployment.processes.append(spawn("gateway", gateway_args, log_dir, env))
         wait_serving(gateway_address, deployment, timeout_s)
         for process in deployment.processes[:-1]:
             wait_serving(process.address, deployment, timeout_s)

@@ -1,6 +1,7 @@
 """The `baton` command: run a local deployment, one role per process, or a client call.
 
     baton up [--model M] [--port P]          gateway + prefill worker + decode worker
+             [--num-prefill-workers N] [--num-decode-workers N]
     baton gateway --decode-workers ADDR ...  one role per process
     baton prefill-worker --listen ADDR ...
     baton decode-worker --listen ADDR ...
@@ -47,7 +48,7 @@ def build_parser() -> Parser:
 
     parser = Parser(prog="baton", description="Baton: disaggregated LLM serving over gRPC")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    add_flags(commands.add_parser("up", help="run a gateway, a prefill worker and a decode worker here"),
+    add_flags(commands.add_parser("up", help="run a gateway, prefill workers and decode workers here"),
               UpSettings)
     add_flags(commands.add_parser("gateway", help="run the public gateway"), GatewaySettings)
     add_flags(commands.add_parser("prefill-worker", help="run a prefill worker"), PrefillWorkerSettings)

@@ -33,7 +33,7 @@ from baton.cli.client import GatewayConnection
 from baton.runtime.clients import GatewayAdminClient
 from baton.runtime.settings import add_flags, from_args
 from baton.wire import stats_convert
-from baton.wire.records import DeploymentStatus, WorkerStats, WorkerStatus
+from baton.wire.records import AdmissionStatus, DeploymentStatus, WorkerStats, WorkerStatus
 
 # Memory pressure: the mean share of KV blocks in use.
 KV_PRESSURE_USAGE = 0.9
@@ -175,8 +175,62 @@ def _scheduling(name: str, stats: WorkerStats, queue_slo_s: float) -> list[Findi
 
 
 # ------------------------------------------------------------------ report
+def diagnose_admission(admission: AdmissionStatus | None) -> list[Finding]:
+    """What the gateway's admission says is wrong: mispredictions, and refusals."""
+    if admission is None:
+        return []
+    findings = []
+    if admission.num_deadline_misses:
+        findings.append(Finding(
+            "gateway", "deadlines missed after admission",
+            f"{admission.num_deadline_misses} admitted requests ended at their deadline (forecast first token "
+            f"{admission.mean_forecast_ttft_s:.2f} s mean, observed {admission.mean_observed_ttft_s:.2f} s)",
+            "each is a forecast that failed: compare the workers' recent step times with their load, and look for "
+            "a worker slowed by another process or outputs longer than the requests' history",
+        ))
+    refused = admission.num_refused_concurrency + admission.num_refused_queue_wait + admission.num_refused_deadline
+    if refused:
+        findings.append(Finding(
+            "gateway", "requests refused",
+            f"{refused} of {refused + admission.num_admitted} requests refused since start "
+            f"({admission.num_refused_concurrency} at the concurrency bound, {admission.num_refused_queue_wait} "
+            f"over the {admission.max_queue_wait_s:g} s queue wait, {admission.num_refused_deadline} for their "
+            "deadlines)",
+            "add workers (prefill workers for queue wait, decode workers for concurrency and deadlines), or "
+            "raise --max-queue-wait-s if clients would rather wait",
+        ))
+    return findings
+
+
+def _render_admission(admission: AdmissionStatus) -> list[str]:
+    limit = admission.max_concurrent_requests or "unknown"
+    refused = (f"{admission.num_refused_concurrency} concurrency, {admission.num_refused_queue_wait} queue wait, "
+               f"{admission.num_refused_deadline} deadline"
+               if admission.num_refused_concurrency + admission.num_refused_queue_wait
+               + admission.num_refused_deadline else "none")
+    lines = [
+        f"gateway admission  {admission.num_in_flight} in flight (limit {limit}), {admission.num_admitted} "
+        f"admitted since start",
+        f"  refused     {refused}",
+        f"  deadlines   {admission.num_met_deadlines} met, {admission.num_deadline_misses} missed after admission",
+    ]
+    if not admission.forecast_known:
+        lines.append("  forecast    none yet: no worker has published its step times")
+    else:
+        line = (f"  forecast    a first token now in {admission.forecast_queue_wait_s:.2f} s "
+                f"(limit {admission.max_queue_wait_s:g} s)")
+        if admission.mean_observed_ttft_s:
+            line += (f"; recent first tokens {admission.mean_forecast_ttft_s:.2f} s forecast, "
+                     f"{admission.mean_observed_ttft_s:.2f} s observed (mean)")
+        lines.append(line)
+    return lines
+
+
 def render(status: DeploymentStatus, findings: list[Finding]) -> str:
     lines = [f"model: {status.model}", ""]
+    if status.admission is not None:
+        lines += _render_admission(status.admission)
+        lines.append("")
     for worker in status.workers:
         lines += _render_worker(worker)
         lines.append("")
@@ -273,5 +327,6 @@ def status_command(args: argparse.Namespace) -> int:
             return 1
     slo_s = args.queue_slo_ms / 1e3
     findings = [finding for worker in status.workers for finding in diagnose(worker, slo_s)]
+    findings += diagnose_admission(status.admission)
     print(to_json(status, findings) if args.json else render(status, findings))
     return 0

@@ -106,26 +106,28 @@ class AdmissionQueue:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def admit(self, request_id: str, num_tokens: int = 0) -> None:
+    def admit(self, request_id: str, num_tokens: int = 0, *, is_exempt: bool = False) -> None:
         """Take the request on, with its prompt's `num_tokens` queued if known; Overloaded
-        if that would pass a limit (nothing is then held), ValueError if it is already in."""
+        if that would pass a limit (nothing is then held), ValueError if it is already in.
+        `is_exempt` (moved work, never refused): past the limits too, counted toward them."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
         excess = self.num_requests + 1 - self.limits.max_requests
-        if excess > 0:
+        if excess > 0 and not is_exempt:
             self.num_refused += 1
             raise Overloaded(f"overloaded: {self.num_requests} requests in flight (limit "
                              f"{self.limits.max_requests})", self._request_drain.seconds_for(excess))
         self._requests.add(request_id)
         if num_tokens:
-            self.queue_tokens(request_id, num_tokens)
+            self.queue_tokens(request_id, num_tokens, is_exempt=is_exempt)
 
-    def queue_tokens(self, request_id: str, num_tokens: int) -> None:
+    def queue_tokens(self, request_id: str, num_tokens: int, *, is_exempt: bool = False) -> None:
         """Queue an admitted request's `num_tokens` prompt tokens; Overloaded if that would
-        pass the limit while others are queued, and the request is then released."""
+        pass the limit while others are queued, and the request is then released
+        (`is_exempt`: never)."""
         assert request_id in self._requests and request_id not in self._queued, request_id
         excess = self.num_queued_tokens + num_tokens - self.limits.max_queued_tokens
-        if excess > 0 and self.num_queued_tokens > 0:
+        if excess > 0 and self.num_queued_tokens > 0 and not is_exempt:
             self._requests.discard(request_id)
             self.num_refused += 1
             # A prompt longer than the bound gets in once the queue is empty: it need not
@@ -135,6 +137,14 @@ class AdmissionQueue:
                              self._token_drain.seconds_for(min(excess, self.num_queued_tokens)))
         self._queued[request_id] = num_tokens
         self.num_queued_tokens += num_tokens
+
+    def withdraw(self, request_id: str) -> None:
+        """Let go of a request refused after its admission (by a check made elsewhere):
+        nothing of it stays, and it counts as a refusal, not a departure."""
+        if request_id in self._requests:
+            self._queued.pop(request_id, None)
+            self._requests.discard(request_id)
+            self.num_refused += 1
 
     def started(self, request_id: str) -> None:
         """The request's prompt is prefilled: its tokens leave the queue (idempotent)."""

@@ -39,6 +39,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+REFUSAL_REASONS = ("concurrency", "queue_wait", "deadline", "worker")
 
 
 class GatewayMetrics:
@@ -67,8 +68,22 @@ class GatewayMetrics:
         self.finished = {reason: finished.labels(model, reason) for reason in FINISH_REASONS}
         self.migrations = Counter("baton_request_migrations", "Requests moved off a lost worker (per move)",
                                   labels, registry=r).labels(model)
-        self.refused = Counter("baton_requests_refused", "Requests refused at once: RESOURCE_EXHAUSTED (overload)",
-                               labels, registry=r).labels(model)
+        refused = Counter("baton_requests_refused", "Requests refused at once, by reason: concurrency, queue_wait "
+                          "and deadline (the gateway's admission), worker (a worker's own)", ["model", "reason"],
+                          registry=r)
+        self._refused = {reason: refused.labels(model, reason) for reason in REFUSAL_REASONS}
+        self.deadline_misses = Counter("baton_deadline_misses", "Admitted requests that ended at their deadline",
+                                       labels, registry=r).labels(model)
+        self.within_deadline = Counter("baton_requests_within_deadline",
+                                       "Requests with a deadline that finished within it (goodput)",
+                                       labels, registry=r).labels(model)
+        self.forecast_ttft = Histogram("baton_forecast_time_to_first_token_seconds",
+                                       "Admission's forecast of a request's first token, from arrival "
+                                       "(baton_time_to_first_token_seconds is what happened)",
+                                       labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
+
+    def refuse(self, reason: str) -> None:
+        self._refused[reason if reason in self._refused else "worker"].inc()
 
     def record_request(self, *, arrival: float, token_times: list[float], finished_at: float,
                        num_prompt_tokens: int, finish_reason: str) -> None:

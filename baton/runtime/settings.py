@@ -406,13 +406,16 @@ class GatewaySettings:
     stall_timeout_s: float = setting(1.0, "a worker silent this long (or 50 of its recent steps, if longer) "
                                           "and then failing a probe is lost: its requests move")
     max_migrations: int = setting(3, "a request moves to another worker at most this many times")
-    # Admission control (gateway/admission.py): beyond these, requests are refused at
-    # once with RESOURCE_EXHAUSTED and a retry hint.
+    # Admission control (gateway/admission.py): beyond these, or when a request's gRPC
+    # deadline cannot be met, requests are refused at once with RESOURCE_EXHAUSTED and a
+    # retry hint.
     max_concurrent_requests: int = setting(0, "requests in flight before new ones are refused "
                                               "(0: the decode workers' --max-num-seqs, summed)")
+    max_queue_wait_s: float = setting(60.0, "requests whose first token is forecast further off than this "
+                                            "(the prompt tokens queued ahead, at the prefill workers' measured "
+                                            "rate) are refused")
     max_queued_tokens: int = setting(0, "prompt tokens admitted and not yet prefilled, beyond which new "
-                                        "requests are refused (0: half a step of the prefill workers' "
-                                        "token budgets)")
+                                        "requests are refused (0: no such bound)")
     log_level: str = setting("INFO", "logging level")
     # Security (baton/runtime/security.py).
     admin_listen: str | None = setting(None, "serve GatewayAdmin (baton status) here, with the workers' TLS "
@@ -446,6 +449,8 @@ class GatewaySettings:
             raise ValueError("startup_timeout_s must be positive")
         if self.max_concurrent_requests < 0 or self.max_queued_tokens < 0:
             raise ValueError("max_concurrent_requests and max_queued_tokens must be >= 0 (0: derived)")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError("max_queue_wait_s must be positive")
         if self.stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be positive")
         if self.max_migrations < 0:

@@ -26,6 +26,7 @@ from engine.outputs import KvReceive, RequestOutput
 from engine.request import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerStats
+from engine.step_time import calibrate_step_time
 from kvtransfer import KvEndpoint, KvLayoutSpec
 from kvtransfer.endpoint import gpu_uuid, local_endpoint
 
@@ -36,11 +37,15 @@ DRAIN_POLL_S = 0.05
 
 def build_engine(config: EngineConfig) -> LLMEngine:
     """Load the model and warm it up: one short request end to end (first-call costs:
-    kernel builds, allocator growth, oneDNN primitive creation)."""
+    kernel builds, allocator growth, oneDNN primitive creation); then, unless configured
+    off, measure its step-time model (engine/step_time.py), published before the first
+    request. The engine is nobody else's yet: this thread is its only one."""
     engine = LLMEngine(config)
     engine.add_request([0], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
+    if config.calibrate_step_time:
+        calibrate_step_time(engine)
     return engine
 
 
@@ -81,6 +86,9 @@ def worker_stats(stats: SchedulerStats, **fields) -> WorkerStats:
         prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
         prefix_cache_received_blocks=stats.prefix_cache_received_blocks,
         prefix_cache_reused_blocks=stats.prefix_cache_reused_blocks,
+        decode_step_base_s=stats.decode_step_base_s,
+        decode_step_per_seq_s=stats.decode_step_per_seq_s,
+        prefill_s_per_token=stats.prefill_s_per_token,
         **fields,
     )
 
@@ -120,6 +128,13 @@ async def abort_refused(context, error: ValueError) -> None:
     if field is not None:
         error = FieldError(field, str(error))
     await abort_invalid(context, error, code)
+
+
+def call_deadline(context) -> float | None:
+    """The call's gRPC deadline, as time.monotonic() seconds (None: it has none). Read at
+    the call's start: the gateway passes its client's deadline on to every worker call."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 class WorkerBase:
@@ -187,13 +202,15 @@ class WorkerBase:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down)")
         return self.engine
 
-    async def accept_call(self, context, request_id: str, num_prompt_tokens: int) -> None:
+    async def accept_call(self, context, request_id: str, num_prompt_tokens: int, attempt: int = 0) -> None:
         """Take a Prefill or Decode call's request on (the caller releases it when the
         call ends), or end the call: RESOURCE_EXHAUSTED with a RetryInfo beyond this
         worker's bounds, INVALID_ARGUMENT naming `request.request_id` if that id is in
-        flight here already."""
+        flight here already. Moved work (WorkRequest.attempt > 0: off a lost worker) is
+        taken on past the bounds, and counts toward them: refusing it would lose a
+        request the gateway already took on, and perhaps streamed tokens of."""
         try:
-            self.admission.admit(request_id, num_prompt_tokens)
+            self.admission.admit(request_id, num_prompt_tokens, is_exempt=attempt > 0)
         except Overloaded as refusal:
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(refusal)
             await context.abort(code, message, trailing_metadata=status.error_trailers(

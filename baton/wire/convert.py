@@ -229,6 +229,7 @@ def work_request_to_pb(work: WorkRequest) -> worker_pb2.WorkRequest:
         sampling=sampling_params_to_pb(work.params, with_stop_strings=False),
         priority=work.priority,
         num_generated_tokens=work.num_generated_tokens,
+        attempt=work.attempt,
     )
 
 
@@ -246,6 +247,7 @@ def work_request_from_pb(message: worker_pb2.WorkRequest, kv_token: str = "") ->
         priority=message.priority,
         num_generated_tokens=message.num_generated_tokens,
         kv_token=kv_token,
+        attempt=message.attempt,
     )
 
 

@@ -9,7 +9,7 @@ from google.protobuf import json_format
 
 from baton.wire.internal.v1 import worker_pb2
 from baton.wire.kv_convert import kv_endpoint_from_pb, kv_endpoint_to_pb
-from baton.wire.records import DeploymentStatus, KvTransportStats, WorkerStats, WorkerStatus
+from baton.wire.records import AdmissionStatus, DeploymentStatus, KvTransportStats, WorkerStats, WorkerStatus
 from engine.scheduler.stats import RecentStats
 
 _RECENT_RENAMED = {"window_s": "window_seconds", "mean_queue_time": "mean_queue_seconds"}
@@ -64,7 +64,11 @@ def deployment_status_to_pb(status: DeploymentStatus) -> worker_pb2.DeploymentSt
         if worker.stats is not None:
             message.stats.CopyFrom(worker_stats_to_pb(worker.stats))
         workers.append(message)
-    return worker_pb2.DeploymentStatus(model=status.model, workers=workers)
+    message = worker_pb2.DeploymentStatus(model=status.model, workers=workers)
+    if status.admission is not None:
+        message.admission.CopyFrom(worker_pb2.AdmissionStatus(
+            **{f.name: getattr(status.admission, f.name) for f in fields(AdmissionStatus)}))
+    return message
 
 
 def deployment_status_to_json(status: DeploymentStatus) -> dict:
@@ -74,8 +78,11 @@ def deployment_status_to_json(status: DeploymentStatus) -> dict:
 
 
 def deployment_status_from_pb(message: worker_pb2.DeploymentStatus) -> DeploymentStatus:
+    admission = None
+    if message.HasField("admission"):
+        admission = AdmissionStatus(**{f.name: getattr(message.admission, f.name) for f in fields(AdmissionStatus)})
     return DeploymentStatus(message.model, tuple(
         WorkerStatus(w.address, w.role, w.reachable, w.in_rotation, w.error,
                      worker_stats_from_pb(w.stats) if w.HasField("stats") else None)
         for w in message.workers
-    ))
+    ), admission)

@@ -3,9 +3,9 @@
     scheduler.py    Scheduler: queues, the running loop, swap-ins, preemption
     handoff.py      KvHandoffStates: HELD and RECEIVING requests (disaggregated serving)
     policy.py       AdmissionPolicy: how waiting requests join the batch (the contract)
-    continuous.py   ContinuousAdmission: aging order, whole prompt plus growth room must fit
+    continuous.py   ContinuousAdmission: queue order, whole prompt plus growth room must fit
     static.py       StaticAdmission: batch at a time, worst case reserved up front
-    waiting.py      WaitingQueue: the aging heap of waiting requests
+    waiting.py      WaitingQueue: the heap of waiting requests (aged priority, then deadline)
     output.py       SchedulerOutput: one step's work
     prefix.py       PrefixMatcher: a request's cached prefix at admission; computed blocks into the cache
     stats.py        counters, the recent window, SchedulerStats / RecentStats

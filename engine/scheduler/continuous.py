@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 class ContinuousAdmission(AdmissionPolicy):
-    """Admit waiting requests in aging order while their prompt and some growth room fit.
+    """Admit waiting requests in queue order (WaitingQueue) while their prompt and some growth room fit.
 
     Admission needs blocks for the request's whole prompt plus a growth reserve
     of `admission_reserve_steps` decode steps for every running sequence, so that

@@ -4,10 +4,11 @@ One loop, no prefill/decode phases: each step every request's
 `num_computed_tokens` catches up with its `num_tokens` as far as the step's
 token budget allows. Order of service within a step:
 
-    1. RUNNING requests, highest priority first: one token when decoding, a
-       chunk when prefilling. A request whose table cannot grow preempts the
-       lowest-priority, most recently admitted running request (possibly
-       itself) by recompute or swap, whichever the cost model finds cheaper.
+    1. RUNNING requests, highest priority first (then earliest deadline): one
+       token when decoding, a chunk when prefilling. A request whose table cannot
+       grow preempts the lowest-priority running request (possibly itself): of
+       those, one without a deadline, else the latest deadline, and the most
+       recently admitted; by recompute or swap, whichever the cost model finds cheaper.
     2. SWAPPED requests come back if nothing was preempted this step.
     3. WAITING requests are admitted by the admission policy, if nothing was
        preempted this step and no request is still swapped out: continuous
@@ -29,7 +30,7 @@ from engine.block_pool import KVCacheManager, cdiv
 from engine.config import SchedulerConfig
 from engine.preemption import PreemptionCostModel, PreemptionKind
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
-                            by_sort_key)
+                            by_sort_key, deadline_key)
 from engine.scheduler.continuous import ContinuousAdmission
 from engine.scheduler.handoff import KvHandoffStates
 from engine.scheduler.integrity import check_scheduler_integrity
@@ -262,7 +263,9 @@ class Scheduler(KvHandoffStates):
             request.priority
             - (self.step_index - request.arrival_step) // self.config.priority_aging_steps
         )
-        request.sort_key = (effective_priority, self._num_admissions)
+        # NOTE: within a priority the request without a deadline, then the latest, is
+        # preempted first (running[-1]): it has the most time to make up for it.
+        request.sort_key = (effective_priority, deadline_key(request.deadline), self._num_admissions)
         self._num_admissions += 1
         first = request.first_scheduled_time is None
         if first:

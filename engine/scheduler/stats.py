@@ -120,6 +120,12 @@ class SchedulerStats:
     # Prompt blocks of requests whose KV arrived from elsewhere, and those found here (not moved).
     prefix_cache_received_blocks: int = 0
     prefix_cache_reused_blocks: int = 0
+    # The step-time model (engine/step_time.py; LLMEngine.get_metrics fills it in): a decode
+    # step of n sequences takes decode_step_base_s + decode_step_per_seq_s * n seconds, a
+    # prefill prefill_s_per_token a prompt token. 0.0: not measured yet.
+    decode_step_base_s: float = 0.0
+    decode_step_per_seq_s: float = 0.0
+    prefill_s_per_token: float = 0.0
 
 
 class SchedulerCounters:

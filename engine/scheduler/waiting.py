@@ -1,27 +1,31 @@
-"""WaitingQueue: requests waiting for admission, in order of priority with aging."""
+"""WaitingQueue: requests waiting for admission, by priority level (with aging), then
+earliest deadline."""
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
 
-from engine.request import Request
+from engine.request import Request, deadline_key
 
 
 class WaitingQueue:
     """A heap of waiting requests, best first.
 
-    Aging makes a request's effective priority `priority - waited_steps /
-    aging_steps`, so a low-priority request overtakes newer high-priority ones
-    after waiting long enough and cannot starve. Ordering by
-    `priority * aging_steps + arrival_step` is that same order at every step, so
-    the keys never need updating. Ties go to the earlier arrival.
+    A request's level is `priority + arrival_step // aging_steps` (lower first): aging
+    by whole levels, so a request outranks every request of its priority that arrived
+    `aging_steps` or more steps after it, deadline or not, and none starves. Within a level,
+    earliest deadline first; requests without a deadline come after those with one, in
+    arrival order. The key depends only on the request's arrival, so it never needs
+    updating, and a requeued request (preempted, failed handoff) keeps its place.
     """
 
     __slots__ = ("_heap", "_aging_steps")
 
     def __init__(self, aging_steps: int) -> None:
-        self._heap: list[tuple[int, int, Request]] = []  # (aging key, arrival index, request)
+        # (level, deadline (inf: none), arrival index, request): the index is unique,
+        # so requests are never compared.
+        self._heap: list[tuple[int, float, int, Request]] = []
         self._aging_steps = aging_steps
 
     def __len__(self) -> int:
@@ -29,19 +33,19 @@ class WaitingQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """In heap order, not admission order."""
-        return (entry[2] for entry in self._heap)
+        return (entry[3] for entry in self._heap)
 
     def push(self, request: Request) -> None:
         """Queue a request by its arrival (a requeued request keeps its original place)."""
-        key = request.priority * self._aging_steps + request.arrival_step
-        heapq.heappush(self._heap, (key, request.arrival_index, request))
+        level = request.priority + request.arrival_step // self._aging_steps
+        heapq.heappush(self._heap, (level, deadline_key(request.deadline), request.arrival_index, request))
 
     def peek(self) -> Request:
-        return self._heap[0][2]
+        return self._heap[0][3]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[2]
+        return heapq.heappop(self._heap)[3]
 
     def remove(self, request: Request) -> None:
-        self._heap = [entry for entry in self._heap if entry[2] is not request]
+        self._heap = [entry for entry in self._heap if entry[3] is not request]
         heapq.heapify(self._heap)

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "num_generated_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "num_generated_tokens", "attempt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     priority: int
     num_generated_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ...) -> None: ...
+    attempt: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "kv_token")
@@ -214,7 +216,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "num_finished", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "recent", "oldest_queued_seconds", "block_size", "kv_transports", "kv_channel_refusal", "num_kv_blocks_fenced", "kv_endpoint", "prefix_caching", "num_kv_blocks_cached", "num_kv_blocks_evictable", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_received_blocks", "prefix_cache_reused_blocks")
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "num_finished", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "recent", "oldest_queued_seconds", "block_size", "kv_transports", "kv_channel_refusal", "num_kv_blocks_fenced", "kv_endpoint", "prefix_caching", "num_kv_blocks_cached", "num_kv_blocks_evictable", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_received_blocks", "prefix_cache_reused_blocks", "decode_step_base_s", "decode_step_per_seq_s", "prefill_s_per_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +257,9 @@ class WorkerStats(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_RECEIVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_REUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_PER_SEQ_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -295,7 +300,10 @@ class WorkerStats(_message.Message):
     prefix_cache_hit_tokens: int
     prefix_cache_received_blocks: int
     prefix_cache_reused_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., oldest_queued_seconds: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_transports: _Optional[_Iterable[_Union[KvTransportStats, _Mapping]]] = ..., kv_channel_refusal: _Optional[str] = ..., num_kv_blocks_fenced: _Optional[int] = ..., kv_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ..., prefix_caching: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_kv_blocks_evictable: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_received_blocks: _Optional[int] = ..., prefix_cache_reused_blocks: _Optional[int] = ...) -> None: ...
+    decode_step_base_s: float
+    decode_step_per_seq_s: float
+    prefill_s_per_token: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., oldest_queued_seconds: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_transports: _Optional[_Iterable[_Union[KvTransportStats, _Mapping]]] = ..., kv_channel_refusal: _Optional[str] = ..., num_kv_blocks_fenced: _Optional[int] = ..., kv_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ..., prefix_caching: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_kv_blocks_evictable: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_received_blocks: _Optional[int] = ..., prefix_cache_reused_blocks: _Optional[int] = ..., decode_step_base_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ...) -> None: ...
 
 class KvTransportStats(_message.Message):
     __slots__ = ("transport", "num_transfers", "num_failures", "num_transferred_bytes", "transfer_seconds")
@@ -372,9 +380,41 @@ class WorkerStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ..., in_rotation: _Optional[bool] = ...) -> None: ...
 
 class DeploymentStatus(_message.Message):
-    __slots__ = ("model", "workers")
+    __slots__ = ("model", "workers", "admission")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    admission: AdmissionStatus
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., admission: _Optional[_Union[AdmissionStatus, _Mapping]] = ...) -> None: ...
+
+class AdmissionStatus(_message.Message):
+    __slots__ = ("max_concurrent_requests", "max_queue_wait_s", "num_in_flight", "num_admitted", "num_refused_concurrency", "num_refused_queue_wait", "num_refused_deadline", "num_deadline_misses", "num_met_deadlines", "forecast_known", "forecast_queue_wait_s", "mean_forecast_ttft_s", "mean_observed_ttft_s")
+    MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFUSED_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFUSED_QUEUE_WAIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFUSED_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEADLINE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_MET_DEADLINES_FIELD_NUMBER: _ClassVar[int]
+    FORECAST_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    FORECAST_QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FORECAST_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    MEAN_OBSERVED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    max_concurrent_requests: int
+    max_queue_wait_s: float
+    num_in_flight: int
+    num_admitted: int
+    num_refused_concurrency: int
+    num_refused_queue_wait: int
+    num_refused_deadline: int
+    num_deadline_misses: int
+    num_met_deadlines: int
+    forecast_known: bool
+    forecast_queue_wait_s: float
+    mean_forecast_ttft_s: float
+    mean_observed_ttft_s: float
+    def __init__(self, max_concurrent_requests: _Optional[int] = ..., max_queue_wait_s: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., num_admitted: _Optional[int] = ..., num_refused_concurrency: _Optional[int] = ..., num_refused_queue_wait: _Optional[int] = ..., num_refused_deadline: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., num_met_deadlines: _Optional[int] = ..., forecast_known: _Optional[bool] = ..., forecast_queue_wait_s: _Optional[float] = ..., mean_forecast_ttft_s: _Optional[float] = ..., mean_observed_ttft_s: _Optional[float] = ...) -> None: ...

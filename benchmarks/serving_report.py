@@ -1,0 +1,178 @@
+"""What a run of benchmarks/serving.py measured: each request's timeline as its client saw
+it (RequestTiming), each system's figures over its rounds (summarize: latencies,
+throughput and goodput), and the report with its targets (print_report)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestTiming:
+    """One request's timeline (seconds, relative to its send time)."""
+
+    arrival: float
+    token_times: list[float] = field(default_factory=list)  # one entry per generated token
+    num_output_tokens: int = 0
+    finished: float = 0.0
+    status: str = "OK"  # or the gRPC status name it failed with (only with a deadline)
+    deadline_s: float | None = None  # the time it had (None: no deadline)
+
+    @property
+    def is_within_deadline(self) -> bool:
+        return self.status == "OK" and (self.deadline_s is None or self.finished <= self.deadline_s)
+
+
+@dataclass
+class SystemResult:
+    name: str
+    seconds: float
+    num_requests: int
+    num_output_tokens: int
+    ttft: dict
+    tpot: dict
+    itl: dict
+    e2e: dict
+    extra: dict = field(default_factory=dict)
+    num_sent: int = 0  # num_requests completed; the others failed (only with a deadline)
+    statuses: dict = field(default_factory=dict)  # how many ended with each status
+    num_good_requests: int = 0  # completed within their deadline
+    num_good_output_tokens: int = 0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.seconds
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.seconds
+
+    @property
+    def goodput_requests_per_s(self) -> float:
+        return self.num_good_requests / self.seconds
+
+    @property
+    def goodput_output_tokens_per_s(self) -> float:
+        return self.num_good_output_tokens / self.seconds
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    array = np.asarray(values)
+    return {
+        "p50": float(np.percentile(array, 50)),
+        "p90": float(np.percentile(array, 90)),
+        "p99": float(np.percentile(array, 99)),
+        "mean": float(array.mean()),
+    }
+
+
+def summarize(name: str, rounds: list[list[RequestTiming]], extras: list[dict] | None = None) -> SystemResult:
+    """One system's figures over its rounds: the run's seconds are the sum of each
+    round's first arrival to last finish (or failure); latencies pool every completed request."""
+    seconds = sum(max(t.arrival + t.finished for t in timings) - min(t.arrival for t in timings)
+                  for timings in rounds)
+    sent = [t for round_timings in rounds for t in round_timings]
+    timings = [t for t in sent if t.status == "OK"]
+    good = [t for t in timings if t.is_within_deadline]
+    ttft, tpot, itl, e2e = [], [], [], []
+    for t in timings:
+        ttft.append(t.token_times[0])
+        e2e.append(t.finished)
+        if len(t.token_times) > 1:
+            tpot.append((t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1))
+            itl.extend(np.diff(t.token_times).tolist())
+    extras = extras or [{}]
+    extra = extras[0] if len(extras) == 1 else {
+        **{f"round{i + 1}": e for i, e in enumerate(extras)},
+        "round_output_tokens_per_s": [sum(t.num_output_tokens for t in r) /
+                                      (max(t.arrival + t.finished for t in r) - min(t.arrival for t in r))
+                                      for r in rounds],
+    }
+    return SystemResult(
+        name,
+        seconds,
+        len(timings),
+        sum(t.num_output_tokens for t in timings),
+        percentiles(ttft),
+        percentiles(tpot),
+        percentiles(itl),
+        percentiles(e2e),
+        extra,
+        num_sent=len(sent),
+        statuses={status: sum(1 for t in sent if t.status == status) for status in sorted({t.status for t in sent})},
+        num_good_requests=len(good),
+        num_good_output_tokens=sum(t.num_output_tokens for t in good),
+    )
+
+
+def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> list[tuple[str, float, float, bool]]:
+    print(f"\nworkload: {args.num_requests} requests, Poisson rate {args.rate}/s, seed {args.seed}, "
+          f"prompts {args.min_prompt_len}-{args.max_prompt_len}, outputs {args.min_output_len}-{args.max_output_len}")
+    deadline_s = getattr(args, "deadline_s", None)
+    print(f"goodput: requests completed within a {deadline_s:g} s deadline, and their tokens" if deadline_s
+          else "goodput: no deadline sent (--deadline-s), so every completed request: goodput = throughput")
+    width = max([14, *(len(name) for name in results)])
+    header = f"{'system':<{width}} {'out tok/s':>9} {'req/s':>6} {'good tok/s':>10} {'good req/s':>10} " + " ".join(
+        f"{m + ' p50/p90/p99 ms':>26}" for m in ("TTFT", "TPOT", "ITL", "E2E")
+    )
+    print(header)
+    for result in results.values():
+        cells = []
+        for metric in (result.ttft, result.tpot, result.itl, result.e2e):
+            cells.append(f"{metric['p50'] * 1e3:8.1f}/{metric['p90'] * 1e3:8.1f}/{metric['p99'] * 1e3:8.1f}")
+        print(f"{result.name:<{width}} {result.output_tokens_per_s:9.1f} {result.requests_per_s:6.2f} "
+              f"{result.goodput_output_tokens_per_s:10.1f} {result.goodput_requests_per_s:10.2f} " + " ".join(
+                  f"{c:>26}" for c in cells))
+        if result.num_sent != result.num_requests:
+            print(f"  {result.name}: {result.num_requests} of {result.num_sent} completed: {result.statuses}")
+    def fields(extra: dict) -> str:
+        return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items()
+                         if not isinstance(v, (dict, list)))
+
+    for result in results.values():
+        if args.rounds == 1 and result.extra:
+            print(f"  {result.name}: {fields(result.extra)}")
+        for i in range(args.rounds if args.rounds > 1 else 0):
+            rate = result.extra["round_output_tokens_per_s"][i]
+            print(f"  {result.name} round {i + 1}: out tok/s={rate:.1f}, {fields(result.extra[f'round{i + 1}'])}")
+    checks = []
+    if "disaggregated" in results and "engine" in results:
+        ratio = results["disaggregated"].output_tokens_per_s / results["engine"].output_tokens_per_s
+        checks.append(("disaggregated / engine output tok/s", ratio, 0.9, ratio >= 0.9))
+    if "disaggregated+tracing" in results and "disaggregated" in results:
+        ratio = results["disaggregated+tracing"].output_tokens_per_s / results["disaggregated"].output_tokens_per_s
+        checks.append(("tracing on / off output tok/s", ratio, 0.97, ratio >= 0.97))
+        if args.rounds > 1:
+            per_round = [on / off for on, off in zip(results["disaggregated+tracing"].extra["round_output_tokens_per_s"],
+                                                     results["disaggregated"].extra["round_output_tokens_per_s"])]
+            print("tracing on / off by round: " + ", ".join(f"{r:.3f}" for r in per_round))
+    if "disaggregated+gloo" in results and "engine" in results:
+        ratio = results["disaggregated+gloo"].output_tokens_per_s / results["engine"].output_tokens_per_s
+        checks.append(("disaggregated+gloo / engine output tok/s", ratio, 0.0, True))
+    if "disaggregated+gloo" in results and "disaggregated" in results:
+        ratio = results["disaggregated"].output_tokens_per_s / results["disaggregated+gloo"].output_tokens_per_s
+        checks.append(("disaggregated (ipc) / disaggregated+gloo output tok/s", ratio, 1.0, ratio >= 1.0))
+    if "colocated" in results and "engine" in results:
+        ratio = results["colocated"].output_tokens_per_s / results["engine"].output_tokens_per_s
+        checks.append(("colocated / engine output tok/s", ratio, 0.0, True))
+    if "multihost-2+2" in results and "multihost-1+1" in results:
+        # On one machine the 2+2 workers share the cores 1+1's had: the bound is ~1x.
+        ratio = results["multihost-2+2"].output_tokens_per_s / results["multihost-1+1"].output_tokens_per_s
+        checks.append((f"multihost 2+2 / 1+1 output tok/s (same {os.cpu_count()} cores)", ratio, 0.0, True))
+    if kv is not None:
+        from kvtransfer.bench import describe
+
+        print("\nKV transfer between two processes, " + describe(kv))
+        checks.append(("KV block transfer over Gloo / raw send/recv bandwidth", kv["ratio"], 0.9, kv["ratio"] >= 0.9))
+        checks.append(("KV transfer ipc / Gloo speed", kv["ipc_vs_gloo"], 1.0, kv["ipc_vs_gloo"] >= 1.0))
+    print()
+    for name, value, target, passed in checks:
+        verdict = "PASS" if passed else "FAIL"
+        target_text = f"target >= {target}" if target else "reported"
+        print(f"{name}: {value:.3f} ({target_text}) {verdict if target else ''}")
+    return checks

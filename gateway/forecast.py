@@ -1,0 +1,252 @@
+"""What admitting one more request would do to time: the gateway's forecast of each
+request's first token and last token, from the work admitted before it and the step-time
+models its workers publish (WorkerStats.prefill_s_per_token, decode_step_base_s,
+decode_step_per_seq_s: fitted on each worker's own steps, calibrated at its start).
+
+    first token   the prompt tokens queued ahead of it (admitted, not yet prefilled, served
+                  before it: priority first, then earliest deadline, then arrival, the
+                  order the prefill workers' waiting queues keep), and its own, at the
+                  prefill workers' pooled rate
+    last token    its first token, then its expected output at the step time of the decode
+                  batch it joins: every admitted request, spread over the decode workers,
+                  scaled by what finished requests' steps took against their forecasts
+
+A request's expected output is its max_tokens when it ignores EOS; otherwise the smaller of
+its max_tokens and the mean output of the last OUTPUT_WINDOW requests that stopped on their
+own (DEFAULT_OUTPUT before any has).
+
+`judge` is admission's question: may this request in, and if not, why not. A request with
+a deadline must be forecast to finish within DEADLINE_SHARE of the time it has left, and
+must not push an admitted request that is on track past the same share of its own. A
+forecast is only as good as its models: every admitted request's forecast first token is
+kept to be compared with what happened (GatewayAdmission's stats).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+# The share of a request's time that its forecast last token may use: the rest absorbs
+# forecast error (steps slower than fitted, outputs longer than expected).
+DEADLINE_SHARE = 0.9
+OUTPUT_WINDOW = 256
+SCALE_WINDOW = 64
+MIN_SCALE_TOKENS = 16
+MAX_DECODE_SCALE = 3.0
+DEFAULT_OUTPUT = 128  # expected output before any request has finished on its own
+
+# Why admission refuses (baton_requests_refused's reasons, beside a worker's own).
+CONCURRENCY, QUEUE_WAIT, DEADLINE = "concurrency", "queue_wait", "deadline"
+
+
+@dataclass(slots=True)
+class Admitted:
+    """One admitted request, as the forecast sees it."""
+
+    request_id: str
+    priority: int
+    deadline: float | None  # time.monotonic() seconds; None: none
+    arrival: float
+    order: int  # arrival index: ties go to the earlier
+    num_prompt_tokens: int
+    max_tokens: int
+    expected_output: int
+    started: bool = False  # its first token came
+    num_generated: int = 0
+    forecast_ttft_s: float | None = None  # at admission, from arrival
+    forecast_step_s: float | None = None  # at admission: the step time of the batch it joins
+    first_token_at: float | None = None
+
+    @property
+    def key(self) -> tuple:
+        """The prefill queues' order: priority, then earliest deadline (none last), then arrival."""
+        return (self.priority, math.inf if self.deadline is None else self.deadline, self.order)
+
+    def remaining_tokens(self) -> int:
+        return max(1, min(self.max_tokens, max(self.expected_output, self.num_generated + 1)) - self.num_generated)
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """The workers' models, pooled. None: not known (no worker has published one yet)."""
+
+    prefill_s_per_token: float | None  # one prompt token, all prefill workers working together
+    decode_base_s: float | None  # a decode step: base + per_seq x its batch
+    decode_per_seq_s: float
+    num_decode_workers: int
+    # What the decode steps of finished requests took, over what was forecast for them
+    # (DecodeScale): the workers' line is fitted on steps whose contexts were whatever
+    # they were, and the gateway's streams take a little longer than a step.
+    decode_scale: float = 1.0
+
+    def prefill_s(self, num_tokens: int) -> float:
+        return num_tokens * (self.prefill_s_per_token or 0.0)
+
+    def step_s(self, num_requests: int) -> float:
+        """A decode step when `num_requests` are admitted, spread evenly over the decode workers."""
+        if self.decode_base_s is None:
+            return 0.0
+        batch = -(-num_requests // max(1, self.num_decode_workers))
+        return (self.decode_base_s + self.decode_per_seq_s * batch) * self.decode_scale
+
+    @property
+    def known(self) -> bool:
+        return self.prefill_s_per_token is not None and self.decode_base_s is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A refusal: why, what to tell the client, and when a retry could be admitted."""
+
+    reason: str  # CONCURRENCY, QUEUE_WAIT or DEADLINE
+    message: str
+    retry_after_s: float
+    hopeless: bool = False  # its deadline cannot be met even by an idle deployment
+
+
+class DecodeScale:
+    """The time between a finished request's tokens over the step time forecast for it
+    (unscaled): their mean over the last SCALE_WINDOW requests of MIN_SCALE_TOKENS or
+    more, within [1, MAX_DECODE_SCALE] (a forecast is corrected up, never below the
+    workers' own line, which learns on its own)."""
+
+    def __init__(self) -> None:
+        self._ratios: deque[float] = deque(maxlen=SCALE_WINDOW)
+
+    def add(self, request: Admitted, ended_at: float) -> None:
+        if request.forecast_step_s and request.first_token_at is not None and \
+                request.num_generated >= MIN_SCALE_TOKENS:
+            per_token = (ended_at - request.first_token_at) / (request.num_generated - 1)
+            self._ratios.append(per_token / request.forecast_step_s)
+
+    @property
+    def value(self) -> float:
+        if not self._ratios:
+            return 1.0
+        return min(MAX_DECODE_SCALE, max(1.0, sum(self._ratios) / len(self._ratios)))
+
+
+class OutputLengths:
+    """Mean output of the requests that recently stopped on their own."""
+
+    def __init__(self) -> None:
+        self._lengths: deque[int] = deque(maxlen=OUTPUT_WINDOW)
+        self._total = 0
+
+    def add(self, num_tokens: int) -> None:
+        if len(self._lengths) == self._lengths.maxlen:
+            self._total -= self._lengths[0]
+        self._lengths.append(num_tokens)
+        self._total += num_tokens
+
+    def expected(self, max_tokens: int, ignore_eos: bool) -> int:
+        if ignore_eos:
+            return max_tokens
+        mean = self._total / len(self._lengths) if self._lengths else DEFAULT_OUTPUT
+        return max(1, min(max_tokens, math.ceil(mean)))
+
+
+@dataclass
+class Forecast:
+    """The admitted requests, and what admitting another would do to their times."""
+
+    admitted: dict[str, Admitted] = field(default_factory=dict)
+    # Not yet started, in prefill order (their keys, and the requests by key).
+    _waiting_keys: list[tuple] = field(default_factory=list)
+    _waiting: dict[tuple, Admitted] = field(default_factory=dict)
+
+    def add(self, request: Admitted) -> None:
+        self.admitted[request.request_id] = request
+        if not request.started:
+            bisect.insort(self._waiting_keys, request.key)
+            self._waiting[request.key] = request
+
+    def started(self, request_id: str) -> None:
+        request = self.admitted.get(request_id)
+        if request is not None and not request.started:
+            request.started = True
+            self._drop_waiting(request)
+
+    def remove(self, request_id: str) -> Admitted | None:
+        request = self.admitted.pop(request_id, None)
+        if request is not None and not request.started:
+            self._drop_waiting(request)
+        return request
+
+    def _drop_waiting(self, request: Admitted) -> None:
+        index = bisect.bisect_left(self._waiting_keys, request.key)
+        if index < len(self._waiting_keys) and self._waiting_keys[index] == request.key:
+            del self._waiting_keys[index]
+        self._waiting.pop(request.key, None)
+
+    def tokens_ahead(self, key: tuple) -> int:
+        """Prompt tokens of the waiting requests served before `key`."""
+        return sum(self._waiting[k].num_prompt_tokens for k in self._waiting_keys[: bisect.bisect_left(self._waiting_keys, key)])
+
+    def ttft_s(self, request: Admitted, rates: Rates) -> float:
+        """Seconds from now to `request`'s first token, were it admitted now."""
+        return rates.prefill_s(self.tokens_ahead(request.key) + request.num_prompt_tokens)
+
+    def judge(self, request: Admitted, rates: Rates, now: float, max_queue_wait_s: float) -> Verdict | None:
+        """None if `request` may be admitted now (its forecast first token is then set), else why not."""
+        if not rates.known:
+            return None  # nothing to forecast by yet: the concurrency bound alone applies
+        own_ttft = rates.prefill_s(request.num_prompt_tokens)
+        ttft = self.ttft_s(request, rates)
+        batch = len(self.admitted) + 1
+        step_after = rates.step_s(batch)
+        if request.deadline is not None:
+            share = DEADLINE_SHARE * (request.deadline - now)
+            alone = own_ttft + request.remaining_tokens() * rates.step_s(1)
+            if alone > share:
+                return Verdict(DEADLINE, f"its deadline cannot be met: it has {request.deadline - now:.2f} s and "
+                                         f"needs {alone:.2f} s on an idle deployment", 0.0, hopeless=True)
+            finish = ttft + request.remaining_tokens() * step_after
+            if finish > share:
+                return Verdict(DEADLINE, f"its deadline cannot be met now: first token forecast in {ttft:.2f} s, "
+                                         f"last in {finish:.2f} s, deadline in {request.deadline - now:.2f} s",
+                               self._next_finish_s(rates, now))
+        if ttft > max_queue_wait_s:
+            return Verdict(QUEUE_WAIT, f"first token forecast in {ttft:.1f} s (queue wait limit "
+                                       f"{max_queue_wait_s:g} s)", ttft - max_queue_wait_s)
+        late = self._pushed_past_deadline(request, rates, now, batch)
+        if late:
+            return Verdict(DEADLINE, f"admitting it would make {late} admitted request(s) miss their deadlines",
+                           self._next_finish_s(rates, now))
+        request.forecast_ttft_s = (now - request.arrival) + ttft
+        request.forecast_step_s = step_after / rates.decode_scale  # the workers' own line, unscaled
+        return None
+
+    def _pushed_past_deadline(self, new: Admitted, rates: Rates, now: float, batch: int) -> int:
+        """How many admitted requests on track for their deadlines would not be with `new` in."""
+        step_now, step_after = rates.step_s(batch - 1), rates.step_s(batch)
+        new_prefill = rates.prefill_s(new.num_prompt_tokens)
+        late = 0
+        queued = 0  # prompt tokens of waiting requests before this one
+        for key in self._waiting_keys:  # waiting requests, in prefill order
+            request = self._waiting[key]
+            queued += request.num_prompt_tokens
+            if request.deadline is not None:
+                start = now + rates.prefill_s(queued)
+                late += self._late(request, start, start + (new_prefill if key > new.key else 0.0),
+                                   step_now, step_after)
+        for request in self.admitted.values():
+            if request.started and request.deadline is not None:
+                late += self._late(request, now, now, step_now, step_after)
+        return late
+
+    @staticmethod
+    def _late(request: Admitted, start: float, start_after: float, step_now: float, step_after: float) -> int:
+        limit = request.deadline - (1 - DEADLINE_SHARE) * (request.deadline - request.arrival)
+        remaining = request.remaining_tokens()
+        on_track = start + remaining * step_now <= limit
+        return int(on_track and start_after + remaining * step_after > limit)
+
+    def _next_finish_s(self, rates: Rates, now: float) -> float:
+        """Seconds until the first admitted request is forecast to finish: a retry hint."""
+        step = rates.step_s(len(self.admitted))
+        started = [r.remaining_tokens() * step for r in self.admitted.values() if r.started]
+        return min(started, default=rates.prefill_s(self.tokens_ahead((math.inf,))) + step)

@@ -1,0 +1,261 @@
+"""Admission by forecast (gateway/forecast.py, gateway/admission.py) on records: the
+prefill queue's order, bursts that queue, deadlines that refuse at once or protect
+the admitted, and a simulated burst whose admitted requests all meet their deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import pytest
+
+from baton.wire.records import WorkerStats
+from engine.sampling_params import SamplingParams
+from gateway.admission import GatewayAdmission, GatewayLimits, pooled_rates
+from gateway.errors import RequestError
+from gateway.forecast import DEADLINE, DEADLINE_SHARE, DEFAULT_OUTPUT, QUEUE_WAIT, Admitted, Forecast, Rates
+from gateway.workers import RoutingPolicy, WorkerPool
+
+# A prefill worker at 1 ms a prompt token; decode steps of 10 ms + 1 ms a sequence.
+RATES = Rates(prefill_s_per_token=1e-3, decode_base_s=0.01, decode_per_seq_s=1e-3, num_decode_workers=1)
+
+
+def request(name: str, tokens: int = 100, *, order: int = 0, priority: int = 0, deadline: float | None = None,
+            max_tokens: int = 10, arrival: float = 0.0) -> Admitted:
+    return Admitted(name, priority, deadline, arrival, order, tokens, max_tokens, max_tokens)
+
+
+def test_the_prefill_queue_is_priority_then_earliest_deadline_then_arrival():
+    forecast = Forecast()
+    forecast.add(request("late", 100, order=0, deadline=50.0))
+    forecast.add(request("none", 200, order=1))
+    forecast.add(request("soon", 400, order=2, deadline=10.0))
+    forecast.add(request("urgent", 800, order=3, priority=-1))
+    assert forecast.tokens_ahead(request("x", order=9, priority=-1).key) == 800
+    assert forecast.tokens_ahead(request("x", order=9, deadline=5.0).key) == 800  # before "soon"
+    assert forecast.tokens_ahead(request("x", order=9, deadline=20.0).key) == 1200  # after "soon", before "late"
+    assert forecast.tokens_ahead(request("x", order=9).key) == 1500  # no deadline: after them, after "none"
+    forecast.started("soon")  # its prompt is prefilled: no longer ahead of anyone
+    assert forecast.tokens_ahead(request("x", order=9).key) == 1100
+    forecast.remove("urgent")
+    forecast.remove("none")
+    assert forecast.tokens_ahead(request("x", order=9).key) == 100
+    assert set(forecast.admitted) == {"late", "soon"}
+
+
+def test_a_burst_queues_while_its_first_tokens_are_within_the_wait_bound():
+    forecast = Forecast()
+    admitted = 0
+    for i in range(100):  # 1,000 tokens a request at 1 ms each: 1 s of prefill apiece
+        verdict = forecast.judge(new := request(f"r{i}", 1000, order=i), RATES, 0.0, max_queue_wait_s=10.0)
+        if verdict is not None:
+            break
+        forecast.add(new)
+        admitted += 1
+    assert admitted == 10  # the 10th's first token is forecast at 10 s: the bound
+    assert verdict.reason == QUEUE_WAIT and verdict.retry_after_s == pytest.approx(1.0)
+    assert forecast.admitted["r9"].forecast_ttft_s == pytest.approx(10.0)
+
+
+def test_a_deadline_no_idle_deployment_could_meet_is_hopeless():
+    verdict = Forecast().judge(request("r", 1000, deadline=0.5), RATES, 0.0, 30.0)
+    assert verdict.reason == DEADLINE and verdict.hopeless  # 1 s of prefill alone
+
+
+def test_a_request_that_would_finish_past_its_deadline_is_refused_with_a_retry_hint():
+    forecast = Forecast()
+    for i in range(50):  # 50 running requests, 100 tokens to go each, no deadline
+        forecast.add(running := request(f"r{i}", 10, order=i, max_tokens=100))
+        forecast.started(running.request_id)
+    # Alone: 10 ms of prefill + 100 x 11 ms. Joining 50: 100 x 61 ms = 6.1 s > 0.9 x 5 s.
+    new = request("new", 10, order=99, deadline=5.0, max_tokens=100)
+    verdict = forecast.judge(new, RATES, 0.0, 30.0)
+    assert verdict.reason == DEADLINE and not verdict.hopeless
+    assert verdict.retry_after_s == pytest.approx(100 * 0.060)  # when the first running request ends (batch 50)
+    roomy = request("roomy", 10, order=100, deadline=7.0, max_tokens=100)
+    assert forecast.judge(roomy, RATES, 0.0, 30.0) is None
+
+
+def test_admission_does_not_push_an_admitted_request_past_its_deadline():
+    forecast = Forecast()
+    # On track: 100 tokens at 11 ms (batch 1) = 1.1 s, within 0.9 x 1.3 s.
+    forecast.add(tight := request("tight", 10, deadline=1.3, max_tokens=100))
+    forecast.started(tight.request_id)
+    # A second request makes every step 12 ms: 1.2 s > 1.17 s. Refused, though it has no deadline.
+    verdict = forecast.judge(request("other", 10, order=1, max_tokens=100), RATES, 0.0, 30.0)
+    assert verdict is not None and verdict.reason == DEADLINE and "1 admitted" in verdict.message
+    # A request already forecast to miss is not protected: it would block everyone.
+    forecast.remove("tight")
+    forecast.add(doomed := request("doomed", 10, deadline=1.0, max_tokens=100))
+    forecast.started(doomed.request_id)
+    assert forecast.judge(request("other", 10, order=2, max_tokens=100), RATES, 0.0, 30.0) is None
+
+
+def test_a_request_that_jumps_the_prefill_queue_delays_those_behind_it():
+    forecast = Forecast()
+    # Waiting for its prefill: 500 tokens, its first token at 0.5 s, then 10 at 11 ms: 0.61 s.
+    forecast.add(request("waiting", 500, deadline=0.75, max_tokens=10))
+    # A 300-token prompt with an earlier deadline goes first: "waiting" starts at 0.8 s. Refused.
+    verdict = forecast.judge(request("first", 300, order=1, deadline=0.7, max_tokens=1), RATES, 0.0, 30.0)
+    assert verdict is not None and "1 admitted" in verdict.message
+    # Queued behind it instead (no deadline), it delays nobody.
+    assert forecast.judge(request("behind", 300, order=2, max_tokens=1), RATES, 0.0, 30.0) is None
+
+
+def test_without_the_workers_models_only_the_concurrency_bound_applies():
+    unknown = Rates(None, None, 0.0, 0)
+    assert Forecast().judge(request("r", 10**9, deadline=0.001), unknown, 0.0, 1.0) is None
+
+
+# ----------------------------------------------------------------- the gateway's admission
+@pytest.fixture(autouse=True)
+def thread_event_loop():
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+def _pool(prefill_s_per_token: list[float], decode: list[tuple[float, float]], max_num_seqs: int = 256) -> WorkerPool:
+    pool = WorkerPool([f"127.0.0.1:{1 + i}" for i in range(len(prefill_s_per_token))],
+                      [f"127.0.0.1:{100 + i}" for i in range(len(decode))], RoutingPolicy(0, 0))
+    for worker, rate in zip(pool.prefill, prefill_s_per_token):
+        worker.stats = WorkerStats(worker_id="p", role="prefill", serving=True, max_num_seqs=max_num_seqs,
+                                   prefill_s_per_token=rate)
+        worker.set_up(True)
+    for worker, (base, per_seq) in zip(pool.decode, decode):
+        worker.stats = WorkerStats(worker_id="d", role="decode", serving=True, max_num_seqs=max_num_seqs,
+                                   decode_step_base_s=base, decode_step_per_seq_s=per_seq, prefill_s_per_token=0.5)
+        worker.set_up(True)
+    return pool
+
+
+def test_the_workers_models_pool():
+    rates = pooled_rates(*(lambda p: (p.prefill, p.decode))(_pool([1e-3, 1e-3], [(0.01, 1e-3), (0.03, 3e-3)])))
+    assert rates.prefill_s_per_token == pytest.approx(5e-4)  # two prefill workers: twice the rate
+    assert (rates.decode_base_s, rates.decode_per_seq_s, rates.num_decode_workers) == \
+        pytest.approx((0.02, 2e-3, 2))
+    assert rates.step_s(3) == pytest.approx(0.02 + 2e-3 * 2)  # 3 requests over 2 workers: batches of 2
+    colocated = pooled_rates([], _pool([], [(0.01, 1e-3)]).decode)
+    assert colocated.prefill_s_per_token == 0.5  # the decode workers prefill
+    pool = _pool([1e-3], [(0.01, 1e-3)])
+    pool.prefill[0].set_up(False)  # a prefill worker down: the decode workers prefill
+    assert pooled_rates(pool.prefill, pool.decode).prefill_s_per_token == 0.5
+
+
+def test_the_gateway_refuses_by_forecast_and_counts_why():
+    admission = GatewayAdmission(_pool([1e-3], [(0.01, 1e-3)], max_num_seqs=3),
+                                 GatewayLimits(max_queue_wait_s=2.5))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    for name in ("a", "b"):
+        admission.admit(name)
+        assert admission.queue_tokens(name, 1000, params) == pytest.approx(1.0 if name == "a" else 2.0, abs=0.05)
+    admission.admit("c")
+    with pytest.raises(RequestError) as refused:
+        admission.queue_tokens("c", 1000, params)  # its first token at 3 s
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refused.value.reason == QUEUE_WAIT
+    assert refused.value.error_details.retry_after_s == pytest.approx(0.5, abs=0.05)
+    assert "c" not in admission.queue and admission.queue.num_refused == 1
+    with pytest.raises(RequestError) as refused:  # a deadline not even an idle deployment meets
+        admission.admit("d")
+        admission.queue_tokens("d", 1000, params, deadline=0.5)
+    assert refused.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    admission.admit("e")
+    admission.queue_tokens("e", 10, params)
+    with pytest.raises(RequestError) as refused:
+        admission.admit("f")  # three in flight: the decode worker's max_num_seqs
+    assert refused.value.reason == "concurrency"
+    assert dict(admission.stats.refused) == {QUEUE_WAIT: 1, DEADLINE: 1, "concurrency": 1}
+    admission.started("a")
+    admission.generated("a", 10)
+    admission.release("a", "stop")
+    assert admission.outputs.expected(1000, ignore_eos=False) == 10  # learned from "a"
+    assert admission.outputs.expected(1000, ignore_eos=True) == 1000
+    assert len(admission.stats.ttft_pairs) == 1
+    admission.release("b", "deadline")
+    assert admission.stats.num_deadline_misses == 1
+    assert admission.forecast_wait_s() == pytest.approx(0.01)  # e's 10 tokens
+
+
+def test_expected_output_before_any_request_stopped():
+    assert GatewayAdmission(_pool([], [])).outputs.expected(10**6, ignore_eos=False) == DEFAULT_OUTPUT
+
+
+# ----------------------------------------------------------------- a simulated burst
+def simulate_burst(num_requests: int, deadline_s: float, rates: Rates, prompt: int, output: int,
+                   max_num_seqs: int) -> tuple[int, int, float]:
+    """Every request arrives at 0 with the same deadline: admitted, completed in time, and the
+    latest finish. One prefill worker (prompts one after another at the fitted rate) and one
+    decode worker whose steps take exactly the fitted time; nobody retries."""
+    forecast, admitted = Forecast(), []
+    for i in range(num_requests):
+        if len(admitted) >= max_num_seqs:
+            break
+        new = Admitted(f"r{i}", 0, deadline_s, 0.0, i, prompt, output, output)
+        if forecast.judge(new, rates, 0.0, 30.0) is None:
+            forecast.add(new)
+            admitted.append(new)
+    # Prefill in admission order (one deadline: arrival order), then every step decodes all started.
+    ready = [rates.prefill_s(prompt * (i + 1)) for i in range(len(admitted))]
+    now, left, finishes = 0.0, {i: output - 1 for i in range(len(admitted))}, []
+    while left:
+        running = [i for i in left if ready[i] <= now]
+        if not running:
+            now = min(ready[i] for i in left)
+            continue
+        now += rates.step_s(len(running))
+        for i in running:
+            left[i] -= 1
+            if left[i] <= 0:
+                del left[i]
+                finishes.append(now)
+    return len(admitted), sum(f <= deadline_s for f in finishes), max(finishes)
+
+
+def test_a_burst_with_deadlines_admits_what_can_finish_and_it_all_does():
+    """The issue's burst: 1,500 requests at once, 64-token prompts, 400 tokens each, 30 s."""
+    rates = Rates(prefill_s_per_token=2e-4, decode_base_s=0.02, decode_per_seq_s=8e-4, num_decode_workers=1)
+    admitted, in_time, last = simulate_burst(1500, 30.0, rates, 64, 400, max_num_seqs=256)
+    assert 0 < admitted < 1500
+    assert in_time == admitted and last <= 30.0  # every admitted request meets the deadline
+    # ...and admission took about as many as could: one more would have finished past 0.9 x 30 s.
+    best = max(b for b in range(1, 257) if 400 * rates.step_s(b) + rates.prefill_s(64 * b) <= DEADLINE_SHARE * 30)
+    assert admitted >= best - 1
+    assert math.isclose(admitted, best, abs_tol=1)
+
+
+def test_a_worker_may_take_a_full_prefill_step_before_it_counts_as_stalled():
+    """A burst's first steps fill the token budget with prefill: by the worker's own model
+    that may take seconds, however short its recent steps were."""
+    worker = _pool([], [(0.01, 1e-3)]).decode[0]
+    worker.stats = WorkerStats(worker_id="d", role="decode", serving=True, max_num_batched_tokens=2048,
+                               prefill_s_per_token=3e-3)
+    assert worker.stall_timeout_s == pytest.approx(3 * 2048 * 3e-3)
+    worker.stats = WorkerStats(worker_id="d", role="decode", serving=True, max_num_batched_tokens=2048)
+    assert worker.stall_timeout_s == worker.min_stall_timeout_s  # no model: the minimum
+
+
+def test_finished_requests_correct_the_decode_forecast_upward_only():
+    admission = GatewayAdmission(_pool([1e-3], [(0.01, 1e-3)]))
+    params = SamplingParams(max_tokens=101, ignore_eos=True)
+    clock = [0.0]
+    admission._clock = lambda: clock[0]
+    for name, slower in (("a", 1.3), ("b", 1.1), ("short", 5.0)):
+        admission.admit(name)
+        admission.queue_tokens(name, 10, params)
+        step = admission.forecast.admitted[name].forecast_step_s
+        assert step == pytest.approx(0.011)  # the workers' line at batch 1, unscaled
+        admission.started(name)
+        tokens = 10 if name == "short" else 101  # too few tokens to judge a step by
+        admission.generated(name, tokens)
+        clock[0] += slower * step * (tokens - 1)
+        admission.release(name, "length")
+    assert admission.decode_scale.value == pytest.approx(1.2)
+    clock[0] += 1.0  # past a poll: the rates are derived again
+    assert admission.rates.decode_scale == pytest.approx(1.2)
+    assert admission.rates.step_s(1) == pytest.approx(1.2 * 0.011)
+    admission.decode_scale._ratios.clear()
+    admission.decode_scale._ratios.append(0.5)  # faster than forecast: the workers' line learns that itself
+    assert admission.decode_scale.value == 1.0
