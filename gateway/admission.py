@@ -135,6 +135,9 @@ class GatewayAdmission:
         self._orders = itertools.count()
         self._derived_at = float("-inf")
         self._rates = Rates(None, None, 0.0, 0)
+        # The integral of len(forecast.admitted) over time, to when it was last advanced.
+        self._admitted_area = 0.0
+        self._area_at = clock()
 
     @property
     def limits(self) -> AdmissionLimits:
@@ -154,6 +157,13 @@ class GatewayAdmission:
             self._rates = replace(pooled_rates(self.pool.prefill, self.pool.decode),
                                   decode_scale=self.decode_scale.value)
             self._derived_at = now
+
+    def _advance(self) -> float:
+        """The integral of requests admitted over time, brought to now (call before the count changes)."""
+        now = self._clock()
+        self._admitted_area += len(self.forecast.admitted) * (now - self._area_at)
+        self._area_at = now
+        return self._admitted_area
 
     def admit(self, request_id: str) -> None:
         """Take a request on before tokenizing it; RequestError RESOURCE_EXHAUSTED if as
@@ -184,6 +194,7 @@ class GatewayAdmission:
             self.queue.withdraw(request_id)
             self.stats.refused[verdict.reason] += 1
             raise _refused(verdict)
+        self._advance()
         self.forecast.add(request)
         self.stats.num_admitted += 1
         return request.forecast_ttft_s
@@ -194,26 +205,32 @@ class GatewayAdmission:
         request = self.forecast.admitted.get(request_id)
         if request is not None and not request.started:
             self.forecast.started(request_id)
-            request.first_token_at = self._clock()
             if request.forecast_ttft_s is not None:
-                self.stats.ttft_pairs.append((request.forecast_ttft_s, request.first_token_at - request.arrival))
+                self.stats.ttft_pairs.append((request.forecast_ttft_s, self._clock() - request.arrival))
 
     def generated(self, request_id: str, num_tokens: int) -> None:
+        """`num_tokens` more came (the first event: the prefill's first token)."""
         request = self.forecast.admitted.get(request_id)
-        if request is not None:
-            request.num_generated += num_tokens
+        if request is None:
+            return
+        if request.num_generated and request.decode_start_at is None:  # its first decode step's
+            request.decode_start_at = self._clock()
+            request.admitted_area_at_decode_start = self._advance()
+            request.decode_start_tokens = request.num_generated + num_tokens
+        request.num_generated += num_tokens
 
     def release(self, request_id: str, outcome: str | None = None) -> None:
         """It ended, however; `outcome`: its finish reason, or "deadline" when its deadline
         passed first (a forecast that failed it)."""
         self.queue.release(request_id)
-        request = self.forecast.remove(request_id)
-        if request is None:
+        if request_id not in self.forecast.admitted:
             return
+        area = self._advance()
+        request = self.forecast.remove(request_id)
         if outcome == "stop":
             self.outputs.add(request.num_generated)
         if outcome in ("stop", "length"):
-            self.decode_scale.add(request, self._clock())
+            self.decode_scale.add(request, self._clock(), area, self.rates)
         if outcome == DEADLINE:
             self.stats.num_deadline_misses += 1
         elif request.deadline is not None and outcome in ("stop", "length"):
@@ -232,6 +249,8 @@ class GatewayAdmission:
             num_deadline_misses=self.stats.num_deadline_misses, num_met_deadlines=self.stats.num_met_deadlines,
             forecast_known=wait is not None, forecast_queue_wait_s=wait or 0.0,
             mean_forecast_ttft_s=forecast or 0.0, mean_observed_ttft_s=observed or 0.0,
+            decode_scale=self.decode_scale.value, decode_step_base_s=self.rates.decode_base_s or 0.0,
+            decode_step_per_seq_s=self.rates.decode_per_seq_s,
         )
 
     def forecast_wait_s(self) -> float | None:

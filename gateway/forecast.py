@@ -30,8 +30,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # The share of a request's time that its forecast last token may use: the rest absorbs
-# forecast error (steps slower than fitted, outputs longer than expected).
-DEADLINE_SHARE = 0.9
+# forecast error (steps slower than fitted, outputs longer than expected). At 0.9, a
+# burst of 400-token requests on SmolLM2 (2 shared CPU cores, benchmarks/overload.py)
+# had every admitted request miss by up to 12%: its forecast was that far off.
+DEADLINE_SHARE = 0.8
 OUTPUT_WINDOW = 256
 SCALE_WINDOW = 64
 MIN_SCALE_TOKENS = 16
@@ -57,8 +59,12 @@ class Admitted:
     started: bool = False  # its first token came
     num_generated: int = 0
     forecast_ttft_s: float | None = None  # at admission, from arrival
-    forecast_step_s: float | None = None  # at admission: the step time of the batch it joins
-    first_token_at: float | None = None
+    # Its first decode step's tokens (the first after the prefill's, past the handoff):
+    # when they came, how many it had then, and GatewayAdmission's integral of requests
+    # admitted over time then.
+    decode_start_at: float | None = None
+    decode_start_tokens: int = 0
+    admitted_area_at_decode_start: float = 0.0
 
     @property
     def key(self) -> tuple:
@@ -92,6 +98,12 @@ class Rates:
         batch = -(-num_requests // max(1, self.num_decode_workers))
         return (self.decode_base_s + self.decode_per_seq_s * batch) * self.decode_scale
 
+    def line_s(self, mean_requests: float) -> float:
+        """The workers' own line (unscaled) at a mean of `mean_requests` admitted."""
+        if self.decode_base_s is None:
+            return 0.0
+        return self.decode_base_s + self.decode_per_seq_s * mean_requests / max(1, self.num_decode_workers)
+
     @property
     def known(self) -> bool:
         return self.prefill_s_per_token is not None and self.decode_base_s is not None
@@ -108,19 +120,27 @@ class Verdict:
 
 
 class DecodeScale:
-    """The time between a finished request's tokens over the step time forecast for it
-    (unscaled): their mean over the last SCALE_WINDOW requests of MIN_SCALE_TOKENS or
-    more, within [1, MAX_DECODE_SCALE] (a forecast is corrected up, never below the
-    workers' own line, which learns on its own)."""
+    """The time between a finished request's decoded tokens (from its first decode step
+    on: the handoff before it is not a step) over the workers' line at the mean number of
+    requests admitted while it decoded (not the batch it joined: others came and went):
+    their mean over the last SCALE_WINDOW requests of MIN_SCALE_TOKENS or more, within
+    [1, MAX_DECODE_SCALE] (a forecast is corrected up, never below the workers' own
+    line, which learns on its own)."""
 
     def __init__(self) -> None:
         self._ratios: deque[float] = deque(maxlen=SCALE_WINDOW)
 
-    def add(self, request: Admitted, ended_at: float) -> None:
-        if request.forecast_step_s and request.first_token_at is not None and \
-                request.num_generated >= MIN_SCALE_TOKENS:
-            per_token = (ended_at - request.first_token_at) / (request.num_generated - 1)
-            self._ratios.append(per_token / request.forecast_step_s)
+    def add(self, request: Admitted, ended_at: float, admitted_area: float, rates: Rates) -> None:
+        """`admitted_area`: the integral of requests admitted over time, now."""
+        decoded = request.num_generated - request.decode_start_tokens
+        if request.decode_start_at is None or decoded < MIN_SCALE_TOKENS or not rates.known:
+            return
+        seconds = ended_at - request.decode_start_at
+        if seconds <= 0:
+            return
+        expected = rates.line_s((admitted_area - request.admitted_area_at_decode_start) / seconds)
+        if expected > 0:
+            self._ratios.append(seconds / decoded / expected)
 
     @property
     def value(self) -> float:
@@ -217,7 +237,6 @@ class Forecast:
             return Verdict(DEADLINE, f"admitting it would make {late} admitted request(s) miss their deadlines",
                            self._next_finish_s(rates, now))
         request.forecast_ttft_s = (now - request.arrival) + ttft
-        request.forecast_step_s = step_after / rates.decode_scale  # the workers' own line, unscaled
         return None
 
     def _pushed_past_deadline(self, new: Admitted, rates: Rates, now: float, batch: int) -> int:

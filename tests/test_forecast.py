@@ -68,21 +68,21 @@ def test_a_request_that_would_finish_past_its_deadline_is_refused_with_a_retry_h
     for i in range(50):  # 50 running requests, 100 tokens to go each, no deadline
         forecast.add(running := request(f"r{i}", 10, order=i, max_tokens=100))
         forecast.started(running.request_id)
-    # Alone: 10 ms of prefill + 100 x 11 ms. Joining 50: 100 x 61 ms = 6.1 s > 0.9 x 5 s.
+    # Alone: 10 ms of prefill + 100 x 11 ms. Joining 50: 100 x 61 ms = 6.1 s > 0.8 x 5 s.
     new = request("new", 10, order=99, deadline=5.0, max_tokens=100)
     verdict = forecast.judge(new, RATES, 0.0, 30.0)
     assert verdict.reason == DEADLINE and not verdict.hopeless
     assert verdict.retry_after_s == pytest.approx(100 * 0.060)  # when the first running request ends (batch 50)
-    roomy = request("roomy", 10, order=100, deadline=7.0, max_tokens=100)
+    roomy = request("roomy", 10, order=100, deadline=8.0, max_tokens=100)
     assert forecast.judge(roomy, RATES, 0.0, 30.0) is None
 
 
 def test_admission_does_not_push_an_admitted_request_past_its_deadline():
     forecast = Forecast()
-    # On track: 100 tokens at 11 ms (batch 1) = 1.1 s, within 0.9 x 1.3 s.
-    forecast.add(tight := request("tight", 10, deadline=1.3, max_tokens=100))
+    # On track: 100 tokens at 11 ms (batch 1) = 1.1 s, within 0.8 x 1.45 s.
+    forecast.add(tight := request("tight", 10, deadline=1.45, max_tokens=100))
     forecast.started(tight.request_id)
-    # A second request makes every step 12 ms: 1.2 s > 1.17 s. Refused, though it has no deadline.
+    # A second request makes every step 12 ms: 1.2 s > 1.16 s. Refused, though it has no deadline.
     verdict = forecast.judge(request("other", 10, order=1, max_tokens=100), RATES, 0.0, 30.0)
     assert verdict is not None and verdict.reason == DEADLINE and "1 admitted" in verdict.message
     # A request already forecast to miss is not protected: it would block everyone.
@@ -95,7 +95,7 @@ def test_admission_does_not_push_an_admitted_request_past_its_deadline():
 def test_a_request_that_jumps_the_prefill_queue_delays_those_behind_it():
     forecast = Forecast()
     # Waiting for its prefill: 500 tokens, its first token at 0.5 s, then 10 at 11 ms: 0.61 s.
-    forecast.add(request("waiting", 500, deadline=0.75, max_tokens=10))
+    forecast.add(request("waiting", 500, deadline=0.8, max_tokens=10))
     # A 300-token prompt with an earlier deadline goes first: "waiting" starts at 0.8 s. Refused.
     verdict = forecast.judge(request("first", 300, order=1, deadline=0.7, max_tokens=1), RATES, 0.0, 30.0)
     assert verdict is not None and "1 admitted" in verdict.message
@@ -238,24 +238,35 @@ def test_a_worker_may_take_a_full_prefill_step_before_it_counts_as_stalled():
 
 
 def test_finished_requests_correct_the_decode_forecast_upward_only():
-    admission = GatewayAdmission(_pool([1e-3], [(0.01, 1e-3)]))
-    params = SamplingParams(max_tokens=101, ignore_eos=True)
+    """Each finished request's time per decoded token (after its first decode step: the
+    handoff before it is no step), over the workers' line at the mean number of requests
+    admitted while it decoded: alone, 1.2x the line at 1; beside another the whole time,
+    1.0x the line at 2 (not at the batch it joined, 1)."""
     clock = [0.0]
-    admission._clock = lambda: clock[0]
-    for name, slower in (("a", 1.3), ("b", 1.1), ("short", 5.0)):
-        admission.admit(name)
-        admission.queue_tokens(name, 10, params)
-        step = admission.forecast.admitted[name].forecast_step_s
-        assert step == pytest.approx(0.011)  # the workers' line at batch 1, unscaled
-        admission.started(name)
-        tokens = 10 if name == "short" else 101  # too few tokens to judge a step by
-        admission.generated(name, tokens)
-        clock[0] += slower * step * (tokens - 1)
-        admission.release(name, "length")
-    assert admission.decode_scale.value == pytest.approx(1.2)
+    admission = GatewayAdmission(_pool([1e-3], [(0.01, 1e-3)]), clock=lambda: clock[0])
+    params = SamplingParams(max_tokens=101, ignore_eos=True)
+
+    def run(names: list[str], seconds: float, tokens: int = 101) -> None:
+        for name in names:
+            admission.admit(name)
+            admission.queue_tokens(name, 10, params)
+            admission.started(name)
+            admission.generated(name, 1)  # the prefill's token
+        clock[0] += 7.0  # the handoff: not a decode step
+        for name in names:
+            admission.generated(name, 1)  # the first decode step's token
+        clock[0] += seconds
+        for name in names:
+            admission.generated(name, tokens - 1)
+            admission.release(name, "length")
+
+    run(["alone"], 1.2 * 0.011 * 100)
+    run(["x", "y"], 1.0 * 0.012 * 100)
+    run(["short"], 5.0, tokens=10)  # too few tokens to judge a step by
+    assert sorted(admission.decode_scale._ratios) == pytest.approx([1.0, 1.0, 1.2])
+    assert admission.decode_scale.value == pytest.approx(3.2 / 3)
     clock[0] += 1.0  # past a poll: the rates are derived again
-    assert admission.rates.decode_scale == pytest.approx(1.2)
-    assert admission.rates.step_s(1) == pytest.approx(1.2 * 0.011)
+    assert admission.rates.step_s(1) == pytest.approx(3.2 / 3 * 0.011)
     admission.decode_scale._ratios.clear()
     admission.decode_scale._ratios.append(0.5)  # faster than forecast: the workers' line learns that itself
     assert admission.decode_scale.value == 1.0

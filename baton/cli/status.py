@@ -223,6 +223,9 @@ def _render_admission(admission: AdmissionStatus) -> list[str]:
             line += (f"; recent first tokens {admission.mean_forecast_ttft_s:.2f} s forecast, "
                      f"{admission.mean_observed_ttft_s:.2f} s observed (mean)")
         lines.append(line)
+        lines.append(f"  decode      {admission.decode_step_base_s * 1e3:.1f} ms + "
+                     f"{admission.decode_step_per_seq_s * 1e3:.2f} ms a sequence a step, "
+                     f"x{admission.decode_scale:.2f} as finished requests ran")
     return lines
 
 

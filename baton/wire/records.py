@@ -348,6 +348,9 @@ class AdmissionStatus:
     forecast_queue_wait_s: float  # a new request's first token, were it admitted now
     mean_forecast_ttft_s: float
     mean_observed_ttft_s: float
+    decode_scale: float = 1.0  # finished requests' decode steps over the workers' line
+    decode_step_base_s: float = 0.0  # the pooled line a forecast uses now
+    decode_step_per_seq_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
