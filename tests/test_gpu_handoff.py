@@ -262,4 +262,5 @@ def test_baton_up_disaggregated_on_one_gpu_hands_kv_over_ipc(tmp_path):
     status = baton_up_streams_text(tmp_path, ["--device", "cuda", "--model", "dummy:llama-3.1-8b",
                                               "--gpu-memory-utilization", "0.85", "--max-model-len", "4096"],
                                    colocated=False)
-    assert re.search(r"KV ipc +[1-9][0-9]* transfers, 0 failed", status) and "refused" not in status, status
+    assert re.search(r"KV ipc +[1-9][0-9]* transfers, 0 failed", status), status
+    assert "KV channel refused" not in status and re.search(r"refused +none", status), status
