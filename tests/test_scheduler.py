@@ -134,6 +134,15 @@ def test_a_requeued_request_keeps_its_deadline_place():
     assert [waiting.pop().request_id for _ in range(len(waiting))] == ["c", "b", "d"]
 
 
+def first_victim(s) -> str:
+    """Step until a step preempts a request; its id."""
+    for _ in range(40):
+        out, _ = fake_step(s)
+        if out.preempted:
+            return out.preempted[0][0].request_id
+    raise AssertionError("nothing was preempted in 40 steps")
+
+
 @pytest.mark.parametrize(("deadlines", "victim"), [
     ({"a": None, "b": 100.0, "c": 50.0}, "a"),  # no deadline first, though admitted first
     ({"a": 100.0, "b": 50.0, "c": 10.0}, "a"),  # then the latest deadline
@@ -146,13 +155,7 @@ def test_preemption_within_a_priority_prefers_no_deadline_then_the_latest(deadli
         s.add_request(make_request(request_id, num_tokens, max_tokens=10, deadline=deadlines[request_id]))
     fake_step(s)
     assert {r.request_id for r in s.running} == {"a", "b", "c"}
-    victims = []
-    for _ in range(40):
-        out, _ = fake_step(s)
-        victims += [r.request_id for r, _ in out.preempted]
-        if victims:
-            break
-    assert victims[0] == victim
+    assert first_victim(s) == victim
     run_to_completion(s)
     assert s.kv.num_free_blocks == 7
 
@@ -166,13 +169,7 @@ def test_preemption_picks_lowest_priority_latest_admitted():
     s.add_request(make_request("c", 3, priority=1, max_tokens=10))
     fake_step(s)  # a and b admitted (2 blocks each), c too (1 block)
     assert {r.request_id for r in s.running} == {"a", "b", "c"}
-    victims = []
-    for _ in range(40):
-        out, _ = fake_step(s)
-        victims += [r.request_id for r, _ in out.preempted]
-        if victims:
-            break
-    assert victims[0] == "c"  # priority 1, admitted after b
+    assert first_victim(s) == "c"  # priority 1, admitted after b
     assert s.requests["c"].status == RequestStatus.WAITING
     assert s.requests["c"].num_computed_tokens == 0
     run_to_completion(s)
