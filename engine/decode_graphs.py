@@ -29,7 +29,8 @@ context rounded up to a power of 2 (`choose_static_num_splits`), not for
 max_model_len, so a graph is keyed by (padded size, splits) (`GraphKey`): a size
 has one graph per count it can get up to max_model_len. That is one graph where
 its (sequence, KV head) programs fill the SMs; for the smallest sizes a few (1
-split under 1024 keys of context, then a new count per doubling until the cap).
+split under MIN_SPLIT_SEQ_LEN (128) keys of context, then a new count per doubling until
+the cap).
 Each graph's metadata is built for the longest context of its count (`context_bounds`).
 
 Steps with prefill chunks, and batches past the largest size, run eagerly. On CPU

@@ -35,7 +35,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     use_triton_interpreter()
 
-from engine.kernels.triton_attention import choose_num_splits  # noqa: E402
+from engine.kernels.triton_attention import MIN_SPLIT_SEQ_LEN, choose_num_splits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TEST_KV_BYTES = 1 << 30
@@ -182,7 +182,7 @@ def split_backend(num_sms: int = 132):
 
 def test_graphs_at_llama_8b_shapes_follow_the_longest_context():
     """Llama-3.1-8B (8 KV heads) on 132 SMs, 256 sequences, 128k context: a size whose
-    programs fill the SMs has one graph, the smallest a few (at most 5), one per split count
+    programs fill the SMs has one graph, the smallest a few (at most 6), one per split count
     a step's longest context can give; each graph's metadata splits as its key says and is
     built for the longest context that key serves."""
     max_model_len, block_size, num_kv_heads = 131072, 16, 8
@@ -192,21 +192,21 @@ def test_graphs_at_llama_8b_shapes_follow_the_longest_context():
                           max_model_len=max_model_len, num_heads=32, device=torch.device(DEVICE))
     keys = static.max_seq_lens
     splits = {size: [key.num_splits for key in keys if key.size == size] for size in static.batch_sizes}
-    assert splits[1] == [1, 4, 8, 16, 32] and splits[2] == [1, 4, 8, 16, 17] and splits[16] == [1, 3]
+    assert splits[1] == [1, 2, 4, 8, 16, 32] and splits[2] == [1, 2, 4, 8, 16, 17] and splits[16] == [1, 2, 3]
     assert all(splits[size] == [1] for size in static.batch_sizes if size * num_kv_heads >= 132)
-    assert max(map(len, splits.values())) == 5 and len(keys) == 49  # one per size (35) before
+    assert max(map(len, splits.values())) == 6 and len(keys) == 54  # one per size (35) before
     for key, max_seq_len in keys.items():
         assert static._views(key)[1].num_splits == key.num_splits
         assert static.graph_key(key.size, max_seq_len) == key
         if max_seq_len < max_model_len:  # the longest context of its count
             assert static.graph_key(key.size, max_seq_len + 1) != key
-    for seq_len in (1, 500, 1023, 1024, 1025, 3000, 4096, 4097, 100_000, max_model_len):
-        bucket = seq_len if seq_len < 1024 else 1 << (seq_len - 1).bit_length()
+    for seq_len in (1, 100, 127, 128, 129, 500, 1023, 1024, 1025, 3000, 4096, 4097, 100_000, max_model_len):
+        bucket = seq_len if seq_len < MIN_SPLIT_SEQ_LEN else 1 << (seq_len - 1).bit_length()
         key = static.graph_key(1, seq_len)
         assert key.num_splits == choose_num_splits(1, num_kv_heads, bucket, 132)
         assert choose_num_splits(1, num_kv_heads, seq_len, 132) <= key.num_splits
         assert keys[key] >= seq_len  # a graph's bound holds every context it serves
-    assert static.graph_key(1, 1023).num_splits == 1 and static.graph_key(1, 1024).num_splits == 4
+    assert static.graph_key(1, 127).num_splits == 1 and static.graph_key(1, 128).num_splits == 2
     # What sizing the KV cache keeps for these graphs besides their pool (engine/memory.py):
     # the input buffers this object holds, and one bfloat16 [size, 4096] output per graph.
     inputs = sum(t.numel() * t.element_size() for t in (static.buffer, static.query_start))
@@ -218,17 +218,18 @@ def test_graphs_at_llama_8b_shapes_follow_the_longest_context():
 
 
 def test_a_static_step_splits_for_its_own_context(tmp_path):
-    """One sequence decoding across 1024 keys of context, on a backend faking 132 SMs: its
-    steps run 1 split under 1024 keys, then more (the count for the context rounded up to a
-    power of 2, never more), and the tokens stay transformers' greedy ones. The prompt is
-    prefilled by an engine on the cpu backend and handed over (the interpreter would take
-    minutes over 1022 tokens); the decode steps, the subject, run the Triton kernels."""
+    """One sequence decoding across 128 keys of context (MIN_SPLIT_SEQ_LEN), on a backend
+    faking 132 SMs: its steps run 1 split under 128 keys, then more (the count for the
+    context rounded up to a power of 2, never more), and the tokens stay transformers' greedy
+    ones. The prompt is prefilled by an engine on the cpu backend and handed over; the decode
+    steps, the subject, run the Triton kernels."""
     arch, heads, kv_heads, head_dim, tied, extra = TINY_CONFIGS["llama3-rope-gqa-hd16"]
     hf_model, model_dir = make_tiny_model(tmp_path, arch, heads, kv_heads, head_dim, tied, dtype=torch.float32,
                                           **extra)
     hf_model.config.max_position_embeddings = 2048  # room for contexts that split
     hf_model.save_pretrained(model_dir)
-    prompt = torch.randint(3, hf_model.config.vocab_size, (1022,), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(3, hf_model.config.vocab_size, (MIN_SPLIT_SEQ_LEN - 2,),
+                           generator=torch.Generator().manual_seed(0))
     prompt = prompt.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with torch.device(DEVICE):
@@ -256,8 +257,8 @@ def test_a_static_step_splits_for_its_own_context(tmp_path):
     static.prepare = recording_prepare
     outputs = handoff(prefill_engine, engine, {"r": prompt}, params)
     assert outputs["r"] == expected
-    assert [seq_len for seq_len, _ in steps] == [1023, 1024, 1025]
+    assert [seq_len for seq_len, _ in steps] == [127, 128, 129]
     for seq_len, key in steps:
         bucket = 1 << (seq_len - 1).bit_length()
         assert key.size == 1 and key.num_splits <= choose_num_splits(1, kv_heads, bucket, 132)
-    assert [key.num_splits for _, key in steps] == [1, 4, 8]  # under 1024 keys; 1024; 2048 rounded up
+    assert [key.num_splits for _, key in steps] == [1, 2, 4]  # under 128 keys; 128; 256 rounded up

@@ -210,9 +210,10 @@ def test_split_kv_is_for_decode_only_batches():
 
 def test_choose_num_splits():
     assert choose_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 1  # GPU full
-    assert choose_num_splits(num_seqs=2, num_kv_heads=8, max_seq_len=512, num_sms=132) == 1  # short contexts
+    assert choose_num_splits(num_seqs=2, num_kv_heads=8, max_seq_len=100, num_sms=132) == 1  # short contexts
+    assert choose_num_splits(num_seqs=2, num_kv_heads=8, max_seq_len=512, num_sms=132) == 8  # >= 64 keys each
     assert choose_num_splits(num_seqs=2, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 17  # 2 programs/SM
-    assert choose_num_splits(num_seqs=1, num_kv_heads=1, max_seq_len=1024, num_sms=132) == 4  # >= 256 keys each
+    assert choose_num_splits(num_seqs=1, num_kv_heads=1, max_seq_len=256, num_sms=132) == 4  # >= 64 keys each
     assert choose_num_splits(num_seqs=1, num_kv_heads=1, max_seq_len=1 << 20, num_sms=132) == 32  # the cap
 
 
