@@ -56,7 +56,7 @@ def deploy(args, log_dir: Path) -> Deployment:
         worker_args=["--max-model-len", "1024", "--transfer-timeout-s", "3", "--lease-s", "5", "--grace-s", "1"],
         # Admission wide open: overload is benchmarks/overload.py's subject.
         gateway_args=["--max-prefill-queue-tokens", "0", "--stall-timeout-s", "1",
-                      "--max-queued-tokens", "1000000", "--max-concurrent-requests", "1000"],
+                      "--max-queue-wait-s", "3600", "--max-concurrent-requests", "1000"],
         env={"OTEL_SDK_DISABLED": "true"}, timeout_s=600,
     )
 

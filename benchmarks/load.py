@@ -158,18 +158,21 @@ class Client:
     async def until_served(self, request: BenchRequest, base: float, deadline_s: float,
                            answered: Callable[[bool], None] = lambda first: None) -> Outcome:
         """Retry after each RESOURCE_EXHAUSTED's hint (doubling backoff, jitter) until
-        `deadline_s` from the first attempt, each attempt's gRPC deadline what is left;
+        `deadline_s` from the first attempt (a retry the backoff would put past it is not
+        sent: it could only time out), each attempt's gRPC deadline what is left;
         `answered(first)` as each attempt has its answer: its refusal or its first token."""
         start = time.perf_counter()
         sent = start - base
         refusals: list[float] = []
+        backoff = 0.0
         while True:
             left = deadline_s - (time.perf_counter() - start)
-            if left <= 0:
+            if left <= backoff:  # out of time, or the hint runs past it: no call that could only time out
                 return Outcome("DEADLINE_EXCEEDED", sent, time.perf_counter() - base, None, tuple(refusals),
                                deadline_s=deadline_s, is_refused=True)
+            await asyncio.sleep(backoff)
             first = not refusals
-            attempt = await self.attempt(request, left, lambda: answered(first))
+            attempt = await self.attempt(request, deadline_s - (time.perf_counter() - start), lambda: answered(first))
             if attempt.is_refusal:
                 refusals.append(attempt.seconds)
             if attempt.status != "RESOURCE_EXHAUSTED":
@@ -177,7 +180,6 @@ class Client:
                                attempt.retry_after_s, attempt.num_tokens, deadline_s, attempt.is_refusal,
                                attempt.is_unanswered, attempt.missed_by_s(request.max_tokens))
             backoff = (attempt.retry_after_s or 1.0) * random.uniform(1, 2) * 2 ** min(len(refusals) - 1, 3)
-            await asyncio.sleep(min(backoff, max(0.0, deadline_s - (time.perf_counter() - start))))
 
 
 def cpu_seconds(pid: int) -> float:

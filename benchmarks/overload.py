@@ -472,7 +472,10 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from baton.runtime.server import install_uvloop
+
     args = parse_args(argv)
+    install_uvloop()  # the client's loop as the servers': a burst's calls cost it a third less CPU
     report = run(args)
     print_report(report)
     if args.out:

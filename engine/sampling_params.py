@@ -115,6 +115,10 @@ class SamplingParams:
 
 
 def _check_real(name: str, value: object) -> None:
+    if type(value) is float or type(value) is int:  # the common case, without the ABC check
+        if not math.isfinite(value):
+            raise SamplingParamError(name, f"{name} must be finite, got {value}")
+        return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise SamplingParamError(name, f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
@@ -122,6 +126,8 @@ def _check_real(name: str, value: object) -> None:
 
 
 def _check_int(name: str, value: object) -> None:
+    if type(value) is int:
+        return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise SamplingParamError(name, f"{name} must be an int, got {value!r}")
 

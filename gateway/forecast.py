@@ -17,7 +17,10 @@ own (DEFAULT_OUTPUT before any has).
 
 `judge` is admission's question: may this request in, and if not, why not. A request with
 a deadline must be forecast to finish within DEADLINE_SHARE of the time it has left, and
-must not push an admitted request that is on track past the same share of its own. A
+must not push an admitted request that is on track past the same share of its own. It is
+hopeless (refused DEADLINE_EXCEEDED, not worth a retry) only if the workers' own line says
+an idle deployment could not finish it in time; an idle deployment is judged by that line
+alone, so what the scale learned under load never locks a shape out. A
 forecast is only as good as its models: every admitted request's forecast first token is
 kept to be compared with what happened (GatewayAdmission's stats).
 """
@@ -27,7 +30,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # The share of a request's time that its forecast last token may use: the rest absorbs
 # forecast error (steps slower than fitted, outputs longer than expected). At 0.9, a
@@ -107,6 +110,12 @@ class Rates:
     @property
     def known(self) -> bool:
         return self.prefill_s_per_token is not None and self.decode_base_s is not None
+
+    @property
+    def unscaled(self) -> Rates:
+        """The workers' own line, without what finished requests taught: what an idle
+        deployment does."""
+        return replace(self, decode_scale=1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,13 +223,19 @@ class Forecast:
         """None if `request` may be admitted now (its forecast first token is then set), else why not."""
         if not rates.known:
             return None  # nothing to forecast by yet: the concurrency bound alone applies
+        if not self.admitted:
+            # Idle: the workers' own line. The scale was learned from requests that ran beside
+            # others; applied to an idle deployment it could refuse a shape for good (nothing
+            # of it would run again, so nothing would correct it: a closed loop of 400-token
+            # requests with a 30 s deadline was refused for a minute straight as hopeless).
+            rates = rates.unscaled
         own_ttft = rates.prefill_s(request.num_prompt_tokens)
         ttft = self.ttft_s(request, rates)
         batch = len(self.admitted) + 1
         step_after = rates.step_s(batch)
         if request.deadline is not None:
             share = DEADLINE_SHARE * (request.deadline - now)
-            alone = own_ttft + request.remaining_tokens() * rates.step_s(1)
+            alone = own_ttft + request.remaining_tokens() * rates.unscaled.step_s(1)
             if alone > share:
                 return Verdict(DEADLINE, f"its deadline cannot be met: it has {request.deadline - now:.2f} s and "
                                          f"needs {alone:.2f} s on an idle deployment", 0.0, hopeless=True)

@@ -63,6 +63,22 @@ def test_a_deadline_no_idle_deployment_could_meet_is_hopeless():
     assert verdict.reason == DEADLINE and verdict.hopeless  # 1 s of prefill alone
 
 
+def test_a_scale_learned_under_load_never_locks_a_shape_out():
+    """Decode steps 3x the workers' line under load (the scale), then the deployment idles.
+    A 400-token request with 8 s: alone by the line 10 ms + 400 x 11 ms = 4.4 s, within
+    0.8 x 8 s; scaled, 13.2 s. Idle, it is admitted (the line: nothing of its shape would
+    run again to correct the scale otherwise); beside a running request, the scale applies
+    and it is refused, with a retry hint, not as hopeless (the line alone decides that)."""
+    loaded = Rates(prefill_s_per_token=1e-3, decode_base_s=0.01, decode_per_seq_s=1e-3, num_decode_workers=1,
+                   decode_scale=3.0)
+    forecast = Forecast()
+    assert forecast.judge(request("idle", 10, deadline=8.0, max_tokens=400), loaded, 0.0, 30.0) is None
+    forecast.add(running := request("running", 10, order=1, max_tokens=400))
+    forecast.started(running.request_id)
+    verdict = forecast.judge(request("busy", 10, order=2, deadline=8.0, max_tokens=400), loaded, 0.0, 30.0)
+    assert verdict.reason == DEADLINE and not verdict.hopeless and verdict.retry_after_s > 0
+
+
 def test_a_request_that_would_finish_past_its_deadline_is_refused_with_a_retry_hint():
     forecast = Forecast()
     for i in range(50):  # 50 running requests, 100 tokens to go each, no deadline

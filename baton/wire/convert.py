@@ -63,8 +63,11 @@ def sampling_params_from_pb(message: pb.SamplingParams, *, with_stop_strings: bo
         raise FieldError(f"{field}.{error.name}", str(error)) from None
 
 
+_DEFAULT_PARAMS = SamplingParams()
+
+
 def _sampling_params_from_pb(message: pb.SamplingParams, with_stop_strings: bool) -> SamplingParams:
-    defaults = SamplingParams()
+    defaults = _DEFAULT_PARAMS
     has = message.HasField
     return SamplingParams(
         temperature=message.temperature if has("temperature") else defaults.temperature,
