@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     from baton.runtime.server import install_uvloop
 
     args = parse_args(argv)
-    install_uvloop()  # the client's loop as the servers': a burst's calls cost it a third less CPU
+    install_uvloop()  # the client on the loop the servers run: less of its CPU per call
     report = run(args)
     print_report(report)
     if args.out:

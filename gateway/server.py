@@ -44,7 +44,12 @@ async def run_gateway(settings: GatewaySettings) -> None:
     server, admin_server = _servers(settings)
     server.add_service(service, GENERATION)
     admin_server.add_service(admin, ADMIN)
+    http = _http_server(settings, service, pool)
     await server.start()
+    if http is not None:
+        await http.start()
+        logger.info("gateway OpenAI HTTP API on %s:%d%s", server.address.rsplit(":", 1)[0], http.port,
+                    " (TLS)" if tls is not None else "")
     if admin_server is not server:
         await admin_server.start()
         logger.info("gateway admin on %s", admin_server.address)
@@ -76,8 +81,29 @@ async def run_gateway(settings: GatewaySettings) -> None:
         await server.serve_until_signal(pool.close, settings.grace_s, drain=service.drain)
     finally:
         health.cancel()
+        if http is not None:
+            await http.stop()
         if admin_server is not server:
             await admin_server.server.stop(None)
+
+
+def _http_server(settings: GatewaySettings, service: GenerationService, pool: WorkerPool):
+    """The OpenAI HTTP API (gateway/http), with --http-port; None without."""
+    if settings.http_port is None:
+        return None
+    try:
+        from gateway.http.app import create_app
+        from gateway.http.server import HttpServer
+    except ImportError as error:  # a host without the HTTP stack (the lent GPU machines): gRPC only
+        logger.error("--http-port %d: the OpenAI HTTP API needs fastapi and uvicorn (%s); serving gRPC only",
+                     settings.http_port, error)
+        return None
+
+    app = create_app(service, served_model_name=settings.served_model_name, api_key=settings.bearer_key,
+                     ready=lambda: any(worker.routable for worker in pool.decode))
+    host = settings.listen.rsplit(":", 1)[0].strip("[]")
+    return HttpServer(app, host, settings.http_port, certfile=settings.tls_cert if settings.tls else None,
+                      keyfile=settings.tls_key if settings.tls else None)
 
 
 def _servers(settings: GatewaySettings) -> tuple[GrpcServer, GrpcServer]:

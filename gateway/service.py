@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -21,7 +21,7 @@ import grpc
 from baton.runtime import tracing
 from baton.runtime.metrics import GatewayMetrics
 from baton.wire import convert, status
-from baton.wire.records import ModelInfo, TextDelta
+from baton.wire.records import GenerateRequest, ModelInfo, TextDelta
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.detokenizer import IncrementalDetokenizer
@@ -85,22 +85,41 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return convert.model_info_to_pb(self.info)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async for delta in self._serve(request, context, "GenerateStream"):
+        async for delta in self._serve_grpc(request, context, "GenerateStream"):
             yield convert.text_delta_to_pb(delta)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        deltas = [delta async for delta in self._serve(request, context, "Generate")]
+        deltas = [delta async for delta in self._serve_grpc(request, context, "Generate")]
         return convert.completion_to_pb(deltas)
 
-    async def _serve(self, message: pb.GenerateRequest, context, method: str) -> AsyncIterator[TextDelta]:
-        """One request, start to end: its span, validation, the stream; a RequestError
-        ends the call with its status."""
-        span = self._start_span(context, method)
+    async def _serve_grpc(self, message: pb.GenerateRequest, context, method: str) -> AsyncIterator[TextDelta]:
+        """`generate` for a gRPC call: a RequestError ends the call with its status."""
+        try:
+            async for delta in self.generate(lambda: convert.generate_request_from_pb(message),
+                                             context.time_remaining, context.invocation_metadata(),
+                                             "baton.v1.Generation", method, front="grpc"):
+                yield delta
+        except RequestError as error:
+            await context.abort(error.code, error.details,
+                                trailing_metadata=status.error_trailers(error.code, error.details,
+                                                                        error.error_details))
+
+    async def generate(self, read: Callable[[], GenerateRequest], time_remaining: Callable[[], float | None],
+                       carrier, service: str, method: str, *, front: str) -> AsyncIterator[TextDelta]:
+        """One request, start to end, whichever front end it came by (gRPC, or the OpenAI
+        HTTP API: gateway/http): its span, validation, admission, the stream. `read()`
+        gives the request (a ValueError, or a FieldError naming the field, is
+        INVALID_ARGUMENT); `time_remaining()`, seconds to its deadline (None: none, its
+        SLO); `carrier`, the (key, value) pairs a traceparent may come in. Raises
+        RequestError with the status the request ends with."""
+        if self.metrics is not None:
+            self.metrics.received(front)
+        span = self._start_span(carrier, service, method, front)
         prepared = stream = None
         failure: RequestError | None = None
         try:
-            prepared = await self._prepare(message, span, context.time_remaining())
-            stream = self._text_stream(prepared, context)
+            prepared = await self._prepare(read, span, time_remaining())
+            stream = self._text_stream(prepared, time_remaining)
             async for delta in stream:
                 yield delta
         except RequestError as error:
@@ -108,9 +127,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if self.metrics is not None and (error.reason is not None or
                                              error.code == grpc.StatusCode.RESOURCE_EXHAUSTED):
                 self.metrics.refuse(error.reason or "worker")
-            await context.abort(error.code, error.details,
-                                trailing_metadata=status.error_trailers(error.code, error.details,
-                                                                        error.error_details))
+            raise
         except (asyncio.CancelledError, GeneratorExit):
             failure = RequestError(grpc.StatusCode.CANCELLED, "the client cancelled")
             raise
@@ -128,7 +145,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     self._record_deadline(prepared)
                 self._end_span(span, failure)
 
-    async def _prepare(self, message: pb.GenerateRequest, span, time_remaining: float | None) -> PreparedRequest:
+    async def _prepare(self, read: Callable[[], GenerateRequest], span,
+                       time_remaining: float | None) -> PreparedRequest:
         """Read, validate, admit and tokenize; raises RequestError. The request is then in
         flight. `time_remaining`: seconds to the call's deadline (None: none), its SLO."""
         arrival = time.monotonic()
@@ -139,7 +157,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down: try another")
         try:
-            request = convert.generate_request_from_pb(message)
+            request = read()
         except ValueError as error:
             raise RequestError.invalid(error) from None
         request_id = request.request_id or f"{self._prefix}-{next(self._ids)}"
@@ -182,17 +200,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # ----------------------------------------------------------------- tracing
     @staticmethod
-    def _start_span(context, method: str):
+    def _start_span(carrier, service: str, method: str, front: str):
         """The request's `generate` span: a child of the caller's span when its call
-        carried a traceparent, else a new trace's root (None: tracing off)."""
+        carried a traceparent (gRPC metadata or an HTTP header), else a new trace's root
+        (None: tracing off)."""
         if not tracing.enabled():
             return None
-        return tracing.start_span(
-            "generate",
-            tracing.extract(context.invocation_metadata()),
-            tracing.SERVER,
-            {"rpc.system": "grpc", "rpc.service": "baton.v1.Generation", "rpc.method": method},
-        )
+        system = {"grpc": {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+                  "http": {"http.request.method": "POST", "http.route": method}}[front]
+        return tracing.start_span("generate", tracing.extract(carrier), tracing.SERVER, system)
 
     @staticmethod
     def _end_span(span, failure: RequestError | None) -> None:
@@ -202,7 +218,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             tracing.end_span(span, failure.code, failure.details)
 
     # ------------------------------------------------------------------- text
-    async def _text_stream(self, prepared: PreparedRequest, context) -> AsyncIterator[TextDelta]:
+    async def _text_stream(self, prepared: PreparedRequest,
+                           time_remaining: Callable[[], float | None]) -> AsyncIterator[TextDelta]:
         """Token events turned into text deltas (valid UTF-8, stop strings applied)."""
         params = prepared.params
         tokenizer = self.preparer.tokenizer
@@ -220,7 +237,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         num_cached = 0  # as the worker that prefilled the prompt (last) reported it
         token_times: list[float] = []
         outcome = "error"  # until it finishes or is cancelled
-        events = self.dispatcher.run(prepared, context.time_remaining)
+        events = self.dispatcher.run(prepared, time_remaining)
         try:
             async for event in events:
                 if not num_output:

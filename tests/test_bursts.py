@@ -49,7 +49,8 @@ TOKEN_IDS = range(1000, 49000)
                              "--num-decode-workers", "4"]],
                 ids=["1-prefill-1-decode", "2-prefill-4-decode"])
 def deployment(request, tmp_path):
-    settings = from_args(UpSettings, build_parser().parse_args(["up", "--port", str(free_port()), *request.param]))
+    settings = from_args(UpSettings, build_parser().parse_args(["up", "--port", str(free_port()), "--http-port", "0",
+                                                               *request.param]))
     deployment = start_up(settings, tmp_path / "logs", metrics=True)
     assert (len(deployment.workers("prefill")), len(deployment.workers("decode"))) == (
         settings.num_prefill_workers, settings.num_decode_workers)

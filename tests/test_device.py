@@ -146,7 +146,8 @@ def baton_up_streams_text(tmp_path, args: list[str], colocated: bool = True) -> 
     log_path = tmp_path / "baton-up.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), *(["--colocated"] if colocated else []),
+            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--http-port", str(free_port()),
+             *(["--colocated"] if colocated else []),
              *args],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,

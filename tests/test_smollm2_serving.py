@@ -10,6 +10,7 @@ import sys
 import time
 
 import grpc
+import openai
 import pytest
 
 from baton.wire.v1 import generation_pb2 as pb
@@ -20,11 +21,12 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def test_baton_up_answers_capital_of_france(tmp_path):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     log_path = tmp_path / "baton-up.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--threads", "1",
+            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--http-port", str(http_port),
+             "--threads", "1",
              "--kv-cache-memory", "256M", "--verify-kv"],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
@@ -56,6 +58,13 @@ def test_baton_up_answers_capital_of_france(tmp_path):
         )
         assert result.returncode == 0, result.stderr
         assert "Paris" in result.stdout
+        # And an OpenAI client, pointed where the banner says.
+        assert f"base_url http://127.0.0.1:{http_port}/v1" in log_path.read_text()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0)
+        chat = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=40, temperature=0.0)
+        assert chat.choices[0].message.content == text
         # On one CPU host `baton up` hands KV over ipc: the banner says so, and the workers did.
         assert "(disaggregated, KV over ipc)" in log_path.read_text()
         status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", f"127.0.0.1:{port}"],

@@ -7,6 +7,7 @@ import random
 import time
 
 import grpc
+import httpx2 as httpx
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -49,6 +50,7 @@ def traced(tmp_path_factory):
         prefill_args=["--max-num-batched-tokens", str(PREFILL_BUDGET)],
         decode_args=["--verify-kv"],
         gateway_args=["--max-prefill-queue-tokens", "0"],  # every prompt is handed off
+        http_port=0,
         env={
             "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
             "OTEL_EXPORTER_OTLP_INSECURE": "true",
@@ -84,6 +86,15 @@ def traced(tmp_path_factory):
             )
             response = stub.Generate(chat, timeout=60, metadata=metadata)
             run["chat"] = dict(trace_id=trace_id, span_id=span_id, response=response)
+
+            # Over the OpenAI HTTP API, under a caller's trace: the same trace across the hops.
+            trace_id, span_id, metadata = caller_context()
+            answer = httpx.post(f"http://{deployment.http}/v1/completions", headers=dict(metadata), timeout=60,
+                                json={"model": run["model"], "prompt": "A prompt of its own, so that its KV is handed over: "
+                                      "nothing of it is cached on the decode worker yet.", "max_tokens": 3,
+                                      "ignore_eos": True})
+            assert answer.status_code == 200, answer.text
+            run["http"] = dict(trace_id=trace_id, span_id=span_id)
 
             # No traceparent: Baton starts the trace.
             run["untraced"] = list(stub.GenerateStream(pb.GenerateRequest(
@@ -164,6 +175,16 @@ def test_one_trace_across_all_processes_under_the_callers_span(traced):
     # The hops happen in order, inside the request.
     assert generate.start_ns <= tokenize.start_ns <= tokenize.end_ns <= prefill.start_ns
     assert prefill.end_ns <= receive.end_ns <= decode.end_ns <= generate.end_ns + 50_000_000
+
+
+def test_an_http_request_joins_the_callers_trace_as_a_grpc_call_does(traced):
+    http = traced["http"]
+    spans = trace_of(traced["spans"], http["trace_id"])
+    assert set(spans) == SPAN_NAMES, set(spans)
+    generate = one(spans, "generate")
+    assert generate.parent_span_id == http["span_id"]
+    assert generate.attributes["http.route"] == "/v1/completions"
+    assert one(spans, "decode").parent_span_id == generate.span_id
 
 
 def test_genai_attributes_hold_the_requests_values(traced):

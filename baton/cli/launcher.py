@@ -10,6 +10,7 @@ on one host, so KV moves over ipc unless `--kv-transport` says otherwise."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ from baton.runtime.settings import (
     API_KEY_FILE_HELP,
     API_KEY_HELP,
     DEFAULT_GATEWAY_ADDRESS,
+    DEFAULT_HTTP_PORT,
     DEVICE_HELP,
     DTYPE_HELP,
     GPU_MEMORY_UTILIZATION_HELP,
@@ -58,6 +60,9 @@ class UpSettings:
     gpu_memory_utilization: float = setting(default_of(CacheConfig, "gpu_memory_utilization"),
                                             GPU_MEMORY_UTILIZATION_HELP)
     port: int = setting(int(DEFAULT_GATEWAY_ADDRESS.rsplit(":", 1)[1]), "gateway port")
+    http_port: int = setting(DEFAULT_HTTP_PORT, "the gateway's OpenAI HTTP API port (0: none)")
+    served_model_name: str | None = setting(None, "the model id the HTTP API shows and requests must name",
+                                            shown="--model")
     threads: int | None = setting(None, "torch threads per worker",
                                   shown="all cores each; an idle worker's threads sleep")
     kv_cache_memory: int | None = setting(None, "KV cache budget per worker, e.g. 512M, 2G", parse=parse_size,
@@ -198,12 +203,19 @@ def role_args(settings: UpSettings) -> RoleArgs:
         if getattr(settings, name) is not None:
             tls += ["--" + name.replace("_", "-"), getattr(settings, name)]
     gateway = [*tls]
+    if settings.served_model_name is not None:
+        gateway += ["--served-model-name", settings.served_model_name]
     if settings.api_key_file is not None:
         gateway += ["--api-key-file", settings.api_key_file]
     # A key given as such goes in the environment, not on a command line anyone can read
     # (the workers have no such setting and ignore it).
     env = {} if settings.api_key is None else {"BATON_API_KEY": settings.api_key}
     return RoleArgs([*worker, *tls], prefill, decode, gateway, env)
+
+
+def serves_http() -> bool:
+    """Whether this host has the OpenAI API's stack (not the lent GPU machines: gRPC only there)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
 
 
 def start_up(settings: UpSettings, log_dir: Path | None = None, *, metrics: bool = False) -> Deployment:
@@ -233,6 +245,7 @@ def start_up(settings: UpSettings, log_dir: Path | None = None, *, metrics: bool
         admin_address=None if settings.admin_port is None else f"127.0.0.1:{settings.admin_port}",
         tls=settings.tls,
         api_key=settings.bearer_key,
+        http_port=settings.http_port if settings.http_port and serves_http() else None,
     )
 
 
@@ -264,10 +277,19 @@ def up(settings: UpSettings) -> int:
         admin_flags = (f" --tls-ca {settings.tls_ca} --tls-cert {settings.tls_cert} --tls-key {settings.tls_key}"
                        if settings.tls_ca else client_flags)
         status = f"  baton status --gateway {deployment.admin}{admin_flags}\n"
+    http = ""
+    if deployment.http:
+        scheme = "https" if settings.tls else "http"
+        key = " -H 'Authorization: Bearer <key>'" if settings.bearer_key else ""
+        ca = f" --cacert {settings.tls_ca}" if settings.tls_ca else ""
+        http = (f"  curl {scheme}://{deployment.http}/v1/chat/completions{ca}{key} -H 'Content-Type: application/json' "
+                f"-d '{{\"model\": \"{settings.served_model_name or settings.model}\", \"messages\": "
+                f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n"
+                f"  (OpenAI clients: base_url {scheme}://{deployment.http}/v1)\n")
     print(
         f"\nBaton is serving {settings.model} ({mode}) at {gateway}\n"
         f"  baton generate --gateway {gateway}{client_flags} --chat \"What is the capital of France?\"\n"
-        f"{status}Ctrl-C stops it.\n",
+        f"{http}{status}Ctrl-C stops it.\n",
         flush=True,
     )
     code = 0

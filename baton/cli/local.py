@@ -58,6 +58,7 @@ class Deployment:
     admin: str = ""  # the gateway's --admin-listen, or `gateway`
     tls: TlsConfig | None = None
     api_key: str | None = None
+    http: str = ""  # host:port of the gateway's OpenAI HTTP API ("": not served)
 
     def __post_init__(self) -> None:
         self.admin = self.admin or self.gateway
@@ -235,6 +236,7 @@ def start_deployment(
     tls: TlsConfig | None = None,
     api_key: str | None = None,
     stagger: bool = False,
+    http_port: int | None = None,
 ) -> Deployment:
     """Start the processes (logs to `log_dir`, or to our stdout when None) and wait
     until the gateway and every worker are SERVING. `prefill`: `num_prefill` prefill
@@ -252,6 +254,7 @@ def start_deployment(
     decode workers to the rest (--cpus), each role's cores divided between its workers,
     each with a thread per core, as if each worker had a host of its own; otherwise every
     worker may use every core, with `threads`.
+    `http_port`: the gateway serves the OpenAI HTTP API there (0: a free port), `Deployment.http`.
     `stagger`: each worker starts once the one before it serves, the prefill workers
     first (workers sharing a GPU: each sizes its KV cache from the memory the ones before
     it left)."""
@@ -291,6 +294,9 @@ def start_deployment(
                     "--decode-workers", ",".join(decode_addresses), *metrics_args(), *gateway_args]
     if admin_address is not None:
         gateway_args += ["--admin-listen", admin_address]
+    if http_port is not None:
+        deployment.http = f"127.0.0.1:{http_port or free_port()}"
+        gateway_args += ["--http-port", deployment.http.rsplit(":", 1)[1]]
     kv_peers = []  # the decode workers' --allowed-prefill-workers
     if prefill_addresses:
         gateway_args += ["--prefill-workers", ",".join(prefill_addresses)]

@@ -40,6 +40,7 @@ _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REFUSAL_REASONS = ("concurrency", "queue_wait", "deadline", "worker")
+FRONT_ENDS = ("grpc", "http")  # baton.v1.Generation, the OpenAI HTTP API (gateway/http)
 
 
 class GatewayMetrics:
@@ -63,6 +64,9 @@ class GatewayMetrics:
                                      labels, registry=r).labels(model)
         self.generation_tokens = Counter("baton_generation_tokens", "Tokens generated for clients",
                                          labels, registry=r).labels(model)
+        received = Counter("baton_requests_received", "Requests received, by front end: grpc (baton.v1.Generation) "
+                           "or http (the OpenAI API)", ["model", "front"], registry=r)
+        self._received = {front: received.labels(model, front) for front in FRONT_ENDS}
         finished = Counter("baton_requests_finished", "Finished requests by finish reason",
                            ["model", "finish_reason"], registry=r)
         self.finished = {reason: finished.labels(model, reason) for reason in FINISH_REASONS}
@@ -81,6 +85,9 @@ class GatewayMetrics:
                                        "Admission's forecast of a request's first token, from arrival "
                                        "(baton_time_to_first_token_seconds is what happened)",
                                        labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
+
+    def received(self, front: str) -> None:
+        self._received[front].inc()
 
     def refuse(self, reason: str) -> None:
         self._refused[reason if reason in self._refused else "worker"].inc()

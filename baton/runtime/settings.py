@@ -45,6 +45,7 @@ from kvtransfer.endpoint import receiver_shares_cache
 
 ENV_PREFIX = "BATON_"
 DEFAULT_GATEWAY_ADDRESS = "127.0.0.1:50051"
+DEFAULT_HTTP_PORT = 8000  # `baton up`'s OpenAI HTTP API, where vLLM serves its
 GRACE_S = 10.0  # SIGTERM: seconds in-flight calls get to finish (every role)
 # A prefill worker's steps are prefill chunks only: a smaller token budget than a decode
 # worker's keeps each step short, so a prompt's first token is not held up behind others.
@@ -394,6 +395,11 @@ class GatewaySettings:
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (0: any free one)",
                                        shown="off")
     health_port: int | None = setting(None, HEALTH_PORT_HELP, shown="off")
+    http_port: int | None = setting(None, "serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, "
+                                          "/v1/models) on this port, on --listen's host (0: any free one)",
+                                    shown="off")
+    served_model_name: str | None = setting(None, "the model id the HTTP API shows and requests must name",
+                                            shown="the workers' model")
     # Conditional disaggregation (RoutingPolicy in gateway/workers.py).
     max_local_prefill_tokens: int = setting(0, "prompts this short are prefilled on their decode worker "
                                                "(no handoff)")

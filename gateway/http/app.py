@@ -1,0 +1,399 @@
+"""The OpenAI HTTP API on the gateway: /v1/models, /v1/completions, /v1/chat/completions,
+/health and /ready, served by uvicorn on the gateway's own event loop beside its gRPC
+server, every request through the same GenerationService.generate a gRPC call takes (so
+the same checks, admission, dispatch, tracing and metrics; only the names differ:
+translate.py).
+
+Streaming answers are server-sent events as OpenAI sends them (`data: {...}`, then
+`data: [DONE]`). A client that goes away mid-request (streaming or not) cancels it, and
+the cancellation aborts it on its workers as a gRPC cancel does. A request's deadline is
+its `X-Request-Timeout` header (seconds), which admission then plans by (504 when it
+passes). With an API key, every /v1 route needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from baton.wire.records import GenerateRequest, TextDelta
+from gateway.errors import RequestError
+from gateway.http import protocol as api
+from gateway.http import translate
+from gateway.limits import MAX_REQUEST_BYTES
+from gateway.service import GenerationService
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_HEADER = "x-request-timeout"
+_CLIENT_CLOSED = 499  # nginx's "client closed request": written to no one
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer."""
+
+
+def create_app(service: GenerationService, *, served_model_name: str | None = None,
+               api_key: str | None = None, ready: Callable[[], bool] = lambda: True):
+    """The API over `service` (loaded or not: until it is, /ready is 503 and requests 503),
+    an ASGI app. `served_model_name`: the id /v1/models shows and requests must name
+    (default: the model the workers serve)."""
+    # A body over the gRPC port's message limit is refused (413) before it is read
+    # (_BodyLimit by its Content-Length, FastAPI's own limit a chunked one). FastAPI's
+    # own OpenTelemetry is off: the request's `generate` span (GenerationService) is the
+    # gateway's, as for a gRPC call, not a child of a server span and its operation spans.
+    app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None, max_body_size=MAX_REQUEST_BYTES,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
+    ids = itertools.count()
+    prefix = uuid.uuid4().hex[:12]
+
+    def model_name() -> str:
+        return served_model_name or service.info.model
+
+    def fail(error: RequestError, *, chat: bool) -> JSONResponse:
+        status, body, headers = translate.error_body(error, chat=chat)
+        return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+    def authorized(request: Request) -> bool:
+        if api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+    def refusal(request: Request, model: str | None, *, chat: bool) -> JSONResponse | None:
+        """The answer to a request refused before it is read: no key, not started, another model."""
+        if not authorized(request):
+            return fail(RequestError(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed: "
+                                     "Authorization: Bearer <key>"), chat=chat)
+        if service.info is None:
+            return fail(RequestError(grpc.StatusCode.UNAVAILABLE, "gateway is starting: no worker is serving yet"),
+                        chat=chat)
+        if model is not None and model != model_name():
+            return fail(RequestError(grpc.StatusCode.NOT_FOUND, f"the model {model!r} does not exist: "
+                                     f"this server serves {model_name()!r}", field="model"), chat=chat)
+        return None
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:]) if loc else None
+        chat = request.url.path.endswith("/chat/completions")
+        return fail(translate.invalid(param or "body", f"{param or 'the body'}: {first.get('msg')}"), chat=chat)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own refusals (413, an unknown route, a wrong method) in OpenAI's shape."""
+        body = api.ErrorResponse(error=api.ErrorInfo(message=str(error.detail), type="invalid_request_error",
+                                                     code=error.status_code))
+        return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def is_ready() -> Response:
+        return Response(status_code=200 if service.info is not None and ready() else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        refused = refusal(request, None, chat=False)
+        if refused is not None:
+            return refused
+        card = api.ModelCard(id=model_name(), max_model_len=service.info.max_context_length)
+        return api.ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, request: Request):
+        refused = refusal(request, body.model, chat=False)
+        if refused is not None:
+            return refused
+        try:
+            requests = translate.completion_requests(body)
+        except RequestError as error:
+            return fail(error, chat=False)
+        call = _Call(service, request, "/v1/completions", f"cmpl-{prefix}{next(ids)}", model_name(), chat=False)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return await call.stream(call.completion_chunks(requests, include_usage))
+        return await call.answer(call.completion(requests))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+        refused = refusal(request, body.model, chat=True)
+        if refused is not None:
+            return refused
+        try:
+            generate = translate.chat_request(body, service.info.max_context_length)
+        except RequestError as error:
+            return fail(error, chat=True)
+        call = _Call(service, request, "/v1/chat/completions", f"chatcmpl-{prefix}{next(ids)}", model_name(),
+                     chat=True)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return await call.stream(call.chat_chunks(generate, include_usage))
+        return await call.answer(call.chat(generate))
+
+    return _BodyLimit(app)
+
+
+class _BodyLimit:
+    """The ASGI app in front of FastAPI's: a request whose Content-Length is over
+    MAX_REQUEST_BYTES is answered 413 in OpenAI's shape, unread."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = next((value for key, value in scope["headers"] if key == b"content-length"), b"0")
+            if length.isdigit() and int(length) > MAX_REQUEST_BYTES:
+                body = api.ErrorResponse(error=api.ErrorInfo(
+                    message=f"the request body has {int(length)} bytes; the limit is {MAX_REQUEST_BYTES}",
+                    type="invalid_request_error", code=413))
+                await JSONResponse(body.model_dump(), status_code=413)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _Call:
+    """One HTTP request's run through the service."""
+
+    def __init__(self, service: GenerationService, request: Request, route: str, response_id: str, model: str,
+                 *, chat: bool) -> None:
+        self.service = service
+        self.request = request
+        self.route = route
+        self.id = response_id
+        self.model = model
+        self.is_chat = chat
+        self.created = int(time.time())
+        self.text = translate.TokenText(service.preparer.tokenizer if service.preparer is not None else None)
+        timeout = request.headers.get(TIMEOUT_HEADER)
+        self.deadline = None
+        if timeout is not None:
+            with contextlib.suppress(ValueError):
+                self.deadline = time.monotonic() + max(0.0, float(timeout))
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TextDelta]:
+        def read() -> GenerateRequest:
+            return request
+        return self.service.generate(read, self.time_remaining, list(self.request.headers.items()), "openai",
+                                     self.route, front="http")
+
+    async def _race(self, awaitable: Awaitable):
+        """`awaitable`'s result, or ClientGone (and `awaitable` cancelled: its workers
+        aborted) if the client goes away first."""
+        task = asyncio.ensure_future(awaitable)
+        watcher = asyncio.ensure_future(self._disconnected())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pending in (task, watcher):
+                if not pending.done():
+                    pending.cancel()
+        if not task.done() or task.cancelled():
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+        return task.result()
+
+    def _error(self, error: RequestError) -> JSONResponse:
+        status, body, headers = translate.error_body(error, chat=self.is_chat)
+        return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+    async def answer(self, answer: Awaitable) -> Response:
+        """A whole answer, or its error; 499 (to no one) if the client went away."""
+        try:
+            return await self._race(answer)
+        except RequestError as error:
+            return self._error(error)
+        except ClientGone:
+            return Response(status_code=_CLIENT_CLOSED)
+
+    async def stream(self, events: AsyncIterator[str]) -> Response:
+        """Server-sent `events`, once the first is ready (the request admitted, its first
+        token out): a refusal before it is a status (429 with Retry-After, 400, ...), not
+        an event in a 200 stream. Later errors are an error event, then the stream ends."""
+        try:
+            first = await self._race(anext(events))
+        except RequestError as error:
+            await events.aclose()
+            return self._error(error)
+        except ClientGone:
+            await events.aclose()
+            return Response(status_code=_CLIENT_CLOSED)
+
+        async def rest() -> AsyncIterator[str]:
+            try:
+                yield first
+                async for event in events:
+                    yield event
+            finally:
+                await events.aclose()  # a client gone mid-stream: its request aborted now
+
+        return StreamingResponse(rest(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _disconnected(self) -> None:
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def _collect(self, request: GenerateRequest) -> tuple[str, list[TextDelta]]:
+        deltas = [delta async for delta in self.generate(request)]
+        return "".join(d.text for d in deltas), deltas
+
+    # ------------------------------------------------------------ completions
+    async def completion(self, requests: list[GenerateRequest]) -> api.CompletionResponse:
+        results = await asyncio.gather(*(self._collect(r) for r in requests))
+        choices = []
+        for index, (text, deltas) in enumerate(results):
+            logprobs = None
+            if requests[index].params.logprobs is not None:
+                merged = TextDelta("", [], logprobs=[e for d in deltas for e in d.logprobs])
+                logprobs = translate.completion_logprobs(merged, self.text, 0)
+            choices.append(api.CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                finish_reason=deltas[-1].finish_reason))
+        return api.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=translate.usage([d[-1] for _, d in results]))
+
+    async def completion_chunks(self, requests: list[GenerateRequest], include_usage: bool) -> AsyncIterator[str]:
+        lasts: list[TextDelta] = []
+        offsets = [0] * len(requests)
+
+        def chunk(index: int, delta: TextDelta) -> str:
+            logprobs = None
+            if requests[index].params.logprobs is not None:
+                logprobs = translate.completion_logprobs(delta, self.text, offsets[index])
+            offsets[index] += len(delta.text)
+            choice = api.CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
+                                          finish_reason=delta.finish_reason)
+            return _event(api.CompletionResponse(id=self.id, created=self.created, model=self.model,
+                                                 choices=[choice]))
+
+        started = False
+        try:
+            async for index, delta in self._merged(requests):
+                if delta.finish_reason is not None:
+                    lasts.append(delta)
+                yield chunk(index, delta)
+                started = True
+        except RequestError as error:
+            if not started:
+                raise  # before the stream: a status (stream())
+            yield self._error_event(error)
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield _event(api.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
+                                                usage=translate.usage(lasts)))
+        yield "data: [DONE]\n\n"
+
+    async def _merged(self, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
+        """The deltas of every request of a batch as they come, with each one's index."""
+        async for item in _interleave([self._indexed(i, r) for i, r in enumerate(requests)]):
+            yield item
+
+    def _error_event(self, error: RequestError) -> str:
+        _, body, _ = translate.error_body(error, chat=self.is_chat)
+        return _event(body)
+
+    async def _indexed(self, index: int, request: GenerateRequest) -> AsyncIterator[tuple[int, TextDelta]]:
+        async for delta in self.generate(request):
+            yield index, delta
+
+    # ------------------------------------------------------------------- chat
+    async def chat(self, request: GenerateRequest) -> api.ChatCompletionResponse:
+        text, deltas = await self._collect(request)
+        last = deltas[-1]
+        logprobs = None
+        if request.params.logprobs is not None:
+            merged = TextDelta("", [], logprobs=[e for d in deltas for e in d.logprobs])
+            logprobs = translate.chat_logprobs(merged, self.text)
+        choice = api.ChatChoice(index=0, message=api.ChatMessageOut(content=text), logprobs=logprobs,
+                                finish_reason=last.finish_reason)
+        return api.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                          usage=translate.usage([last]))
+
+    async def chat_chunks(self, request: GenerateRequest, include_usage: bool) -> AsyncIterator[str]:
+        def chunk(delta: api.ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
+            choice = api.ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+            return _event(api.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                                  choices=[choice]))
+
+        last = None
+        try:
+            async for _, delta in self._merged([request]):
+                if last is None:  # the role first, as OpenAI sends it
+                    yield chunk(api.ChatDelta(role="assistant", content=""))
+                logprobs = translate.chat_logprobs(delta, self.text) if request.params.logprobs is not None \
+                    else None
+                last = delta
+                yield chunk(api.ChatDelta(content=delta.text), delta.finish_reason, logprobs)
+        except RequestError as error:
+            if last is None:
+                raise  # before the stream: a status (stream())
+            yield self._error_event(error)
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage and last is not None:
+            yield _event(api.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                                 usage=translate.usage([last])))
+        yield "data: [DONE]\n\n"
+
+
+def _event(body) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def _interleave(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Items of several async iterators as they come; all closed when this ends."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer
+            await queue.put(error)
+            return
+        await queue.put(done)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
