@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ssl
 
 import grpc
+import httpx2 as httpx
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -67,6 +69,7 @@ def system(pki, tmp_path_factory):
         admin_address="auto",
         tls=TlsConfig.load(str(server.cert), str(server.key), str(server.ca)),
         api_key=API_KEY,
+        http_port=0,
     )
     yield deployment
     codes = deployment.stop()
@@ -142,6 +145,18 @@ def test_the_right_key_over_tls_is_served_end_to_end_through_a_handoff(system, p
     # Prefilled on the prefill worker and pulled by the decode worker: OpenKvChannel and
     # SendKv went over mutual TLS, the blocks over a channel whose peer proved its secret.
     assert system.stats("decode").num_transfers == transfers + 2, system.logs()
+
+
+def test_the_http_api_speaks_tls_only_and_wants_the_key(system, pki):
+    """The OpenAI API on the gateway's certificate (no client certificate asked for), behind the key."""
+    url = f"https://{system.http}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}
+    trust = ssl.create_default_context(cafile=str(pki.ca))
+    answer = httpx.post(url, json=body, verify=trust, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2, answer.text
+    assert httpx.post(url, json=body, verify=trust, timeout=60).status_code == 401
+    with pytest.raises(httpx.HTTPError):  # plaintext gets no answer
+        httpx.post(f"http://{system.http}/v1/completions", json=body, timeout=10)
 
 
 @pytest.mark.parametrize("metadata", [(), bearer_metadata("wrong"), bearer_metadata(API_KEY + "x"),
