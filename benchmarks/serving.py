@@ -1,16 +1,20 @@
 """Online serving benchmark: the engine benchmark's mixed workload, arriving as a Poisson
-process, against a running Baton deployment over gRPC.
+process, against a running Baton deployment over gRPC or the OpenAI HTTP API.
 
-Four systems, one after the other in this order in one run, on the same arrival schedule
+The systems, one after the other in this order in one run, on the same arrival schedule
 (`--rounds N` runs them N times, forward then backward, and pools the rounds):
 
     disaggregated           gateway + 1 prefill worker + 1 decode worker (separate processes),
                             KV handed over ipc (the default on one host)
+    disaggregated+http      the same deployment as disaggregated (one deployment serves both),
+                            driven over the gateway's OpenAI HTTP API (streamed /v1/completions)
+                            in turn with gRPC: only the front end differs
     disaggregated+tracing   the same, with OpenTelemetry tracing on: every process exports
                             its spans over OTLP/gRPC (default batch span processor) to an
                             in-memory receiver in this process (baton.devtools.otlp_sink)
     disaggregated+gloo      the same as disaggregated, KV handed over Gloo (--kv-transport gloo)
     colocated               gateway + 1 decode worker that prefills itself
+    colocated+http          (not by default) colocated's deployment, over HTTP
     engine                  the in-process engine (AsyncEngine, no gRPC), the reference
     multihost-1+1           gateway, prefill worker and decode worker each on a host of its own
                             (network namespaces, baton/devtools/netns.py; needs root), found by
@@ -19,22 +23,37 @@ Four systems, one after the other in this order in one run, on the same arrival 
                             (every handoff crosses hosts); on one machine the workers share its
                             cores, so each gets half the threads of 1+1's
 
+`--target grpc://HOST:PORT` / `--target http://HOST:PORT` (repeatable, or a comma list)
+measure running gateways instead, each in turn; `--api-key` authenticates. Every pass on
+a deployment opens with one unmeasured warm-up request, and sends prompts no earlier pass
+sent, so no prefix cache serves one pass the prompts of another
+(benchmarks/serving_clients.py, which holds both front ends' clients).
+
 Reported per system: TTFT, TPOT, ITL and end-to-end latency (p50/p90/p99),
 output tokens/s and requests/s over the run, goodput beside them (requests completed
 within their deadline per second, and their output tokens per second), plus the KV
 handoff's observed bandwidth and, with tracing, the spans and traces received.
-`--deadline-s` sends each request with that gRPC deadline, which the gateway's admission
-takes as its SLO: a request may then be refused or cut off, and only those completed
-within it count as goodput (the in-process engine gets no deadline; its requests that
-finished later count as missed). Without it (the default) no deadline is sent, every
-request must complete, and goodput equals throughput. Then the KV transfer
-comparison between two processes (kvtransfer.bench: ipc, Gloo, a raw Gloo message
+`--deadline-s` sends each request with that deadline (gRPC's; over HTTP, X-Request-Timeout),
+which the gateway's admission takes as its SLO: a request may then be refused or cut
+off, and only those completed within it count as goodput (the in-process engine gets no
+deadline; its requests that finished later count as missed). Without it (the default)
+no deadline is sent, every request must complete, and goodput equals throughput. Then
+the KV transfer comparison between two processes (kvtransfer.bench: ipc, Gloo, a raw Gloo message
 and a plain copy of the same bytes). Targets: disaggregated output tokens/s >= 0.9x
 engine, and at least Gloo's (disaggregated / disaggregated+gloo >= 1.0);
 disaggregated+tracing output tokens/s >= 0.97x disaggregated (tracing on / off);
-Gloo's block transfer >= 0.9x a raw send/recv of the same bytes.
+HTTP output tokens/s >= 0.95x gRPC's and HTTP TTFT p50 <= 1.1x gRPC's, on the same
+deployment (X+http against X; the i-th http:// target against the i-th grpc:// one);
+Gloo's block transfer >= 0.9x a raw send/recv of the same bytes. With `--json PATH`,
+PATH.png draws the TTFT, TPOT and ITL distributions and each system's throughput.
 
     python -m benchmarks.serving --rate 4 --num-requests 64
+    python -m benchmarks.serving --systems disaggregated,disaggregated+http --rounds 2 --kv-bench-blocks 0
+
+The second pass on a deployment tends to run a few percent faster than the first (on 2
+cores, 64 requests at 4/s: 5-9%), warm-up request or not: compare front ends with
+`--rounds 2`, which runs them gRPC then HTTP, then HTTP then gRPC.
+    python -m benchmarks.serving --target grpc://127.0.0.1:50051,http://127.0.0.1:8000
 """
 
 from __future__ import annotations
@@ -42,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -52,13 +72,16 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.serving_report import RequestTiming, print_report, summarize
+from benchmarks.load import cpu_seconds
+from benchmarks.serving_clients import Target, Workload, parse_targets, progress_bar, run_pass, warm_up
+from benchmarks.serving_report import HTTP_TWIN, RequestTiming, plot_report, print_report, summarize
 from benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
 
-ALL_SYSTEMS = ("disaggregated", "disaggregated+tracing", "disaggregated+gloo", "colocated", "engine",
-               "multihost-1+1", "multihost-2+2")
-# Not run unless asked for (--systems): they need root, for network namespaces.
-DEFAULT_SYSTEMS = ALL_SYSTEMS[:5]
+ALL_SYSTEMS = ("disaggregated", "disaggregated+http", "disaggregated+tracing", "disaggregated+gloo", "colocated",
+               "colocated+http", "engine", "multihost-1+1", "multihost-2+2")
+# multihost-* need root, for network namespaces; colocated+http repeats what disaggregated+http shows.
+DEFAULT_SYSTEMS = ("disaggregated", "disaggregated+http", "disaggregated+tracing", "disaggregated+gloo", "colocated",
+                   "engine")
 
 
 def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
@@ -68,47 +91,6 @@ def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, size=num_requests)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()
-
-
-# ------------------------------------------------------------------------- gRPC
-async def drive_grpc(address: str, requests: list[BenchRequest], offsets: list[float],
-                     deadline_s: float | None = None) -> list[RequestTiming]:
-    """Each request at its offset; with `deadline_s`, as each call's gRPC deadline, a call
-    that fails is recorded with its status (without, it stops the run)."""
-    import grpc
-
-    from baton.wire.v1 import generation_pb2 as pb
-    from baton.wire.v1 import generation_pb2_grpc
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        base = time.perf_counter()
-
-        async def one(request: BenchRequest, offset: float) -> RequestTiming:
-            await asyncio.sleep(max(0.0, base + offset - time.perf_counter()))
-            sent = time.perf_counter()
-            timing = RequestTiming(arrival=sent - base)
-            message = pb.GenerateRequest(
-                request_id=request.request_id,
-                token_ids=pb.TokenIds(ids=request.prompt_token_ids),
-                sampling=pb.SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True),
-            )
-            timing.deadline_s = deadline_s
-            try:
-                async for reply in stub.GenerateStream(message, timeout=deadline_s or 3600):
-                    now = time.perf_counter() - sent
-                    timing.token_times.extend([now] * len(reply.token_ids))
-                    timing.num_output_tokens += len(reply.token_ids)
-            except grpc.aio.AioRpcError as error:
-                if deadline_s is None:
-                    raise
-                timing.status = error.code().name
-            timing.finished = time.perf_counter() - sent
-            if timing.status == "OK" and timing.num_output_tokens != request.max_tokens:
-                raise RuntimeError(f"{request.request_id}: {timing.num_output_tokens} of {request.max_tokens} tokens")
-            return timing
-
-        return await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
 
 
 def gateway_args(args) -> list[str]:
@@ -121,9 +103,20 @@ def gateway_args(args) -> list[str]:
 
 
 def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[list[RequestTiming], dict]:
+    """One system on a deployment of its own (benchmarks/gpu_handoff.py's entry)."""
+    return run_front_ends([name], args, Workload(requests, offsets), log_dir)[name]
+
+
+def run_front_ends(names: list[str], args, workload: Workload,
+                   log_dir: Path) -> dict[str, tuple[list[RequestTiming], dict]]:
+    """One deployment, started for `names` (a system, and its +http twin if asked for),
+    driven over each one's front end in turn: the same gateway, workers and model behind
+    both, so what the two measure apart is the front end alone. Each pass opens with a
+    warm-up request, and its figures are the workers' counters over the pass alone."""
     from baton.cli.local import start_deployment
     from baton.devtools.otlp_sink import OtlpSink
 
+    name = base_system(names[0])
     disaggregated = name.startswith("disaggregated")
     tracing = name == "disaggregated+tracing"
     worker_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
@@ -162,29 +155,69 @@ def run_deployment(name: str, args, requests, offsets, log_dir: Path) -> tuple[l
             threads=decode_threads,
             timeout_s=900,
             env=env,
+            http_port=0 if any(n.endswith(HTTP_TWIN) for n in names) else None,
         )
+        gateway = next(p.popen.pid for p in deployment.processes if p.role == "gateway")
+        results = {}
         try:
-            timings = asyncio.run(drive_grpc(deployment.gateway, requests, offsets,
-                                             getattr(args, "deadline_s", None)))
-            decode = deployment.stats("decode")
-            extra = {"mean_seqs_per_step": decode.mean_seqs_per_step,
-                     "kv_blocks_left_held": _blocks_left_held(deployment)}
-            if disaggregated:
-                extra.update(
-                    handed_off=f"{decode.num_transfers}/{len(requests)}",
-                    num_transfers=decode.num_transfers,
-                    kv_bytes=decode.num_transferred_bytes,
-                    kv_transfer_seconds=decode.transfer_seconds,
-                    kv_observed_gbps=decode.num_transferred_bytes / max(decode.transfer_seconds, 1e-9) / 1e9,
-                    transfer_failures=decode.num_transfer_failures,
-                    kv_transports="+".join(t.transport for t in decode.kv_transports),
-                )
+            for system in names:
+                front_end, address = (("http", deployment.http) if system.endswith(HTTP_TWIN)
+                                      else ("grpc", deployment.gateway))
+                warm_up(front_end, address, workload)
+                before, _ = _settled(deployment)
+                requests, cpu_s, gateway_cpu_s = workload.fresh(), time.process_time(), cpu_seconds(gateway)
+                timings = run_pass(front_end, address, requests, workload.offsets, name=system,
+                                   deadline_s=getattr(args, "deadline_s", None))
+                # What the front end costs the gateway, and what the client takes from the
+                # servers on a machine they share.
+                extra = {"gateway_cpu_s": cpu_seconds(gateway) - gateway_cpu_s,
+                         "client_cpu_s": time.process_time() - cpu_s}
+                after, held = _settled(deployment)
+                results[system] = timings, {**pass_extra(before, after, len(requests), disaggregated, held), **extra}
         finally:
             deployment.stop()
-        if tracing:
+        if tracing:  # a system with no +http twin: the one pass (and its warm-up request)
             spans = sink.spans()  # all of them: the processes flush their spans as they exit
-            extra.update(spans_exported=len(spans), traces_exported=len({span.trace_id for span in spans}))
-    return timings, extra
+            results[names[0]][1].update(spans_exported=len(spans), traces_exported=len({s.trace_id for s in spans}))
+    return results
+
+
+def pass_extra(before: dict, after: dict, num_requests: int, disaggregated: bool, blocks_left_held: int) -> dict:
+    """What the workers did over one pass: their counters from `before` to `after` (each
+    worker's WorkerStats by id), the KV handoffs' if `disaggregated`. Prefix cache hits
+    should be none (Workload.fresh)."""
+    decode = [(before[worker_id], stats) for worker_id, stats in after.items() if stats.role == "decode"]
+
+    def grown(counter: str):
+        return sum(getattr(now, counter) - getattr(then, counter) for then, now in decode)
+
+    steps = grown("num_steps")
+    seqs = sum(now.num_steps * now.mean_seqs_per_step - then.num_steps * then.mean_seqs_per_step
+               for then, now in decode)
+    extra = {"mean_seqs_per_step": seqs / max(steps, 1), "kv_blocks_left_held": blocks_left_held,
+             "prefix_cache_hit_tokens": sum(now.prefix_cache_hit_tokens - before[worker_id].prefix_cache_hit_tokens
+                                            for worker_id, now in after.items())}
+    if disaggregated:
+        transfers, kv_bytes, seconds = grown("num_transfers"), grown("num_transferred_bytes"), grown("transfer_seconds")
+        extra.update(
+            handed_off=f"{transfers}/{num_requests}",
+            num_transfers=transfers,
+            kv_bytes=kv_bytes,
+            kv_transfer_seconds=seconds,
+            kv_observed_gbps=kv_bytes / max(seconds, 1e-9) / 1e9,
+            transfer_failures=grown("num_transfer_failures"),
+            kv_transports="+".join(sorted({t.transport for _, now in decode for t in now.kv_transports})),
+        )
+    return extra
+
+
+def run_target(target: Target, args, workload: Workload) -> tuple[list[RequestTiming], dict]:
+    """A running gateway's front end (`--target`): a warm-up request, then the pass."""
+    warm_up(target.front_end, target.address, workload, api_key=args.api_key)
+    cpu_s = time.process_time()
+    timings = run_pass(target.front_end, target.address, workload.fresh(), workload.offsets, name=target.name,
+                       deadline_s=args.deadline_s, api_key=args.api_key)
+    return timings, {"client_cpu_s": time.process_time() - cpu_s}
 
 
 def run_multihost(name: str, args, requests, offsets, log_dir: Path) -> tuple[list[RequestTiming], dict]:
@@ -212,14 +245,15 @@ def run_multihost(name: str, args, requests, offsets, log_dir: Path) -> tuple[li
             threads=decode_threads, timeout_s=900,
         )
         try:
-            timings = asyncio.run(drive_grpc(cluster.deployment.gateway, requests, offsets, args.deadline_s))
+            timings = run_pass("grpc", cluster.deployment.gateway, requests, offsets, name=name,
+                               deadline_s=args.deadline_s)
             decode = [cluster.deployment.stats(cluster.process(f"decode-{i}")) for i in range(count)]
             transports = sorted({t.transport for stats in decode for t in stats.kv_transports})
             num_bytes = sum(stats.num_transferred_bytes for stats in decode)
             seconds = sum(stats.transfer_seconds for stats in decode)
             extra = {
                 "mean_seqs_per_step": float(np.mean([stats.mean_seqs_per_step for stats in decode])),
-                "kv_blocks_left_held": _blocks_left_held(cluster.deployment),
+                "kv_blocks_left_held": _settled(cluster.deployment)[1],
                 "handed_off": f"{sum(stats.num_transfers for stats in decode)}/{len(requests)}",
                 "num_transfers": sum(stats.num_transfers for stats in decode),
                 "kv_bytes": num_bytes,
@@ -233,13 +267,14 @@ def run_multihost(name: str, args, requests, offsets, log_dir: Path) -> tuple[li
     return timings, extra
 
 
-def _blocks_left_held(deployment, timeout_s: float = 60.0) -> int:
-    """KV blocks the workers still hold once every request has ended (0: none leaked)."""
+def _settled(deployment, timeout_s: float = 60.0) -> tuple[dict, int]:
+    """Every worker's WorkerStats (by id) once every request has ended, and the KV blocks
+    they still hold if that never happens within `timeout_s` (0: none leaked)."""
     try:
-        deployment.wait_idle(timeout_s)
-        return 0
+        return deployment.wait_idle(timeout_s), 0
     except TimeoutError:
-        return sum(deployment.stats(p).num_kv_blocks_used for p in deployment.processes if p.role != "gateway")
+        stats = {s.worker_id: s for s in (deployment.stats(p) for p in deployment.processes if p.role != "gateway")}
+        return stats, sum(s.num_kv_blocks_used for s in stats.values())
 
 
 # ----------------------------------------------------------------------- engine
@@ -253,7 +288,7 @@ def run_engine(args, requests, offsets) -> tuple[list[RequestTiming], dict]:
     configure_process(args.threads)  # as a worker process does
     llm = build_engine(engine_config(args.model, max_num_batched_tokens=args.max_num_batched_tokens))
 
-    async def drive() -> list[RequestTiming]:
+    async def drive(progress) -> list[RequestTiming]:
         engine = AsyncEngine(llm)
         engine.start()
         base = time.perf_counter()
@@ -269,6 +304,7 @@ def run_engine(args, requests, offsets) -> tuple[list[RequestTiming], dict]:
                 timing.token_times.extend([now] * len(output.new_token_ids))
                 timing.num_output_tokens += len(output.new_token_ids)
             timing.finished = time.perf_counter() - sent
+            progress()
             return timing
 
         try:
@@ -276,16 +312,47 @@ def run_engine(args, requests, offsets) -> tuple[list[RequestTiming], dict]:
         finally:
             await engine.stop()
 
-    timings = asyncio.run(drive())
+    with progress_bar("engine", len(requests)) as bar:
+        timings = asyncio.run(drive(bar.update))
     for timing in timings:  # none was sent: a request that finished later missed it
         timing.deadline_s = args.deadline_s
     return timings, {"mean_seqs_per_step": llm.get_metrics().mean_seqs_per_step}
 
 
+def base_system(name: str) -> str:
+    """The system whose deployment `name` drives: `name` less its +http."""
+    return name.removesuffix(HTTP_TWIN)
+
+
+def deployments(names: list[str]) -> list[list[str]]:
+    """`names` in their order, grouped by deployment: a system and its +http twin (next to
+    each other in ALL_SYSTEMS' order, forward or backward) drive one deployment."""
+    return [list(group) for _, group in itertools.groupby(names, key=base_system)]
+
+
+def run_systems(group: list[str], args, workload: Workload, log_dir: Path,
+                targets: dict[str, Target]) -> dict[str, tuple[list[RequestTiming], dict]]:
+    """The systems of one deployment (deployments()), each pass with fresh prompts."""
+    name = group[0]
+    if name in targets:
+        return {name: run_target(targets[name], args, workload)}
+    if name == "engine":
+        return {name: run_engine(args, workload.fresh(), workload.offsets)}
+    if name.startswith("multihost"):
+        return {name: run_multihost(name, args, workload.fresh(), workload.offsets, log_dir)}
+    return run_front_ends(group, args, workload, log_dir)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list from {', '.join(ALL_SYSTEMS)}")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="the model to serve; with --target, the one served (its vocabulary draws the prompts)")
+    p.add_argument("--systems", default=None,
+                   help=f"comma list from {', '.join(ALL_SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})")
+    p.add_argument("--target", action="append", default=[], metavar="URL",
+                   help="measure a running gateway instead of starting deployments: grpc://HOST:PORT or "
+                        "http://HOST:PORT (repeatable, or a comma list), each in turn on the same schedule")
+    p.add_argument("--api-key", default=None, help="--target: sent as Authorization: Bearer <key>")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (inf: all at once)")
     p.add_argument("--seed", type=int, default=0)
@@ -304,8 +371,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prefill-queue-tokens", type=int, default=None,
                    help="gateway routing (default: the gateway's): prefill queue above which prompts may go local")
     p.add_argument("--deadline-s", type=float, default=None,
-                   help="each request's gRPC deadline, its SLO: goodput counts those completed within it "
-                        "(default: none sent, goodput = throughput)")
+                   help="each request's deadline (gRPC's; HTTP: X-Request-Timeout), its SLO: goodput counts those "
+                        "completed within it (default: none sent, goodput = throughput)")
     p.add_argument("--verify-kv", action="store_true", help="checksum every handed-off block")
     p.add_argument("--kv-bench-blocks", type=int, default=64, help="blocks in the raw-vs-block KV comparison (0: skip)")
     p.add_argument("--kv-bench-repeats", type=int, default=9)
@@ -320,11 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
-    systems = [s for s in args.systems.split(",") if s]
+    targets = {target.name: target for target in parse_targets(args.target)}
+    if targets and args.systems is not None:
+        raise SystemExit("--target measures running gateways: it takes no --systems")
+    systems = [s for s in (args.systems or ",".join(DEFAULT_SYSTEMS)).split(",") if s] if not targets else []
     unknown = set(systems) - set(ALL_SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
-    systems = [s for s in ALL_SYSTEMS if s in systems]  # in ALL_SYSTEMS' order: tracing on right after off
+    # In ALL_SYSTEMS' order: tracing on right after off, a system's +http twin beside it.
+    names = list(targets) or [s for s in ALL_SYSTEMS if s in systems]
     from transformers import AutoConfig  # noqa: F401  (fail early if transformers is broken)
 
     from engine.tokenizer import load_tokenizer
@@ -340,22 +411,19 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     requests = make_workload(vocab_size, config)
-    offsets = arrival_offsets(len(requests), args.rate, args.seed)
-    runs: dict[str, list[tuple[list[RequestTiming], dict]]] = {name: [] for name in systems}
+    workload = Workload(requests, arrival_offsets(len(requests), args.rate, args.seed))
+    runs: dict[str, list[tuple[list[RequestTiming], dict]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
         for round_index in range(args.rounds):
-            for name in systems if round_index % 2 == 0 else systems[::-1]:
-                print(f"running {name} (round {round_index + 1} of {args.rounds}) ...", file=sys.stderr, flush=True)
-                if name == "engine":
-                    runs[name].append(run_engine(args, requests, offsets))
-                elif name.startswith("multihost"):
-                    runs[name].append(run_multihost(name, args, requests, offsets, Path(tmp) / str(round_index)))
-                else:
-                    runs[name].append(run_deployment(name, args, requests, offsets, Path(tmp) / str(round_index)))
+            for group in deployments(names if round_index % 2 == 0 else names[::-1]):
+                print(f"running {' then '.join(group)} (round {round_index + 1} of {args.rounds}) ...",
+                      file=sys.stderr, flush=True)
+                for name, run in run_systems(group, args, workload, Path(tmp) / str(round_index), targets).items():
+                    runs[name].append(run)
     results = {name: summarize(name, [timings for timings, _ in rounds], [extra for _, extra in rounds])
                for name, rounds in runs.items()}
     kv = None
-    if args.kv_bench_blocks:
+    if args.kv_bench_blocks and not targets:  # the KV handoff of the deployments this run starts
         from kvtransfer.bench import measure
 
         print("running the KV transfer comparison ...", file=sys.stderr, flush=True)
@@ -364,16 +432,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         payload = {
-            "args": vars(args),
+            "args": {**vars(args), "api_key": args.api_key and "(given)"},  # no secret in the file
             "results": {name: {**asdict(r), "output_tokens_per_s": r.output_tokens_per_s,
                                "requests_per_s": r.requests_per_s,
                                "goodput_output_tokens_per_s": r.goodput_output_tokens_per_s,
                                "goodput_requests_per_s": r.goodput_requests_per_s} for name, r in results.items()},
             "kv_transfer": kv,
-            "checks": [{"name": n, "value": v, "target": t, "passed": p} for n, v, t, p in checks],
+            "checks": [check._asdict() for check in checks],
         }
         Path(args.json).write_text(json.dumps(payload, indent=2))
-    return 0 if all(passed for *_, passed in checks) else 1
+        plot_report(Path(args.json).with_suffix(".png"),
+                    {name: [timings for timings, _ in rounds] for name, rounds in runs.items()}, results,
+                    f"{args.model}: {args.num_requests} requests, Poisson {args.rate}/s, seed {args.seed}")
+    return 0 if all(check.passed for check in checks) else 1
 
 
 if __name__ == "__main__":
