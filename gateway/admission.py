@@ -176,14 +176,19 @@ class GatewayAdmission:
             raise _refused(Verdict(CONCURRENCY, str(refusal), refusal.retry_after_s)) from None
 
     def queue_tokens(self, request_id: str, num_tokens: int, params: SamplingParams | None = None,
-                     priority: int = 0, deadline: float | None = None, arrival: float | None = None) -> float | None:
+                     priority: int = 0, deadline: float | None = None, arrival: float | None = None,
+                     max_context: int | None = None) -> float | None:
         """Its prompt, once tokenized, and what it asks for: RequestError (and released)
         if the forecast says no. `deadline`: time.monotonic() seconds, None for none.
-        Returns its forecast first token, seconds from arrival (None: no model yet)."""
+        `max_context`: the model's context, which ends a request before its max_tokens
+        when they do not fit beside its prompt (None: unknown). Returns its forecast
+        first token, seconds from arrival (None: no model yet)."""
         now = self._clock()
         params = params or SamplingParams()
+        max_tokens = params.max_tokens if max_context is None else max(1, min(params.max_tokens,
+                                                                              max_context - num_tokens))
         request = Admitted(request_id, priority, deadline, now if arrival is None else arrival, next(self._orders),
-                           num_tokens, params.max_tokens, self.outputs.expected(params.max_tokens, params.ignore_eos))
+                           num_tokens, max_tokens, self.outputs.expected(max_tokens, params.ignore_eos))
         verdict = self.forecast.judge(request, self.rates, now, self.configured.max_queue_wait_s)
         if verdict is None:
             try:

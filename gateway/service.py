@@ -94,6 +94,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _serve_grpc(self, message: pb.GenerateRequest, context, method: str) -> AsyncIterator[TextDelta]:
         """`generate` for a gRPC call: a RequestError ends the call with its status."""
+        if self.metrics is not None:
+            self.metrics.received("grpc")
         try:
             async for delta in self.generate(lambda: convert.generate_request_from_pb(message),
                                              context.time_remaining, context.invocation_metadata(),
@@ -112,8 +114,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         INVALID_ARGUMENT); `time_remaining()`, seconds to its deadline (None: none, its
         SLO); `carrier`, the (key, value) pairs a traceparent may come in. Raises
         RequestError with the status the request ends with."""
-        if self.metrics is not None:
-            self.metrics.received(front)
         span = self._start_span(carrier, service, method, front)
         prepared = stream = None
         failure: RequestError | None = None
@@ -169,13 +169,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             known_length = request.prompt_kind == "token_ids"
             if known_length:  # refused now if it must be, not after waiting for the tokenizer thread
                 forecast = self.admission.queue_tokens(request_id, len(request.prompt), request.params,
-                                                       request.priority, deadline, arrival)
+                                                       request.priority, deadline, arrival,
+                                                       preparer.info.max_context_length)
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_executor, preparer.prepare, request, request_id, span
             )
             if not known_length:
                 forecast = self.admission.queue_tokens(request_id, len(prepared.prompt_token_ids), prepared.params,
-                                                       prepared.priority, deadline, arrival)
+                                                       prepared.priority, deadline, arrival,
+                                                       preparer.info.max_context_length)
             prepared.arrival, prepared.deadline = arrival, deadline
             if forecast is not None and self.metrics is not None:
                 self.metrics.forecast_ttft.observe(forecast)

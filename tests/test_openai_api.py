@@ -26,6 +26,7 @@ from engine.tokenizer import load_tokenizer
 from gateway.http.translate import param_name
 from gateway.limits import MAX_REQUEST_BYTES
 from tests.test_bad_input import CASES
+from tests.test_bursts import gateway_samples, total
 from tests.test_serving import VOCAB_SIZE
 from tests.tiny_models import make_tiny_model
 
@@ -46,7 +47,7 @@ def up(tmp_path_factory):
     settings = from_args(UpSettings, build_parser().parse_args([
         "up", "--model", str(path), "--port", str(free_port()), "--http-port", str(free_port()),
         "--served-model-name", SERVED, "--threads", "1", "--max-model-len", "512", "--api-key", KEY]))
-    deployment = start_up(settings, tmp_path_factory.mktemp("logs"))
+    deployment = start_up(settings, tmp_path_factory.mktemp("logs"), metrics=True)
     yield deployment
     assert deployment.stop() == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
 
@@ -210,8 +211,7 @@ def _http_body(request: pb.GenerateRequest) -> tuple[str, dict] | None:
     return route, body
 
 
-HTTP_CASES = {name: case for name, case in CASES.items()
-              if isinstance(case[0], pb.GenerateRequest) and case[2] is not None and name != "no prompt"}
+HTTP_CASES = {name: case for name, case in CASES.items() if isinstance(case[0], pb.GenerateRequest) and case[2]}
 
 
 @pytest.mark.parametrize("case", sorted(HTTP_CASES))
@@ -223,10 +223,22 @@ def test_bad_input_over_http_names_the_grpc_suites_field(up, case):
     assert answer.json()["error"]["param"] == param_name(field, chat=route == "chat/completions"), answer.text
 
 
+def test_a_body_that_is_no_json_or_no_request_names_what_is_wrong(up):
+    answer = httpx.post(f"http://{up.http}/v1/completions", content=b"\xff{not json", timeout=60,
+                        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+    answer = post(up, "chat/completions", {"model": SERVED, "messages": "hi"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+
+
 def test_after_the_bad_input_nothing_is_held_and_it_serves(up, client):
     up.wait_idle()
     assert client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=3).usage.completion_tokens >= 1
     up.wait_idle()
+    # The gateway's metrics count each front end's requests apart.
+    samples = gateway_samples(up)
+    assert total(samples, "baton_requests_received_total", front="http") > len(HTTP_CASES)
+    assert total(samples, "baton_requests_received_total", front="grpc") >= 4
 
 
 def test_a_client_gone_mid_stream_leaves_no_block_held_within_2_s(up):

@@ -90,6 +90,8 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
     async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":  # its loc is a position in the text, not a field
+            loc = []
         param = loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:]) if loc else None
         chat = request.url.path.endswith("/chat/completions")
         return fail(translate.invalid(param or "body", f"{param or 'the body'}: {first.get('msg')}"), chat=chat)
@@ -117,8 +119,13 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
         card = api.ModelCard(id=model_name(), max_model_len=service.info.max_context_length)
         return api.ModelList(data=[card])
 
+    def received() -> None:
+        if service.metrics is not None:
+            service.metrics.received("http")
+
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request):
+        received()
         refused = refusal(request, body.model, chat=False)
         if refused is not None:
             return refused
@@ -134,6 +141,7 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+        received()
         refused = refusal(request, body.model, chat=True)
         if refused is not None:
             return refused
