@@ -62,10 +62,6 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
     def model_name() -> str:
         return served_model_name or service.info.model
 
-    def fail(error: RequestError, *, chat: bool) -> JSONResponse:
-        status, body, headers = translate.error_body(error, chat=chat)
-        return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
     def authorized(request: Request) -> bool:
         if api_key is None:
             return True
@@ -76,14 +72,14 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
     def refusal(request: Request, model: str | None, *, chat: bool) -> JSONResponse | None:
         """The answer to a request refused before it is read: no key, not started, another model."""
         if not authorized(request):
-            return fail(RequestError(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed: "
-                                     "Authorization: Bearer <key>"), chat=chat)
+            return _error_response(RequestError(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed: "
+                                                "Authorization: Bearer <key>"), chat=chat)
         if service.info is None:
-            return fail(RequestError(grpc.StatusCode.UNAVAILABLE, "gateway is starting: no worker is serving yet"),
-                        chat=chat)
+            return _error_response(RequestError(grpc.StatusCode.UNAVAILABLE,
+                                                "gateway is starting: no worker is serving yet"), chat=chat)
         if model is not None and model != model_name():
-            return fail(RequestError(grpc.StatusCode.NOT_FOUND, f"the model {model!r} does not exist: "
-                                     f"this server serves {model_name()!r}", field="model"), chat=chat)
+            return _error_response(RequestError(grpc.StatusCode.NOT_FOUND, f"the model {model!r} does not exist: "
+                                                f"this server serves {model_name()!r}", field="model"), chat=chat)
         return None
 
     @app.exception_handler(RequestValidationError)
@@ -94,7 +90,8 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
             loc = []
         param = loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:]) if loc else None
         chat = request.url.path.endswith("/chat/completions")
-        return fail(translate.invalid(param or "body", f"{param or 'the body'}: {first.get('msg')}"), chat=chat)
+        message = f"{param or 'the body'}: {first.get('msg')}"
+        return _error_response(translate.invalid(param or "body", message), chat=chat)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -132,11 +129,10 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
         try:
             requests = translate.completion_requests(body)
         except RequestError as error:
-            return fail(error, chat=False)
+            return _error_response(error, chat=False)
         call = _Call(service, request, "/v1/completions", f"cmpl-{prefix}{next(ids)}", model_name(), chat=False)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await call.stream(call.completion_chunks(requests, include_usage))
+            return await call.stream(call.completion_chunks(requests, body.include_usage))
         return await call.answer(call.completion(requests))
 
     @app.post("/v1/chat/completions")
@@ -148,12 +144,11 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
         try:
             generate = translate.chat_request(body, service.info.max_context_length)
         except RequestError as error:
-            return fail(error, chat=True)
+            return _error_response(error, chat=True)
         call = _Call(service, request, "/v1/chat/completions", f"chatcmpl-{prefix}{next(ids)}", model_name(),
                      chat=True)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await call.stream(call.chat_chunks(generate, include_usage))
+            return await call.stream(call.chat_chunks(generate, body.include_usage))
         return await call.answer(call.chat(generate))
 
     return _BodyLimit(app)
@@ -223,8 +218,7 @@ class _Call:
         return task.result()
 
     def _error(self, error: RequestError) -> JSONResponse:
-        status, body, headers = translate.error_body(error, chat=self.is_chat)
-        return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+        return _error_response(error, chat=self.is_chat)
 
     async def answer(self, answer: Awaitable) -> Response:
         """A whole answer, or its error; 499 (to no one) if the client went away."""
@@ -276,8 +270,7 @@ class _Call:
         for index, (text, deltas) in enumerate(results):
             logprobs = None
             if requests[index].params.logprobs is not None:
-                merged = TextDelta("", [], logprobs=[e for d in deltas for e in d.logprobs])
-                logprobs = translate.completion_logprobs(merged, self.text, 0)
+                logprobs = translate.completion_logprobs([e for d in deltas for e in d.logprobs], self.text, 0)
             choices.append(api.CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                 finish_reason=deltas[-1].finish_reason))
         return api.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -290,7 +283,7 @@ class _Call:
         def chunk(index: int, delta: TextDelta) -> str:
             logprobs = None
             if requests[index].params.logprobs is not None:
-                logprobs = translate.completion_logprobs(delta, self.text, offsets[index])
+                logprobs = translate.completion_logprobs(delta.logprobs, self.text, offsets[index])
             offsets[index] += len(delta.text)
             choice = api.CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
                                           finish_reason=delta.finish_reason)
@@ -299,7 +292,7 @@ class _Call:
 
         started = False
         try:
-            async for index, delta in self._merged(requests):
+            async for index, delta in _interleave([self._indexed(i, r) for i, r in enumerate(requests)]):
                 if delta.finish_reason is not None:
                     lasts.append(delta)
                 yield chunk(index, delta)
@@ -315,11 +308,6 @@ class _Call:
                                                 usage=translate.usage(lasts)))
         yield "data: [DONE]\n\n"
 
-    async def _merged(self, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
-        """The deltas of every request of a batch as they come, with each one's index."""
-        async for item in _interleave([self._indexed(i, r) for i, r in enumerate(requests)]):
-            yield item
-
     def _error_event(self, error: RequestError) -> str:
         _, body, _ = translate.error_body(error, chat=self.is_chat)
         return _event(body)
@@ -334,8 +322,7 @@ class _Call:
         last = deltas[-1]
         logprobs = None
         if request.params.logprobs is not None:
-            merged = TextDelta("", [], logprobs=[e for d in deltas for e in d.logprobs])
-            logprobs = translate.chat_logprobs(merged, self.text)
+            logprobs = translate.chat_logprobs([e for d in deltas for e in d.logprobs], self.text)
         choice = api.ChatChoice(index=0, message=api.ChatMessageOut(content=text), logprobs=logprobs,
                                 finish_reason=last.finish_reason)
         return api.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
@@ -349,11 +336,11 @@ class _Call:
 
         last = None
         try:
-            async for _, delta in self._merged([request]):
+            async for delta in self.generate(request):
                 if last is None:  # the role first, as OpenAI sends it
                     yield chunk(api.ChatDelta(role="assistant", content=""))
-                logprobs = translate.chat_logprobs(delta, self.text) if request.params.logprobs is not None \
-                    else None
+                logprobs = translate.chat_logprobs(delta.logprobs, self.text) \
+                    if request.params.logprobs is not None else None
                 last = delta
                 yield chunk(api.ChatDelta(content=delta.text), delta.finish_reason, logprobs)
         except RequestError as error:
@@ -366,6 +353,11 @@ class _Call:
             yield _event(api.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                                  usage=translate.usage([last])))
         yield "data: [DONE]\n\n"
+
+
+def _error_response(error: RequestError, *, chat: bool) -> JSONResponse:
+    status, body, headers = translate.error_body(error, chat=chat)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def _event(body) -> str:

@@ -47,6 +47,11 @@ class _Request(BaseModel):
     response_format: dict[str, Any] | None = None
     best_of: int | None = None
 
+    @property
+    def include_usage(self) -> bool:
+        """A streamed answer ends with a chunk of usage alone."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -15,7 +15,7 @@ import re
 
 import grpc
 
-from baton.wire.records import ChatMessage, GenerateRequest, TextDelta
+from baton.wire.records import ChatMessage, GenerateRequest, TextDelta, TokenLogprobs
 from engine.sampling_params import SamplingParamError, SamplingParams
 from gateway.errors import RequestError
 from gateway.http import protocol as api
@@ -176,7 +176,7 @@ class TokenText:
         return self.tokenizer.decode([token_id])
 
 
-def chat_logprobs(delta: TextDelta, text: TokenText) -> api.ChatLogprobs:
+def chat_logprobs(entries: list[TokenLogprobs], text: TokenText) -> api.ChatLogprobs:
     def entry(token_id: int, logprob: float) -> dict:
         token = text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
@@ -184,18 +184,19 @@ def chat_logprobs(delta: TextDelta, text: TokenText) -> api.ChatLogprobs:
     return api.ChatLogprobs(content=[
         api.TokenLogprob(**entry(e.token_id, e.logprob),
                          top_logprobs=[api.TopLogprob(**entry(t, lp)) for t, lp in e.top_logprobs])
-        for e in delta.logprobs])
+        for e in entries])
 
 
-def completion_logprobs(delta: TextDelta, text: TokenText, offset: int) -> api.CompletionLogprobs:
-    tokens = [text(e.token_id) for e in delta.logprobs]
+def completion_logprobs(entries: list[TokenLogprobs], text: TokenText, offset: int) -> api.CompletionLogprobs:
+    """`entries` in the legacy completions shape, their text starting at `offset`."""
+    tokens = [text(e.token_id) for e in entries]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     return api.CompletionLogprobs(
-        tokens=tokens, token_logprobs=[e.logprob for e in delta.logprobs],
-        top_logprobs=[{text(t): lp for t, lp in e.top_logprobs} for e in delta.logprobs], text_offset=offsets)
+        tokens=tokens, token_logprobs=[e.logprob for e in entries],
+        top_logprobs=[{text(t): lp for t, lp in e.top_logprobs} for e in entries], text_offset=offsets)
 
 
 def usage(deltas: list[TextDelta]) -> api.Usage:
