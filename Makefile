@@ -17,7 +17,7 @@ STAMP := $(VENV)/.baton-setup.stamp
 # No hub access here: everything loads from local files.
 RUN_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: setup kernels test test-gpu gpu-check bench-gpu run demo protos bench bench-serving clean distclean
+.PHONY: setup kernels test test-gpu gpu-check gpu-wheels bench-gpu run demo protos bench bench-serving clean distclean
 
 setup: $(STAMP)
 
@@ -86,6 +86,15 @@ OUT ?= benchmarks/results/gpu-check
 gpu-check: $(if $(filter cpu,$(DEVICE)),kernels)
 	$(if $(filter cpu,$(DEVICE)),$(RUN_ENV) $(PY),$(GPU_PYTHON)) -m benchmarks.gpu_check --device $(DEVICE) \
 		--budget-s $(BUDGET_S) --out $(OUT)
+
+# What the lent GPU machine lacks beyond ../shared/gpu/prepare.sh's wheels: the HTTP front end
+# (FastAPI, uvicorn), the test clients (openai, httpx2) and tqdm, as Python 3.12 wheels at this
+# venv's versions, into .gpu/wheels (which .gpu/env.sh installs there). Run once here after prepare.sh.
+GPU_EXTRA_WHEELS ?= fastapi uvicorn pydantic openai httpx2 tqdm
+gpu-wheels: setup
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .gpu/wheels \
+		$$($(PY) -c "import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_EXTRA_WHEELS)'.split()))")
 
 # The GPU benchmark (benchmarks/gpu.py): JSON and plots under benchmarks/results/gpu.
 bench-gpu:

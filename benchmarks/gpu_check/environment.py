@@ -112,7 +112,10 @@ def run(log: CheckLog, device: str, work: Path) -> None:
             if isinstance(error, KeyboardInterrupt):
                 raise
             failed.append(name)
-            log.add(f"import {name}", FAIL, detail="".join(traceback.format_exception_only(error)).strip()[-1000:])
+            hint = (" (the lent GPU machine: `make gpu-wheels` on the CPU box first)"
+                    if isinstance(error, ModuleNotFoundError) else "")
+            log.add(f"import {name}", FAIL,
+                    detail="".join(traceback.format_exception_only(error)).strip()[-1000:] + hint)
     log.add("imports", FAIL if failed else PASS, value=len(modules) - len(failed), target=f"= {len(modules)}",
             unit="modules", seconds=time.perf_counter() - started,
             detail=f"not importable: {', '.join(failed)}" if failed else "every module of Baton, its tests and "
