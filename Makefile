@@ -88,12 +88,13 @@ gpu-check: $(if $(filter cpu,$(DEVICE)),kernels)
 		--budget-s $(BUDGET_S) --out $(OUT)
 
 # What the lent GPU machine lacks beyond ../shared/gpu/prepare.sh's wheels: the HTTP front end
-# (FastAPI, uvicorn), the test clients (openai, httpx2) and tqdm, as Python 3.12 wheels at this
+# (FastAPI, uvicorn), llguidance, the test clients (openai, httpx2, jsonschema) and tqdm, as Python 3.12 wheels at this
 # venv's versions, into .gpu/wheels (which .gpu/env.sh installs there). Run once here after prepare.sh.
-GPU_EXTRA_WHEELS ?= fastapi uvicorn pydantic openai httpx2 tqdm
+GPU_EXTRA_WHEELS ?= fastapi uvicorn pydantic openai httpx2 tqdm llguidance jsonschema
 gpu-wheels: setup
-	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .gpu/wheels \
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_31_x86_64 -d .gpu/wheels \
 		$$($(PY) -c "import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_EXTRA_WHEELS)'.split()))")
 
 # The GPU benchmark (benchmarks/gpu.py): JSON and plots under benchmarks/results/gpu.

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from engine.engine import LLMEngine
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine.request import InvalidRequestError
+from engine.structured_output import StructuredOutputError
 from engine.sampling_params import SamplingParams
 from engine.thread_device import use_device
 
@@ -163,6 +164,7 @@ class AsyncEngine:
         """Queue a request; raises ValueError on bad input (nothing is then queued), an
         InvalidRequestError naming the attribute at fault for a request the engine could never run.
         `deadline` (time.monotonic() seconds) orders the queues: see LLMEngine.add_request."""
+        await self._prepare(params)
         return await self._add(
             request_id,
             lambda engine: engine.add_request(
@@ -190,6 +192,7 @@ class AsyncEngine:
         num_generated_tokens: int = 0,
     ) -> RequestStream:
         """Queue a request whose prompt KV will be received (see LLMEngine.add_prefilled_request)."""
+        await self._prepare(params)
         return await self._add(
             request_id,
             lambda engine: engine.add_prefilled_request(
@@ -203,6 +206,18 @@ class AsyncEngine:
                 num_generated_tokens=num_generated_tokens,
             ),
         )
+
+    async def _prepare(self, params: SamplingParams) -> None:
+        """Compile a structured output's grammar on a worker thread (cached: usually at once),
+        neither on the event loop nor in the engine's step; InvalidRequestError if it cannot be."""
+        spec = params.structured_output
+        grammars = self.engine.grammars
+        if spec is None or grammars is None:
+            return  # no constraint, or no tokenizer: the engine refuses it when added
+        try:
+            await asyncio.to_thread(grammars.prepare, spec)
+        except StructuredOutputError as error:
+            raise InvalidRequestError(f"sampling_params.{error.name}", str(error)) from None
 
     async def _add(self, request_id: str, add: Callable[[LLMEngine], Any]) -> RequestStream:
         if request_id in self._streams:

@@ -17,10 +17,12 @@ from engine.kv_cache import KVCache, KVLayout
 from engine.memory import GraphReserve, check_share_is_free, kv_cache_budget, profile_memory, read_device_memory
 from engine.model.loader import LoadedModel, load_model
 from engine.decode_graphs import GraphCapture, graph_batch_sizes, static_decode_bytes
+from engine.grammar import GrammarCompiler
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine.preemption import PreemptionCostModel
 from engine.request import PENDING_TOKEN, InvalidRequestError, Request, RequestStatus
+from engine.request_inputs import bad_word_ids, check_sampling_ids, check_token_ids, start_grammar
 from engine.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
@@ -67,6 +69,9 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         arch = loaded.arch
         self.vocab_size = arch.vocab_size
+        # Structured output: compiled off the step (the async engine prepares each
+        # constraint on a worker thread); None without a tokenizer.
+        self.grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.vocab_size)
         block_size = config.cache.block_size
         self.kv_layout = KVLayout(
             num_layers=arch.num_layers,
@@ -173,6 +178,8 @@ class LLMEngine:
         request = self._new_request(prompt, sampling_params, request_id, priority, trace, num_generated_tokens,
                                     deadline)
         request.prefill_only = prefill_only
+        request.output_start -= num_generated_tokens
+        start_grammar(self.grammars, request)
         self.scheduler.add_request(request)
         return request
 
@@ -196,10 +203,12 @@ class LLMEngine:
         had been prefilled here (a seeded request's generator skips the draw
         the other engine made; `num_generated_tokens` and `deadline` as in add_request).
         """
-        self._check_token_ids("first_token_id", [first_token_id], is_list=False)
+        check_token_ids("first_token_id", [first_token_id], self.vocab_size, is_list=False)
         request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority, trace,
                                     num_generated_tokens + 1, deadline)
         request.all_token_ids.append(first_token_id)
+        request.output_start -= num_generated_tokens
+        start_grammar(self.grammars, request)
         request.kv_remote = True
         self.scheduler.add_request(request)
         return request
@@ -221,15 +230,6 @@ class LLMEngine:
         """Free the KV a prefill_only request holds (after the handoff, or when given up)."""
         return self.scheduler.release_held(request_id) is not None
 
-    def _check_token_ids(self, name: str, token_ids: Sequence[int], is_list: bool = True) -> None:
-        """InvalidRequestError naming attribute `name` (and the position, if `is_list`) of
-        the first id outside the vocabulary."""
-        vocab_size = self.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-            index = next(i for i, token_id in enumerate(token_ids) if not 0 <= token_id < vocab_size)
-            raise InvalidRequestError(name, f"token id {token_ids[index]} is outside the vocabulary [0, {vocab_size})",
-                                      index if is_list else None)
-
     def _new_request(
         self,
         prompt: str | Sequence[int],
@@ -246,7 +246,8 @@ class LLMEngine:
         prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids", "prompt is empty")
-        self._check_token_ids("prompt_token_ids", prompt_token_ids)
+        check_token_ids("prompt_token_ids", prompt_token_ids, self.vocab_size)
+        check_sampling_ids(params, self.vocab_size)
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
         request = Request(
@@ -257,6 +258,8 @@ class LLMEngine:
             deadline=deadline,
             eos_token_ids=self.eos_token_ids,
         )
+        if params.bad_words:
+            request.bad_word_ids = bad_word_ids(self.tokenizer, params.bad_words)
         if trace:
             request.events = []
         if params.seed is not None:
@@ -317,6 +320,8 @@ class LLMEngine:
         for step in done:
             if step is not None:
                 step_output.outputs.extend(self._complete(step, started).outputs)
+        if launched is not None and launched.launched.deferred is not None:
+            self.runner.sample_deferred(launched.launched)  # its grammars have seen the tokens just completed
         if launched is not None and launched.kv_receives:
             step_output.kv_receives = launched.kv_receives
         if self._aborted_outputs:

@@ -11,9 +11,11 @@ import torch
 from engine.block_pool import KVCacheManager
 from engine.decode_graphs import GraphCapture, StaticDecode, graph_batch_sizes
 from engine.forward_batch import ForwardBatch, prepare_forward_batch
+from engine.grammar import bitmask_words, fill_bitmask
 from engine.kv_cache import KVCache
 from engine.request import Request
-from engine.sampler import SampledTokens, Sampler, SamplerOutput, SamplingBatch
+from engine.sampler import SampledTokens, Sampler, SamplerOutput
+from engine.sampling_inputs import sampling_batch
 from engine.scheduler import SchedulerOutput
 
 
@@ -40,7 +42,7 @@ class LaunchedStep:
     """
 
     __slots__ = ("requests", "sampled", "swap_bytes", "swap_seconds", "num_prefill_tokens", "events",
-                 "host_seconds", "_output")
+                 "host_seconds", "deferred", "_output")
 
     def __init__(self, requests: list[Request], sampled: SampledTokens | None, swap_bytes: int,
                  swap_seconds: float, num_prefill_tokens: int, events: tuple | None, host_seconds: float) -> None:
@@ -53,6 +55,9 @@ class LaunchedStep:
         # device's timeline: the gap to the next step's first is the device idling).
         self.events = events
         self.host_seconds = host_seconds  # launching it (on CPU: running it)
+        # Sampling that waits for the step before's tokens (its rows' grammars must see
+        # them first): (logits, sampling batch, last token ids); None: launched.
+        self.deferred: tuple | None = None
         self._output: ModelRunnerOutput | None = None
 
     @property
@@ -63,6 +68,7 @@ class LaunchedStep:
     def result(self) -> ModelRunnerOutput:
         """Wait for the step's tokens (once; later calls return the same output)."""
         if self._output is None:
+            assert self.deferred is None, "ModelRunner.sample_deferred first"
             started = time.perf_counter()
             sampler_output = None if self.sampled is None else self.sampled.result()
             if self.events is not None:
@@ -140,7 +146,7 @@ class ModelRunner:
             events[0].record()
         started = time.perf_counter()
         swap_bytes, swap_seconds = self._swap(out)
-        sampled = None
+        sampled = deferred = None
         sample_requests: list[Request] = []
         num_prefill_tokens = 0
         if out.requests:
@@ -157,13 +163,39 @@ class ModelRunner:
             sample_requests = batch.sample_requests
             num_prefill_tokens = batch.num_prefill_tokens
             if sample_requests:
-                sampling = self._sampling_batch(sample_requests)
-                last_token_ids = batch.input_ids.index_select(0, batch.sample_indices) if sampling.any_penalty else None
-                sampled = self.sampler.sample(logits, sampling, last_token_ids)
-        if events is not None:
+                sampling = sampling_batch(sample_requests, self.device)
+                last_token_ids = (batch.input_ids.index_select(0, batch.sample_indices) if sampling.needs_last_token
+                                  else None)
+                if previous is not None and any(r.grammar is not None for r in sample_requests):
+                    # A grammar's mask needs the token the step in flight samples: the engine
+                    # samples this step once it has those tokens (its one wait on the device).
+                    deferred = (logits, sampling, last_token_ids)
+                else:
+                    sampled = self._sample(sample_requests, logits, sampling, last_token_ids)
+        if events is not None and deferred is None:
             events[1].record()
-        return LaunchedStep(sample_requests, sampled, swap_bytes, swap_seconds, num_prefill_tokens, events,
+        step = LaunchedStep(sample_requests, sampled, swap_bytes, swap_seconds, num_prefill_tokens, events,
                             time.perf_counter() - started)
+        step.deferred = deferred
+        return step
+
+    @torch.inference_mode()
+    def sample_deferred(self, step: LaunchedStep) -> None:
+        """Launch a step's deferred sampling: its rows' grammars have seen every token before."""
+        logits, sampling, last_token_ids = step.deferred
+        step.deferred = None
+        step.sampled = self._sample(step.requests, logits, sampling, last_token_ids)
+        if step.events is not None:
+            step.events[1].record()
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor, sampling, last_token_ids) -> SampledTokens:
+        rows = [row for row, request in enumerate(requests) if request.grammar is not None]
+        grammar = None
+        if rows:
+            bitmask = fill_bitmask([requests[row].grammar for row in rows], bitmask_words(logits.shape[1]),
+                                   self.device)
+            grammar = (torch.tensor(rows).to(self.device, non_blocking=True), bitmask)
+        return self.sampler.sample(logits, sampling, last_token_ids, grammar)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """The eager forward pass; logits [S, V] of the rows that sample (None: no row does)."""
@@ -215,19 +247,3 @@ class ModelRunner:
             finished.append((num_bytes, seconds))
             self._swap_timings.popleft()
         return finished
-
-    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
-        params = [r.sampling_params for r in requests]
-        generators = [r.generator for r in requests]
-        histories = None
-        if any(p.repetition_penalty != 1.0 for p in params):
-            histories = [r.all_token_ids for r in requests]
-        banned = None
-        if any(p.min_tokens for p in params):
-            banned = [
-                list(r.eos_token_ids) + list(p.stop_token_ids)
-                if r.num_output_tokens < p.min_tokens
-                else []
-                for r, p in zip(requests, params)
-            ]
-        return SamplingBatch.build(params, generators, histories, banned_token_ids=banned, device=self.device)

@@ -131,6 +131,9 @@ class Request:
         "num_cached_tokens",
         "num_reused_blocks",
         "num_cached_estimate",
+        "output_start",
+        "bad_word_ids",
+        "grammar",
     )
 
     def __init__(
@@ -201,6 +204,14 @@ class Request:
         self.num_reused_blocks = 0
         # Its prompt tokens the cache held when last looked up (for the queued-work estimate).
         self.num_cached_estimate = 0
+        # Where its generated tokens start in all_token_ids: before the prompt's end when
+        # an earlier attempt generated its last tokens elsewhere (they count as output
+        # for the penalties, bad words and a grammar).
+        self.output_start = len(self.prompt_token_ids)
+        # Its bad words as token id sequences (the engine tokenizes them).
+        self.bad_word_ids: tuple[tuple[int, ...], ...] = ()
+        # Its structured output's matcher (engine.grammar.GrammarState); None: free text.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:
@@ -217,6 +228,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token generated for it, here and by earlier attempts (PENDING_TOKEN last
+        while a step in flight has it)."""
+        return self.all_token_ids[self.output_start :]
 
     @property
     def is_finished(self) -> bool:

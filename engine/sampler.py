@@ -3,8 +3,10 @@ launched without waiting on the device.
 
 Order of operations (as in vLLM / Hugging Face):
 
-    repetition penalty -> banned ids -> greedy rows: argmax
-                                     -> other rows: temperature -> top-k -> top-p -> min-p -> race
+    repetition penalty -> presence / frequency penalties -> logit bias -> allowed ids -> banned ids
+        -> a structured output's token bitmask
+        -> greedy rows: argmax
+        -> other rows: temperature -> top-k -> top-p -> min-p -> race
 
 Every sampled row first takes its top-C candidates (topk; temperature keeps
 the order; C >= every row's top-k). Truncation is one logit threshold per row
@@ -51,8 +53,9 @@ import torch
 from torch import Tensor
 
 from engine import kernels
+from engine.grammar import apply_bitmask
 from engine.outputs import TokenLogprobs
-from engine.sampling_batch import SamplingBatch, SamplingRows
+from engine.sampling_batch import PENDING_OUTPUT, SamplingBatch, SamplingRows
 
 # Candidates per sampled row. Large enough to hold a typical nucleus and most
 # of an LLM's probability mass; rows needing more fall back to full-vocab work.
@@ -113,24 +116,26 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.sample(logits, batch).result()
 
-    def sample(self, logits: Tensor, batch: SamplingBatch, last_token_ids: Tensor | None = None) -> SampledTokens:
+    def sample(self, logits: Tensor, batch: SamplingBatch, last_token_ids: Tensor | None = None,
+               grammar: tuple[Tensor, Tensor] | None = None) -> SampledTokens:
         """Launch the step's sampling and start copying its tokens to the host.
         `last_token_ids` [S] int64 (on the device): the token each row was fed this
-        step, counted as seen by the repetition penalty (the host history may not
-        hold it yet)."""
+        step, counted as seen by the penalties (the host history may not hold it yet).
+        `grammar`: the rows [G] with a structured output and their next-token bitmask
+        [G, W] int32 (engine.grammar), on the device."""
         num_rows, vocab_size = logits.shape  # [S, V]
         assert num_rows == batch.num_rows, (num_rows, batch.num_rows)
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        needs_edit = batch.penalty_rows is not None or batch.banned_rows is not None
+        needs_edit = batch.edits_logits or grammar is not None
         if batch.all_greedy and not needs_edit:
             token_ids = _argmax_rows(logits)  # [S]
         else:
             # NOTE: without edits x may alias the caller's logits; nothing below writes to it.
             x = logits.to(dtype, copy=needs_edit)  # [S, V]
-            if batch.penalty_rows is not None:
-                apply_repetition_penalty(x, batch, last_token_ids)
-            if batch.banned_rows is not None:
-                _mask_ids(x, batch.banned_rows, batch.banned_token_ids, float("-inf"))
+            if batch.edits_logits:
+                apply_logit_edits(x, batch, last_token_ids)
+            if grammar is not None:
+                apply_bitmask(x, *grammar)
             token_ids = self._draw(x, batch)
         logprobs = _logprobs(logits, dtype, token_ids, batch) if batch.max_num_logprobs is not None else ()
         return _start_copy(token_ids, logprobs, batch.num_logprobs)
@@ -293,6 +298,54 @@ def _race_full(x: Tensor, threshold: Tensor, generators: Sequence[torch.Generato
     return weights.div_(uniform.log_().neg_()).argmax(dim=-1)
 
 
+def apply_logit_edits(x: Tensor, batch: SamplingBatch, last_token_ids: Tensor | None = None) -> None:
+    """Every per-row edit of the logits x [S, V] before the draw, in place, in the module
+    docstring's order; each touches only its own rows, so a row's logits are those it
+    would have alone. `last_token_ids` [S]: the token each row was fed this step."""
+    if batch.penalty_rows is not None:
+        apply_repetition_penalty(x, batch, last_token_ids)
+    if batch.output_penalty_rows is not None:
+        _apply_output_penalties(x, batch, last_token_ids)
+    if batch.bias_rows is not None:
+        # Accumulating: a pad repeats the row's first id with bias 0.
+        x.index_put_((batch.bias_rows[:, None], batch.bias_token_ids), batch.bias_values.to(x.dtype),
+                     accumulate=True)
+    if batch.allowed_rows is not None:
+        mask = x.new_full((len(batch.allowed_rows), x.shape[1]), float("-inf"))
+        mask.scatter_(1, batch.allowed_token_ids, 0.0)  # [A, V]: 0 where allowed
+        x[batch.allowed_rows] += mask
+    if batch.banned_rows is not None:
+        _ban_ids(x, batch, last_token_ids)
+
+
+def _apply_output_penalties(x: Tensor, batch: SamplingBatch, last_token_ids: Tensor | None) -> None:
+    """OpenAI's penalties, in place on x [S, V]: a token generated c times by its row
+    loses c * frequency_penalty + (c > 0) * presence_penalty."""
+    rows = batch.output_penalty_rows
+    token_ids = batch.output_token_ids  # [Q, L]: -1 padding, PENDING_OUTPUT on the device
+    if last_token_ids is not None:
+        token_ids = torch.where(token_ids == PENDING_OUTPUT, last_token_ids[rows][:, None], token_ids)
+    counts = torch.zeros(len(rows), x.shape[1], dtype=x.dtype, device=x.device)  # [Q, V]
+    counts.scatter_add_(1, token_ids.clamp(min=0), (token_ids >= 0).to(x.dtype))
+    frequency = batch.frequency_penalty.to(x.dtype)[:, None]
+    presence = batch.presence_penalty.to(x.dtype)[:, None]
+    x[rows] -= counts * frequency + (counts > 0).to(x.dtype) * presence
+
+
+def _ban_ids(x: Tensor, batch: SamplingBatch, last_token_ids: Tensor | None) -> None:
+    """Mask the banned ids to -inf: each where its condition holds (none, or the row's last
+    token). Accumulating -inf or 0, so a repeated (row, id) with either is the same."""
+    token_ids = batch.banned_token_ids  # [B, M], a pad repeats the row's first entry
+    conditions = batch.ban_conditions
+    if conditions is None:
+        _mask_ids(x, batch.banned_rows, token_ids, float("-inf"))
+        return
+    assert last_token_ids is not None, "conditional bans read the rows' last tokens"
+    holds = (conditions < 0) | (conditions == last_token_ids[batch.banned_rows][:, None])  # [B, M]
+    values = torch.where(holds, float("-inf"), 0.0).to(x.dtype)
+    x.index_put_((batch.banned_rows[:, None], token_ids), values, accumulate=True)
+
+
 def apply_repetition_penalty(x: Tensor, batch: SamplingBatch, last_token_ids: Tensor | None = None) -> None:
     """Hugging Face RepetitionPenaltyLogitsProcessor, in place on x [S, V], on the
     rows with a penalty: each token a row has seen has its logit divided by the
@@ -403,10 +456,10 @@ def _fill_uniform(out: Tensor, generator: torch.Generator) -> Tensor:
 
 
 def _mask_ids(x: Tensor, rows: Tensor, token_ids: Tensor, value: float) -> None:
-    """x[rows[i], token_ids[i, j]] = value; token_ids [B, M] -1 padded, row i's first id real."""
+    """x[rows[i], token_ids[i, j]] = value; token_ids [B, M], a pad repeats its row's first id."""
     # NOTE: the value as a device tensor: a Python scalar would be copied to a CUDA device
     # with a blocking copy (index_put_ moves a CPU value to the tensor's device).
-    x.index_put_((rows[:, None], torch.where(token_ids < 0, token_ids[:, :1], token_ids)), x.new_full((), value))
+    x.index_put_((rows[:, None], token_ids), x.new_full((), value))
 
 
 def _logprobs(

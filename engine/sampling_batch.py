@@ -9,10 +9,15 @@ and reaches the device in one non-blocking copy; the batch's tensors are views
 of it:
 
     [ greedy rows | unseeded: rows, top_k, temperature, top_p, min_p | seeded: the same
-      | penalty rows, penalties, seen ids P x L | banned rows, banned ids B x M | logprob rows ]
+      | penalty rows, penalties, seen ids P x L
+      | output-penalty rows, presence, frequency, output ids Q x L
+      | bias rows, ids, biases B x M | allowed rows, ids A x M
+      | banned rows, banned ids, conditions B x M | logprob rows ]
 
-Ragged id lists are padded with -1; the sampler fills a pad with an id of the
-same row, so a scatter writes each (row, id) with one value.
+Ragged id lists are padded with -1 (the seen and output ids; the sampler reads a
+pad as no token), or with the row's first entry again (bias, allowed and banned
+lists, written with an accumulating scatter or one value, so a repeated entry
+changes nothing).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import torch
 from torch import Tensor
 
 from engine.sampling_params import SamplingParams
+
+# In an output history (`output_histories`): a generated token still on the device.
+PENDING_OUTPUT = -2
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +78,37 @@ class SamplingBatch:
     # [P, L] int64: the ids each has seen (prompt + output), -1 where unknown (padding,
     # or PENDING_TOKEN: a token still on the device, which `last_token_ids` supplies).
     seen_token_ids: Tensor | None
+    # OpenAI's presence and frequency penalties, over each row's generated tokens.
+    output_penalty_rows: Tensor | None  # [Q] int64; None: no row has one
+    presence_penalty: Tensor | None  # [Q] float32
+    frequency_penalty: Tensor | None  # [Q] float32
+    # [Q, L] int64 generated ids: -1 padding, PENDING_OUTPUT where the token is still on
+    # the device (the step's `last_token_ids` holds it).
+    output_token_ids: Tensor | None
+    bias_rows: Tensor | None  # [B] int64 rows with a logit_bias; None: none
+    bias_token_ids: Tensor | None  # [B, M] int64
+    bias_values: Tensor | None  # [B, M] float32 (a pad repeats the row's first id with bias 0)
+    allowed_rows: Tensor | None  # [A] int64 rows sampling only among allowed_token_ids
+    allowed_token_ids: Tensor | None  # [A, M] int64
     banned_rows: Tensor | None  # [B] int64 rows with ids masked to -inf; None: none
-    banned_token_ids: Tensor | None  # [B, M] int64 (EOS / stop ids before min_tokens), -1 padded
+    # [B, M] int64: EOS / stop ids before min_tokens, bad words' ids. A ban holds where its
+    # condition [B, M] is -1, or is the row's last token (`last_token_ids`: a bad word's
+    # second-last token, still on the device when overlapped); None: every ban holds.
+    banned_token_ids: Tensor | None
+    ban_conditions: Tensor | None
     logprob_rows: Tensor | None  # [L] int64 rows that asked for logprobs; None: all (or none)
     num_logprobs: tuple[int | None, ...]  # per row, from SamplingParams.logprobs
     max_num_logprobs: int | None  # None when no row asked for logprobs
 
     @property
-    def any_penalty(self) -> bool:
-        return self.penalty_rows is not None
+    def needs_last_token(self) -> bool:
+        """Whether `Sampler.sample` reads the tokens the rows were fed this step."""
+        return self.penalty_rows is not None or self.output_penalty_rows is not None or self.ban_conditions is not None
+
+    @property
+    def edits_logits(self) -> bool:
+        return (self.penalty_rows is not None or self.output_penalty_rows is not None or self.bias_rows is not None
+                or self.allowed_rows is not None or self.banned_rows is not None)
 
     @classmethod
     def build(
@@ -88,11 +118,15 @@ class SamplingBatch:
         token_histories: Sequence[Sequence[int]] | None = None,
         banned_token_ids: Sequence[Sequence[int]] | None = None,
         device: torch.device | str = "cpu",
+        output_histories: Sequence[Sequence[int]] | None = None,
+        ban_conditions: Sequence[Sequence[int]] | None = None,
     ) -> SamplingBatch:
         """`generators[i]`: row i's own generator (on `device`) when its request is
         seeded, else None. `token_histories[i]` (prompt + output ids) is read only for
-        rows with a repetition penalty. `banned_token_ids[i]` lists ids masked to -inf
-        for row i."""
+        rows with a repetition penalty, `output_histories[i]` (generated ids,
+        PENDING_OUTPUT for a token still on the device) for rows with an output penalty.
+        `banned_token_ids[i]` lists ids masked to -inf for row i, each where its
+        `ban_conditions[i]` entry is -1 or the row's last token (None: always)."""
         num_rows = len(params)
         if generators is None:
             generators = (None,) * num_rows
@@ -105,6 +139,11 @@ class SamplingBatch:
         penalized = [row for row, p in enumerate(params) if p.repetition_penalty != 1.0]
         if penalized and token_histories is None:
             raise ValueError("token_histories are required when a row has a repetition penalty")
+        if any(p.has_output_penalty for p in params) and output_histories is None:
+            raise ValueError("output_histories are required when a row has a presence or frequency penalty")
+        output_penalized = [row for row, p in enumerate(params) if p.has_output_penalty]
+        biased = [row for row, p in enumerate(params) if p.logit_bias]
+        allowed = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
         banned = [row for row, ids in enumerate(banned_token_ids or ()) if ids]
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]
 
@@ -119,8 +158,29 @@ class SamplingBatch:
                 buffer.floats([params[row].repetition_penalty for row in penalized]),
                 buffer.id_lists([token_histories[row] for row in penalized]),
             )
+        output_parts = bias_parts = allowed_parts = (None, None, None)
+        if output_penalized:
+            output_parts = (
+                buffer.ints(output_penalized),
+                buffer.floats([params[row].presence_penalty for row in output_penalized]
+                              + [params[row].frequency_penalty for row in output_penalized]),
+                buffer.id_lists([output_histories[row] for row in output_penalized]),
+            )
+        if biased:
+            bias_parts = (
+                buffer.ints(biased),
+                buffer.id_lists([[i for i, _ in params[row].logit_bias] for row in biased], pad_first=True),
+                buffer.float_lists([[b for _, b in params[row].logit_bias] for row in biased]),
+            )
+        if allowed:
+            allowed_parts = (buffer.ints(allowed),
+                             buffer.id_lists([params[row].allowed_token_ids for row in allowed], pad_first=True))
+        conditions_part = None
         if banned:
-            banned_parts = (buffer.ints(banned), buffer.id_lists([banned_token_ids[row] for row in banned]))
+            banned_parts = (buffer.ints(banned),
+                            buffer.id_lists([banned_token_ids[row] for row in banned], pad_first=True))
+            if ban_conditions is not None and any(c >= 0 for row in banned for c in ban_conditions[row]):
+                conditions_part = buffer.id_lists([ban_conditions[row] for row in banned], pad_first=True)
         logprob_part = buffer.ints(asked) if asked and len(asked) < num_rows else None
         views = buffer.send(device)  # by part index; views.get(None): no such part
         return cls(
@@ -132,8 +192,18 @@ class SamplingBatch:
             penalty_rows=views.get(penalty_parts[0]),
             repetition_penalty=views.get(penalty_parts[1]),
             seen_token_ids=views.get(penalty_parts[2]),
+            output_penalty_rows=views.get(output_parts[0]),
+            presence_penalty=None if not output_penalized else views[output_parts[1]][: len(output_penalized)],
+            frequency_penalty=None if not output_penalized else views[output_parts[1]][len(output_penalized):],
+            output_token_ids=views.get(output_parts[2]),
+            bias_rows=views.get(bias_parts[0]),
+            bias_token_ids=views.get(bias_parts[1]),
+            bias_values=views.get(bias_parts[2]),
+            allowed_rows=views.get(allowed_parts[0]),
+            allowed_token_ids=views.get(allowed_parts[1]),
             banned_rows=views.get(banned_parts[0]),
             banned_token_ids=views.get(banned_parts[1]),
+            ban_conditions=views.get(conditions_part),
             logprob_rows=views.get(logprob_part),
             num_logprobs=tuple(p.logprobs for p in params),
             max_num_logprobs=max((params[row].logprobs for row in asked), default=None),
@@ -195,12 +265,25 @@ class _HostBuffer:
         array[: len(values)] = values
         return self._add(array.view(np.int64), torch.float32, (len(values),))
 
-    def id_lists(self, lists: Sequence[Sequence[int]]) -> int:
-        """Ragged id lists as [len(lists), the longest (at least 1)], padded with -1."""
+    def id_lists(self, lists: Sequence[Sequence[int]], pad_first: bool = False) -> int:
+        """Ragged id lists as [len(lists), the longest (at least 1)], padded with -1, or
+        with each list's first id (`pad_first`: every list has one)."""
         array = np.full((len(lists), max(1, max(map(len, lists)))), -1, dtype=np.int64)
         for row, ids in enumerate(lists):
             array[row, : len(ids)] = ids
+            if pad_first:
+                array[row, len(ids):] = ids[0]
         return self._add(array.reshape(-1), torch.int64, array.shape)
+
+    def float_lists(self, lists: Sequence[Sequence[float]]) -> int:
+        """Ragged float32 lists as [len(lists), the longest], padded with 0."""
+        array = np.zeros((len(lists), max(1, max(map(len, lists)))), dtype=np.float32)
+        for row, values in enumerate(lists):
+            array[row, : len(values)] = values
+        words = array.reshape(-1)
+        if len(words) % 2:
+            words = np.append(words, np.float32(0))
+        return self._add(words.view(np.int64), torch.float32, array.shape)
 
     def _add(self, words: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
         self._arrays.append(words)
@@ -217,5 +300,8 @@ class _HostBuffer:
         buffer = host.to(device, non_blocking=True)  # no copy on CPU
         views = {}
         for index, (part, (dtype, shape)) in enumerate(zip(buffer.split(sizes), self._shapes)):
-            views[index] = part.view(shape) if dtype == torch.int64 else part.view(dtype)[: shape[0]]
+            if dtype == torch.int64:
+                views[index] = part.view(shape)
+            else:
+                views[index] = part.view(dtype)[: int(np.prod(shape))].view(shape)
         return views

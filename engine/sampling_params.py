@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from engine.structured_output import StructuredOutput
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing logits
 # by ~0 overflows, and the result would be argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_NUM_LOGPROBS = 20
+# OpenAI's bounds: penalties in [-2, 2], at most 300 biases each in [-100, 100].
+MAX_ABS_PENALTY = 2.0
+MAX_NUM_LOGIT_BIAS = 300
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class SamplingParamError(ValueError):
@@ -29,6 +36,17 @@ class SamplingParams:
     - `repetition_penalty`: Hugging Face semantics over prompt + generated
       tokens: a seen token's positive logit is divided by the penalty, a
       negative one multiplied. 1.0 = off.
+    - `frequency_penalty`, `presence_penalty` (OpenAI's, in [-2, 2], 0 = off),
+      over generated tokens only: a token generated c times has
+      c * frequency_penalty + (c > 0) * presence_penalty subtracted from its logit.
+    - `logit_bias`: {token id: bias in [-100, 100]} added to the logits (at most
+      300 entries; normalized to a tuple of (id, bias) pairs sorted by id).
+    - `allowed_token_ids`: only these ids may be sampled (None = all).
+    - `bad_words`: strings never generated: the engine tokenizes each (with and
+      without a leading space); a one-token word is always masked, a longer one's
+      last token is masked where the output ends with the rest of it.
+    - `structured_output`: the output must match a JSON schema, any JSON object,
+      a regex, one of some strings or a grammar (engine.structured_output).
     - `temperature`: 0 (below 1e-5) means greedy; otherwise logits / temperature.
     - `top_k`: keep the k most likely tokens; 0 or -1 = off (normalized to 0).
     - `top_p`: keep the smallest set of most likely tokens whose mass >= top_p.
@@ -67,6 +85,12 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None
+    bad_words: list[str] | tuple[str, ...] | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_real("temperature", self.temperature)
@@ -99,19 +123,45 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_NUM_LOGPROBS:
                 raise SamplingParamError("logprobs",
                                          f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_real(name, getattr(self, name))
+            if abs(getattr(self, name)) > MAX_ABS_PENALTY:
+                raise SamplingParamError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise SamplingParamError("structured_output",
+                                     f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
         # Plain Python numbers from here on (numpy scalars are accepted above).
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
         for name in ("max_tokens", "min_tokens", "seed", "logprobs"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "top_k", 0 if self.top_k == -1 else int(self.top_k))
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
-        object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids, "stop_token_ids"))
+        object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _normalize_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not allowed:
+                raise SamplingParamError("allowed_token_ids", "allowed_token_ids is empty: no token could be sampled")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        object.__setattr__(self, "bad_words", _normalize_strings(self.bad_words, "bad_words"))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_output_penalty(self) -> bool:
+        """Whether the OpenAI penalties (over generated tokens) are on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def token_id_fields(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Every token id the request names, by field, for the vocabulary check the
+        engine (and the gateway, ahead of it) makes before an id reaches a tensor."""
+        return (("stop_token_ids", self.stop_token_ids),
+                ("logit_bias", tuple(token_id for token_id, _ in self.logit_bias)),
+                ("allowed_token_ids", self.allowed_token_ids or ()))
 
 
 def _check_real(name: str, value: object) -> None:
@@ -133,24 +183,60 @@ def _check_int(name: str, value: object) -> None:
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...]:
-    if stop is None:
-        return ()
     if isinstance(stop, str):
-        return (stop,) if stop else _normalize_stop([stop])
-    if not isinstance(stop, (list, tuple)):
-        raise SamplingParamError("stop", f"stop must be a str or a list of str, got {stop!r}")
-    stop = tuple(stop)
-    for s in stop:
+        return (stop,) if stop else _normalize_strings([stop], "stop")
+    return _normalize_strings(stop, "stop")
+
+
+def _normalize_strings(strings: object, name: str) -> tuple[str, ...]:
+    if strings is None:
+        return ()
+    if isinstance(strings, str) or not isinstance(strings, (list, tuple)):
+        raise SamplingParamError(name, f"{name} must be a list of str, got {strings!r}")
+    strings = tuple(strings)
+    for s in strings:
         if not isinstance(s, str) or not s:
-            raise SamplingParamError("stop", f"stop strings must be non-empty str, got {s!r}")
-    return stop
+            raise SamplingParamError(name, f"{name} strings must be non-empty str, got {s!r}")
+    return strings
 
 
-def _normalize_ids(ids: object) -> tuple[int, ...]:
+def _is_token_id(value: object) -> bool:
+    return type(value) is int or (not isinstance(value, bool) and isinstance(value, numbers.Integral))
+
+
+def _normalize_ids(ids: object, name: str) -> tuple[int, ...]:
     if ids is None:
         return ()
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise SamplingParamError(name, f"{name} must be a list of token ids, got {ids!r}")
     ids = tuple(ids)
     for token_id in ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral) or token_id < 0:
-            raise SamplingParamError("stop_token_ids", f"stop_token_ids must be non-negative ints, got {token_id!r}")
+        if not _is_token_id(token_id) or token_id < 0:
+            raise SamplingParamError(name, f"{name} must be non-negative ints, got {token_id!r}")
     return tuple(int(token_id) for token_id in ids)
+
+
+def _normalize_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """{id: bias} or (id, bias) pairs as pairs sorted by id; keys may be digit strings
+    (JSON objects have string keys, as OpenAI's logit_bias does)."""
+    if bias is None:
+        return ()
+    if isinstance(bias, Mapping):
+        pairs = list(bias.items())
+    elif isinstance(bias, (list, tuple)) and all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in bias):
+        pairs = list(bias)
+    else:
+        raise SamplingParamError("logit_bias", f"logit_bias must map token ids to numbers, got {bias!r}")
+    if len(pairs) > MAX_NUM_LOGIT_BIAS:
+        raise SamplingParamError("logit_bias", f"logit_bias has {len(pairs)} entries, at most {MAX_NUM_LOGIT_BIAS}")
+    normalized = {}
+    for token_id, value in pairs:
+        if isinstance(token_id, str) and token_id.isascii() and token_id.isdigit():
+            token_id = int(token_id)
+        if not _is_token_id(token_id) or token_id < 0:
+            raise SamplingParamError("logit_bias", f"logit_bias keys must be non-negative token ids, got {token_id!r}")
+        _check_real("logit_bias", value)
+        if abs(value) > MAX_ABS_LOGIT_BIAS:
+            raise SamplingParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {value}")
+        normalized[int(token_id)] = float(value)
+    return tuple(sorted(normalized.items()))

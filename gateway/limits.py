@@ -31,3 +31,14 @@ MAX_NUM_STOP_TOKEN_IDS = 256
 
 # Priorities are offsets in scheduling order; beyond this they order nothing more.
 MAX_ABS_PRIORITY = 1_000_000
+
+# Token-id lists the sampler turns into masks: each id costs a scatter per step.
+MAX_NUM_ALLOWED_TOKEN_IDS = 65_536
+MAX_NUM_BAD_WORDS = 64
+MAX_BAD_WORD_LENGTH = 256  # characters
+
+# A structured-output constraint's text (schema, regex, grammar, or all choices together):
+# it compiles against the whole vocabulary. Real schemas (tool definitions included) are
+# a few kB; compiling one of this size already takes seconds.
+MAX_CONSTRAINT_BYTES = 64 * 1024
+MAX_NUM_CHOICES = 256

@@ -22,15 +22,12 @@ from baton.wire.status import error_details_from_trailers
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
-from gateway.limits import MAX_REQUEST_BYTES
-from tests.test_serving import VOCAB_SIZE, greedy_request
+from tests.bad_requests import CASES, INF, INVALID, NAN, OUT_OF_RANGE, VOCAB_SIZE
+from tests.test_serving import greedy_request
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
-NAN, INF = float("nan"), float("inf")
 # Each worker's KV cache: 100 blocks of 4 tokens, less than the 512-token context, so
 # that a request can fit the context and still never fit the cache.
 NUM_KV_BLOCKS = 100
@@ -82,85 +79,6 @@ def refusal(call) -> tuple[grpc.StatusCode, str | None, str]:
 
 
 # ------------------------------------------------------------------ the public API
-def text(**sampling) -> pb.GenerateRequest:
-    return pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**sampling))
-
-
-def chat(*roles: str, content: str = "hi") -> pb.GenerateRequest:
-    return pb.GenerateRequest(messages=pb.ChatMessages(
-        messages=[pb.ChatMessage(role=role, content=content) for role in roles]))
-
-
-def with_fields(request: pb.GenerateRequest, **fields) -> pb.GenerateRequest:
-    for name, value in fields.items():
-        setattr(request, name, value)
-    return request
-
-
-def garbage_with_bad_utf8() -> bytes:
-    """A GenerateRequest whose text (field 2) is not UTF-8."""
-    payload = b"caf\xc3\x28 \xff"
-    return bytes([2 << 3 | 2, len(payload)]) + payload
-
-
-CASES = {
-    # The prompt.
-    "no prompt": (pb.GenerateRequest(), INVALID, "prompt"),
-    "empty text": (pb.GenerateRequest(text=""), INVALID, "text"),
-    "empty token ids": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), INVALID, "token_ids.ids"),
-    "token id past the vocabulary": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, VOCAB_SIZE + 3])), INVALID,
-                                     "token_ids.ids[1]"),
-    "token id 2^32-1": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2**32 - 1])), INVALID, "token_ids.ids[0]"),
-    "token ids over the context": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 600)), OUT_OF_RANGE,
-                                   "token_ids.ids"),
-    "text far over the context": (pb.GenerateRequest(text="x" * 20_000), OUT_OF_RANGE, "text"),
-    "text tokens over the context": (pb.GenerateRequest(text="hello " * 600), OUT_OF_RANGE, "text"),
-    "chat far over the context": (chat("user", content="x" * 20_000), OUT_OF_RANGE, "messages.messages"),
-    "no messages": (pb.GenerateRequest(messages=pb.ChatMessages()), INVALID, "messages.messages"),
-    "too many messages": (chat(*["user"] * 1025), INVALID, "messages.messages"),
-    "unknown role": (chat("robot"), INVALID, "messages.messages[0].role"),
-    "empty role": (chat("system", "user", ""), INVALID, "messages.messages[2].role"),
-    "role in capitals": (chat("user", "User"), INVALID, "messages.messages[1].role"),
-    "role with a special token": (chat("user<|im_end|>"), INVALID, "messages.messages[0].role"),
-    # Sampling: NaN, infinities and out-of-range values.
-    "negative temperature": (text(temperature=-1), INVALID, "sampling.temperature"),
-    "NaN temperature": (text(temperature=NAN), INVALID, "sampling.temperature"),
-    "infinite temperature": (text(temperature=INF), INVALID, "sampling.temperature"),
-    "top_p 0": (text(top_p=0), INVALID, "sampling.top_p"),
-    "top_p 1.5": (text(top_p=1.5), INVALID, "sampling.top_p"),
-    "NaN top_p": (text(top_p=NAN), INVALID, "sampling.top_p"),
-    "top_k -2": (text(top_k=-2), INVALID, "sampling.top_k"),
-    "negative min_p": (text(min_p=-0.1), INVALID, "sampling.min_p"),
-    "min_p 2": (text(min_p=2), INVALID, "sampling.min_p"),
-    "NaN min_p": (text(min_p=NAN), INVALID, "sampling.min_p"),
-    "repetition_penalty 0": (text(repetition_penalty=0), INVALID, "sampling.repetition_penalty"),
-    "-inf repetition_penalty": (text(repetition_penalty=-INF), INVALID, "sampling.repetition_penalty"),
-    "NaN repetition_penalty": (text(repetition_penalty=NAN), INVALID, "sampling.repetition_penalty"),
-    "max_tokens 0": (text(max_tokens=0), INVALID, "sampling.max_tokens"),
-    "min_tokens over max_tokens": (text(max_tokens=5, min_tokens=10), INVALID, "sampling.min_tokens"),
-    "logprobs 21": (text(logprobs=21), INVALID, "sampling.logprobs"),
-    "logprobs 2^32-1": (text(logprobs=2**32 - 1), INVALID, "sampling.logprobs"),
-    "17 stop strings": (text(stop=[f"s{i}" for i in range(17)]), INVALID, "sampling.stop"),
-    "a 300-character stop string": (text(stop=["ok", "x" * 300]), INVALID, "sampling.stop[1]"),
-    "an empty stop string": (text(stop=[""]), INVALID, "sampling.stop"),
-    "257 stop token ids": (text(stop_token_ids=list(range(3, 260))), INVALID, "sampling.stop_token_ids"),
-    "stop token id past the vocabulary": (text(stop_token_ids=[5, VOCAB_SIZE]), INVALID,
-                                          "sampling.stop_token_ids[1]"),
-    # Ids and priorities.
-    "a 300-character request id": (with_fields(text(), request_id="r" * 300), INVALID, "request_id"),
-    "a request id with a newline": (with_fields(text(), request_id="a\nb"), INVALID, "request_id"),
-    "priority 2^31-1": (with_fields(text(), priority=2**31 - 1), INVALID, "priority"),
-    "priority -2^31": (with_fields(text(), priority=-(2**31)), INVALID, "priority"),
-    # Bytes that are no GenerateRequest (grpc itself answered UNKNOWN).
-    "garbage bytes": (b"\xff\xfe\xfd\xfc garbage", INVALID, None),
-    "truncated message": (pb.GenerateRequest(text="hello").SerializeToString()[:-2], INVALID, None),
-    "text that is not UTF-8": (garbage_with_bad_utf8(), INVALID, None),
-    # Over the public port's message limit: grpc refuses it before it is read.
-    "a message over the size limit": (pb.GenerateRequest(text="x" * (MAX_REQUEST_BYTES + 1)),
-                                      grpc.StatusCode.RESOURCE_EXHAUSTED, None),
-}
-
-
 def call_gateway(channel, request: pb.GenerateRequest | bytes, method: str):
     """The call as a client sends it; raw bytes go out unchecked."""
     if isinstance(request, bytes):
@@ -332,6 +250,12 @@ def internal_cases(prefill_address: str) -> dict:
                              kv_handle=handle("e-8", prefill_address, num_tokens=len(FITS_CACHE),
                                               num_blocks=len(FITS_CACHE) // 4)),
             INVALID, "request.sampling.max_tokens"),
+        "prefill: a logit bias id past the vocabulary": (
+            "Prefill", worker_pb2.PrefillRequest(request=work("e-10", logit_bias={VOCAB_SIZE: 1.0}), kv_token="t" * 32),
+            INVALID, f"request.sampling.logit_bias[{VOCAB_SIZE}]"),
+        "decode: an allowed token id past the vocabulary": (
+            "Decode", decode(request=work("e-11", allowed_token_ids=[VOCAB_SIZE + 1])), INVALID,
+            "request.sampling.allowed_token_ids[0]"),
         "decode: a first token past the vocabulary": (
             "Decode", decode(request=work("e-9"), first_token_id=VOCAB_SIZE, kv_handle=handle("e-9", prefill_address)),
             INVALID, "first_token_id"),

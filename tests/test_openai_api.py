@@ -7,11 +7,14 @@ client that goes away mid-stream leaving nothing held."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import time
 
 import grpc
 import httpx2 as httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -25,7 +28,7 @@ from baton.wire.v1 import generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
 from gateway.http.translate import param_name
 from gateway.limits import MAX_REQUEST_BYTES
-from tests.test_bad_input import CASES
+from tests.bad_requests import CASES
 from tests.test_bursts import gateway_samples, total
 from tests.test_serving import VOCAB_SIZE
 from tests.tiny_models import make_tiny_model
@@ -151,9 +154,47 @@ def test_logprobs_of_chat_and_completions(client):
     assert logprobs.text_offset == sorted(logprobs.text_offset)
 
 
+def test_penalties_and_biases_over_http_equal_grpc(client, stub):
+    sampling = dict(temperature=0.0, max_tokens=8, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5,
+                    allowed_token_ids=list(range(40, 400)), bad_words=["the"])
+    expected = grpc_generate(stub, pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(
+        **sampling, logit_bias={45: 5.0, 46: -100.0})))
+    extra = {k: v for k, v in sampling.items() if k not in ("temperature", "max_tokens", "presence_penalty",
+                                                              "frequency_penalty")}
+    answer = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=8, temperature=0.0,
+                                       presence_penalty=1.5, frequency_penalty=0.5,
+                                       logit_bias={"45": 5.0, "46": -100.0}, extra_body=extra)
+    assert answer.choices[0].text == expected.text
+    assert 45 in list(expected.token_ids) and "the" not in expected.text
+
+
+def test_structured_output_over_http(client):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs and
+    guided_* extras: compact JSON that validates, a regex, a choice."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+              "required": ["city", "days"], "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": "plan a trip"}], max_tokens=80, temperature=1.0, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": schema, "strict": True}})
+    text = chat.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    assert chat.choices[0].finish_reason == "stop" and text == json.dumps(json.loads(text), separators=(",", ":"),
+                                                                          ensure_ascii=False)
+    regex = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=20, temperature=1.0,
+                                      extra_body={"structured_outputs": {"regex": "[a-f]{2,5}-[0-9]{2}"}})
+    assert re.fullmatch("[a-f]{2,5}-[0-9]{2}", regex.choices[0].text)
+    choice = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=20,
+                                       extra_body={"guided_choice": ["left", "right"]})
+    assert choice.choices[0].text in ("left", "right")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=5, response_format={"type": "json_object"},
+                                  extra_body={"guided_regex": "a+"})
+    assert error.value.body["param"] == "structured_outputs.regex"
+
+
 @pytest.mark.parametrize(("field", "value"), [
-    ("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("logit_bias", {"5": 10}),
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
 ])
 def test_unsupported_fields_are_refused_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as error:
@@ -202,6 +243,20 @@ def _http_body(request: pb.GenerateRequest) -> tuple[str, dict] | None:
         body["stop"] = list(sampling.stop)
     if sampling.stop_token_ids:
         body["stop_token_ids"] = list(sampling.stop_token_ids)
+    for name in ("presence_penalty", "frequency_penalty", "allowed_token_ids", "bad_words"):
+        if getattr(sampling, name):
+            body[name] = getattr(sampling, name) if "penalty" in name else list(getattr(sampling, name))
+    if sampling.logit_bias:
+        body["logit_bias"] = {str(token_id): bias for token_id, bias in sampling.logit_bias.items()}
+    constraint = sampling.WhichOneof("structured_output")
+    if constraint == "json_schema":
+        schema = sampling.json_schema  # sent as the string it is when it is no JSON
+        with contextlib.suppress(json.JSONDecodeError):
+            schema = json.loads(schema)
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    elif constraint is not None:
+        value = getattr(sampling, constraint)
+        body["structured_outputs"] = {constraint: list(value.choices) if constraint == "choice" else value}
     if request.request_id:
         body["request_id"] = request.request_id
     if request.priority:

@@ -452,7 +452,7 @@ def test_batch_build_flags_row_order_and_ragged_ids():
     batch = SamplingBatch.build([SamplingParams(temperature=0)] * 3)
     assert batch.all_greedy and batch.unseeded is None and batch.seeded is None and batch.max_num_logprobs is None
     batch = SamplingBatch.build([SamplingParams(temperature=0, top_p=0.5), SamplingParams(top_k=4, logprobs=3)])
-    assert not batch.all_greedy and batch.seeded is None and not batch.any_penalty
+    assert not batch.all_greedy and batch.seeded is None and not batch.edits_logits
     assert not batch.unseeded.any_top_p and batch.unseeded.any_top_k and batch.unseeded.max_top_k == 4
     assert batch.greedy_rows.tolist() == [0] and batch.unseeded.rows.tolist() == [1]
     assert batch.max_num_logprobs == 3 and batch.logprob_rows.tolist() == [1]
@@ -479,4 +479,5 @@ def test_batch_build_flags_row_order_and_ragged_ids():
     assert batch.penalty_rows.tolist() == [2, 3]
     assert batch.repetition_penalty.tolist() == pytest.approx([1.2, 0.9])
     assert batch.seen_token_ids.tolist() == [[4, 5, 6], [7, -1, -1]]
-    assert batch.banned_rows.tolist() == [0, 3] and batch.banned_token_ids.tolist() == [[1, -1, -1], [2, 3, 4]]
+    # A banned list's pad repeats its first id (every write of a (row, id) is the same).
+    assert batch.banned_rows.tolist() == [0, 3] and batch.banned_token_ids.tolist() == [[1, 1, 1], [2, 3, 4]]

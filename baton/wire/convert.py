@@ -29,6 +29,8 @@ from baton.wire.records import (
 from baton.wire.v1 import generation_pb2 as pb
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParamError, SamplingParams
+from engine.structured_output import KINDS as STRUCTURED_KINDS
+from engine.structured_output import StructuredOutput, StructuredOutputError
 
 _FINISH_REASONS = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 _FINISH_NAMES = {value: name for name, value in _FINISH_REASONS.items()}
@@ -59,7 +61,7 @@ def sampling_params_from_pb(message: pb.SamplingParams, *, with_stop_strings: bo
     """
     try:
         return _sampling_params_from_pb(message, with_stop_strings)
-    except SamplingParamError as error:
+    except (SamplingParamError, StructuredOutputError) as error:
         raise FieldError(f"{field}.{error.name}", str(error)) from None
 
 
@@ -88,7 +90,21 @@ def _sampling_params_from_pb(message: pb.SamplingParams, with_stop_strings: bool
         skip_special_tokens=(
             message.skip_special_tokens if has("skip_special_tokens") else defaults.skip_special_tokens
         ),
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        logit_bias=dict(message.logit_bias) if message.logit_bias else None,
+        allowed_token_ids=list(message.allowed_token_ids) if message.allowed_token_ids else None,
+        bad_words=list(message.bad_words) if message.bad_words else None,
+        structured_output=_structured_output_from_pb(message),
     )
+
+
+def _structured_output_from_pb(message: pb.SamplingParams) -> StructuredOutput | None:
+    kind = message.WhichOneof("structured_output")
+    if kind is None or (kind == "json_object" and not message.json_object):
+        return None
+    value = tuple(message.choice.choices) if kind == "choice" else getattr(message, kind)
+    return StructuredOutput(**{kind: value}, pretty_json=message.pretty_json)
 
 
 def sampling_params_to_pb(params: SamplingParams, *, with_stop_strings: bool = True) -> pb.SamplingParams:
@@ -107,7 +123,20 @@ def sampling_params_to_pb(params: SamplingParams, *, with_stop_strings: bool = T
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=params.allowed_token_ids or (),
+        bad_words=params.bad_words,
     )
+    structured = params.structured_output
+    if structured is not None:
+        kind = structured.kind
+        if kind == "choice":
+            message.choice.choices.extend(structured.choice)
+        else:
+            setattr(message, kind, getattr(structured, kind))
+        message.pretty_json = structured.pretty_json
     if params.seed is not None:
         message.seed = params.seed
     if params.logprobs is not None:
@@ -260,6 +289,12 @@ _WORK_REQUEST_FIELDS = {
     "request_id": "request.request_id",
     "prompt_token_ids": "request.prompt_token_ids",
     "sampling_params.max_tokens": "request.sampling.max_tokens",
+    "sampling_params.stop_token_ids": "request.sampling.stop_token_ids",
+    "sampling_params.logit_bias": "request.sampling.logit_bias",
+    "sampling_params.allowed_token_ids": "request.sampling.allowed_token_ids",
+    "sampling_params.bad_words": "request.sampling.bad_words",
+    "sampling_params.structured_output": "request.sampling.structured_output",
+    **{f"sampling_params.{kind}": f"request.sampling.{kind}" for kind in STRUCTURED_KINDS},
     "first_token_id": "first_token_id",
 }
 

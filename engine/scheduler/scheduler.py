@@ -430,11 +430,18 @@ class Scheduler(KvHandoffStates):
                 num_tokens = position + 1
             params = request.sampling_params
             status = None
+            grammar = request.grammar
+            # Sampled under the grammar's mask, so the matcher takes it (a request whose
+            # grammar has ended only runs on in a step it was already scheduled for).
+            if grammar is not None and not grammar.is_done:
+                grammar.accept(token_id)  # False only after the matcher failed: is_done then
             if num_tokens - len(request.prompt_token_ids) >= params.min_tokens and (
                 token_id in request.eos_token_ids or token_id in params.stop_token_ids
             ):
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
+            elif grammar is not None and grammar.is_done:
+                status = RequestStatus.FINISHED_STOPPED  # the output is complete: nothing may follow
             elif self._ends_by_length(request, num_tokens):
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:

@@ -39,12 +39,22 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool | None = None
     priority: int | None = None
     request_id: str | None = None
-    # Refused unless they ask for nothing (translate.UNSUPPORTED).
-    n: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured output (translate.structured_output): OpenAI's, vLLM's, vLLM's older names;
+    # pretty_json (Baton's): JSON with bounded newlines and indentation, not compact.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    pretty_json: bool | None = None
+    # Refused unless they ask for nothing (translate.UNSUPPORTED).
+    n: int | None = None
     best_of: int | None = None
 
     @property

@@ -10,6 +10,7 @@ fault is named as the client sent it: gRPC's `sampling.max_tokens` is `max_token
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -17,6 +18,7 @@ import grpc
 
 from baton.wire.records import ChatMessage, GenerateRequest, TextDelta, TokenLogprobs
 from engine.sampling_params import SamplingParamError, SamplingParams
+from engine.structured_output import StructuredOutput, StructuredOutputError
 from gateway.errors import RequestError
 from gateway.http import protocol as api
 
@@ -27,10 +29,6 @@ _DEFAULTS = SamplingParams()
 UNSUPPORTED = {
     "n": lambda v: v is not None and v != 1,
     "best_of": lambda v: v is not None and v != 1,
-    "presence_penalty": lambda v: bool(v),
-    "frequency_penalty": lambda v: bool(v),
-    "logit_bias": lambda v: bool(v),
-    "response_format": lambda v: v is not None and v.get("type", "text") != "text",
     "tools": lambda v: bool(v),
     "functions": lambda v: bool(v),
     "tool_choice": lambda v: v not in (None, "none"),
@@ -43,6 +41,8 @@ _PARAMS = [
     (re.compile(r"^token_ids\.ids(\[\d+\])?$"), "prompt"),
     (re.compile(r"^text$"), "prompt"),
     (re.compile(r"^messages\.messages"), "messages"),
+    (re.compile(r"^sampling\.(json_schema|json_object)"), "response_format"),
+    (re.compile(r"^sampling\.(regex|choice|grammar)"), r"structured_outputs.\1"),
     (re.compile(r"^sampling\."), ""),
 ]
 
@@ -110,13 +110,59 @@ def sampling(body: api.CompletionRequest | api.ChatCompletionRequest, max_tokens
         "stop_token_ids": body.stop_token_ids, "skip_special_tokens": body.skip_special_tokens,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+        "logit_bias": body.logit_bias, "allowed_token_ids": body.allowed_token_ids, "bad_words": body.bad_words,
     }
     try:
-        return SamplingParams(**{k: v for k, v in chosen.items() if v is not None})
+        return SamplingParams(**{k: v for k, v in chosen.items() if v is not None},
+                              structured_output=structured_output(body))
     except SamplingParamError as error:
         name = "top_logprobs" if error.name == "logprobs" and isinstance(body, api.ChatCompletionRequest) \
             else error.name
         raise invalid(name, str(error)) from None
+
+
+def structured_output(body: api.CompletionRequest | api.ChatCompletionRequest) -> StructuredOutput | None:
+    """The output's constraint: OpenAI's response_format, vLLM's structured_outputs, or its
+    older guided_json / guided_regex / guided_choice / guided_grammar; at most one."""
+    asked = []
+    response_format = body.response_format
+    if response_format is not None:
+        kind = response_format.get("type", "text")
+        if kind == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise invalid("response_format", "response_format.json_schema.schema must be a JSON schema object")
+            asked.append(("response_format", {"json_schema": json.dumps(schema)}))
+        elif kind != "text":
+            raise invalid("response_format", f"response_format type {str(kind)[:32]!r} is not one of text, "
+                          "json_object, json_schema")
+    vllm = dict(body.structured_outputs or {})
+    pretty = bool(vllm.pop("pretty_json", False) or body.pretty_json)
+    older = {"json": body.guided_json, "regex": body.guided_regex, "choice": body.guided_choice,
+             "grammar": body.guided_grammar}
+    vllm.update({name: value for name, value in older.items() if value is not None})
+    for name, value in vllm.items():
+        if value in (None, False):
+            continue
+        if name == "json":
+            asked.append(("structured_outputs.json", {"json_schema": value if isinstance(value, str)
+                                                      else json.dumps(value)}))
+        elif name in ("regex", "choice", "grammar", "json_object"):
+            asked.append((f"structured_outputs.{name}", {name: value}))
+        else:
+            raise invalid(f"structured_outputs.{name}", f"unknown structured output {name[:32]!r}")
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise invalid(asked[1][0], f"ask for one structured output, not {', '.join(name for name, _ in asked)}")
+    param, fields = asked[0]
+    try:
+        return StructuredOutput(**fields, pretty_json=pretty)
+    except StructuredOutputError as error:
+        raise invalid(param, str(error)) from None
 
 
 def completion_requests(body: api.CompletionRequest) -> list[GenerateRequest]:
