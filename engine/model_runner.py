@@ -194,7 +194,8 @@ class ModelRunner:
         if rows:
             bitmask = fill_bitmask([requests[row].grammar for row in rows], bitmask_words(logits.shape[1]),
                                    self.device)
-            grammar = (torch.tensor(rows).to(self.device, non_blocking=True), bitmask)
+            pinned = self.device.type == "cuda"
+            grammar = (torch.tensor(rows, pin_memory=pinned).to(self.device, non_blocking=True), bitmask)
         return self.sampler.sample(logits, sampling, last_token_ids, grammar)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:

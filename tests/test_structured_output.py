@@ -182,7 +182,7 @@ def test_a_constraint_that_cannot_be_used_names_its_field_and_leaves_the_engine_
     assert llm.generate([[5, 6]], [SamplingParams(max_tokens=2)])[0].token_ids
 
 
-def test_a_regex_whose_lexer_explodes_is_refused_when_prepared():
+def test_a_regex_whose_lexer_explodes_on_smollm2s_vocabulary_is_refused_when_prepared():
     """Against a real 49k vocabulary the nested repetition passes llguidance's lexer limits:
     refused when prepared, not in a step."""
     compiler = GrammarCompiler(load_tokenizer("smollm2-135m"), 49152)

@@ -37,7 +37,7 @@ KERNEL_TESTS = {
             " or (test_rope_and_store_kv and dtype0) or test_add_rms_norm[576"],
 }
 ENGINE_TESTS = {
-    "cuda": ["tests/test_gpu.py", "-m", "not gpu_servers", "tests/test_triton_engine.py",
+    "cuda": ["tests/test_gpu.py", "-m", "not gpu_servers", "tests/test_triton_engine.py", "tests/test_gpu_sampling.py",
              "tests/test_decode_graphs.py", "-n", "4"],
     "cpu": ["tests/test_triton_engine.py::test_triton_backend_greedy_parity[llama3-rope-gqa-hd16]",
             "tests/test_decode_graphs.py::test_a_step_is_written_as_the_layout_says",
