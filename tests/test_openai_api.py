@@ -188,8 +188,8 @@ def test_structured_output_over_http(client):
                                        extra_body={"guided_choice": ["left", "right"]})
     assert choice.choices[0].text in ("left", "right")
     with pytest.raises(openai.BadRequestError) as error:
-        client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=5, response_format={"type": "json_object"},
-                                  extra_body={"guided_regex": "a+"})
+        client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=5,
+                                  extra_body={"response_format": {"type": "json_object"}, "guided_regex": "a+"})
     assert error.value.body["param"] == "structured_outputs.regex"
 
 
