@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import sys
 import time
 
 import grpc
+import jsonschema
 import openai
 import pytest
 
@@ -65,6 +67,26 @@ def test_baton_up_answers_capital_of_france(tmp_path):
             model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=40, temperature=0.0)
         assert chat.choices[0].message.content == text
+        # Structured output from the real model: the CLI with a schema file, and OpenAI's response_format.
+        schema = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 20},
+                                                   "capital": {"type": "string", "maxLength": 20}},
+                  "required": ["country", "capital"], "additionalProperties": False}
+        (tmp_path / "schema.json").write_text(json.dumps(schema))
+        result = subprocess.run(
+            [sys.executable, "-m", "baton.cli", "generate", "--gateway", f"127.0.0.1:{port}", "--chat",
+             "--max-tokens", "60", "--json-schema", str(tmp_path / "schema.json"),
+             "What is the capital of France? Answer in JSON."],
+            capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        )
+        assert result.returncode == 0 and "[finish: stop" in result.stderr, result.stderr
+        answer = json.loads(result.stdout)
+        jsonschema.validate(answer, schema)
+        assert "Paris" in answer["capital"], answer
+        chat = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            max_tokens=60, temperature=0.0,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        assert json.loads(chat.choices[0].message.content) == answer
         # On one CPU host `baton up` hands KV over ipc: the banner says so, and the workers did.
         assert "(disaggregated, KV over ipc)" in log_path.read_text()
         status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", f"127.0.0.1:{port}"],

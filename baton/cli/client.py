@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,6 +23,7 @@ from baton.runtime.settings import (
 )
 from baton.wire.records import ChatMessage, GenerateRequest, TextDelta
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,15 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, help="(default: 0, off)")
     parser.add_argument("--seed", type=int, help="(default: none)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: off)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: off)")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema")
+    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    constraint.add_argument("--regex", help="the output matches this regular expression")
+    constraint.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    constraint.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar")
+    parser.add_argument("--pretty-json", action="store_true", help="JSON with newlines and indentation")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="(default: %(default)s)")
 
 
@@ -74,10 +85,34 @@ def build_request(args: argparse.Namespace) -> GenerateRequest:
         top_k=defaults.top_k if args.top_k is None else args.top_k,
         seed=args.seed,
         stop=list(args.stop),
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        structured_output=_structured_output(args),
     )
     if args.chat:
         return GenerateRequest("", "messages", (ChatMessage("user", args.prompt),), params)
     return GenerateRequest("", "text", args.prompt, params)
+
+
+def _structured_output(args: argparse.Namespace) -> StructuredOutput | None:
+    """The flags' constraint (files read here); ValueError naming the flag at fault."""
+    fields: dict = {}
+    if args.json_schema or args.grammar:
+        flag, path = ("--json-schema", args.json_schema) if args.json_schema else ("--grammar", args.grammar)
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise ValueError(f"{flag}: {error}") from None
+        fields["json_schema" if args.json_schema else "grammar"] = text
+    elif args.json_object:
+        fields["json_object"] = True
+    elif args.regex:
+        fields["regex"] = args.regex
+    elif args.choice:
+        fields["choice"] = tuple(args.choice)
+    if not fields:
+        return None
+    return StructuredOutput(**fields, pretty_json=args.pretty_json)
 
 
 def generate_command(args: argparse.Namespace) -> int:
