@@ -62,6 +62,9 @@ class LLM:
 
         `prompts` is one prompt or a list; a prompt is a string or a list of
         token ids. `sampling_params` is one SamplingParams for all or one per prompt.
+        A prompt asked n > 1 gives n results in a row (`index` 0..n-1): its choice 0
+        runs first, the others join once its prompt is prefilled, from the prefix
+        cache; a seeded one's choice i draws from seed + i.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -79,23 +82,35 @@ class LLM:
             raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
 
         engine = self.engine
-        requests = []
+        requests = []  # (prompt position, choice index, request)
+        followers = {}  # choice 0's request id: (prompt position, params, priority) of the others
         try:
-            for prompt, params, prio in zip(prompt_list, params_list, priorities):
-                requests.append(engine.add_request(prompt, params, priority=prio))
-            pending = {request.request_id for request in requests}
+            for position, (prompt, params, prio) in enumerate(zip(prompt_list, params_list, priorities)):
+                request = engine.add_request(prompt, params.choice(0), priority=prio)
+                requests.append((position, 0, request))
+                if params.n > 1:
+                    followers[request.request_id] = (position, params, prio)
+            pending = {request.request_id for _, _, request in requests}
             while pending:
                 for output in engine.step().outputs:
+                    follow = followers.pop(output.request_id, None)
+                    if follow is not None:  # its first token: the prompt is in the prefix cache
+                        position, params, prio = follow
+                        for index in range(1, params.n):
+                            request = engine.add_request(prompt_list[position], params.choice(index), priority=prio)
+                            requests.append((position, index, request))
+                            pending.add(request.request_id)
                     if output.finished:
                         pending.discard(output.request_id)
         except BaseException:
-            for request in requests:
+            for _, _, request in requests:
                 engine.abort_request(request.request_id)
             raise
+        requests.sort(key=lambda item: item[:2])
         return [
             CompletionOutput(
                 request_id=request.request_id,
-                prompt=prompt if isinstance(prompt, str) else None,
+                prompt=prompt_list[position] if isinstance(prompt_list[position], str) else None,
                 prompt_token_ids=request.prompt_token_ids,
                 token_ids=request.output_token_ids,
                 text=engine.output_text(request) or "",
@@ -104,8 +119,9 @@ class LLM:
                 queue_time=request.queue_time,
                 num_preemptions=request.num_preemptions,
                 num_cached_tokens=request.num_cached_tokens or 0,
+                index=index,
             )
-            for prompt, request in zip(prompt_list, requests)
+            for position, index, request in requests
         ]
 
     def get_metrics(self) -> SchedulerStats:

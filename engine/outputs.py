@@ -78,3 +78,4 @@ class CompletionOutput:
     queue_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    index: int = 0  # its choice, of a prompt asked n > 1

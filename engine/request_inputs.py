@@ -30,7 +30,10 @@ def check_token_ids(name: str, token_ids: Sequence[int], vocab_size: int, is_lis
 
 def check_sampling_ids(params: SamplingParams, vocab_size: int) -> None:
     """Every id the sampling parameters name, before any reaches a tensor (an id past the
-    vocabulary would index another row's logits, or fault the device)."""
+    vocabulary would index another row's logits, or fault the device); and n = 1."""
+    if params.n != 1:
+        raise InvalidRequestError("sampling_params.n", "an engine runs one sequence a request: n > 1 is the "
+                                  "gateway's (or LLM.generate's), which sends each choice as a request")
     for name, token_ids in params.token_id_fields():
         if token_ids:
             bad = first_outside_vocab(token_ids, vocab_size)

@@ -69,7 +69,8 @@ def bad_word_bans(bad_words: Sequence[Sequence[int]], generated: Sequence[int]) 
             if known[len(known) - len(prefix):] == prefix and len(known) >= len(prefix):
                 ids.append(banned)
                 conditions.append(-1)
-        elif len(known) >= len(prefix) - 1 and (len(prefix) == 1 or known[len(known) - len(prefix) + 1:] == prefix[:-1]):
+        elif len(known) >= len(prefix) - 1 and (len(prefix) == 1
+                                                  or known[len(known) - len(prefix) + 1:] == prefix[:-1]):
             ids.append(banned)
             conditions.append(prefix[-1])
     return ids, conditions

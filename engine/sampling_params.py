@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.structured_output import StructuredOutput
 
@@ -17,6 +17,7 @@ MAX_NUM_LOGPROBS = 20
 MAX_ABS_PENALTY = 2.0
 MAX_NUM_LOGIT_BIAS = 300
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_N = 128  # OpenAI's bound on choices per request
 
 
 class SamplingParamError(ValueError):
@@ -66,6 +67,10 @@ class SamplingParams:
     - `ignore_eos`: keep generating past EOS.
 
     Output:
+    - `n`: choices per request (1..128), each its own sequence: the gateway (and
+      `LLM.generate`) runs the prompt's prefill once and the other choices from the
+      prefix cache; a seeded request's choice i draws from seed + i. An engine runs one
+      sequence a request (n = 1).
     - `logprobs`: None = none; n >= 0 = the sampled token's logprob plus the
       top-n (token_id, logprob) pairs per step (0..20).
     - `include_stop_str_in_output`, `skip_special_tokens`: detokenizer options.
@@ -91,6 +96,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | tuple[int, ...] | None = None
     bad_words: list[str] | tuple[str, ...] | None = None
     structured_output: StructuredOutput | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         _check_real("temperature", self.temperature)
@@ -123,6 +129,9 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_NUM_LOGPROBS:
                 raise SamplingParamError("logprobs",
                                          f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}")
+        _check_int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise SamplingParamError("n", f"n must be in [1, {MAX_N}], got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_real(name, getattr(self, name))
             if abs(getattr(self, name)) > MAX_ABS_PENALTY:
@@ -133,7 +142,7 @@ class SamplingParams:
         # Plain Python numbers from here on (numpy scalars are accepted above).
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        for name in ("max_tokens", "min_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "min_tokens", "seed", "logprobs", "n"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "top_k", 0 if self.top_k == -1 else int(self.top_k))
@@ -150,6 +159,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    def choice(self, index: int) -> SamplingParams:
+        """Choice `index` of an n > 1 request as a request of its own: n = 1, and seed + index."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @property
     def has_output_penalty(self) -> bool:

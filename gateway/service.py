@@ -26,6 +26,7 @@ from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.detokenizer import IncrementalDetokenizer
 from gateway.admission import GatewayAdmission
+from gateway.choices import merged_choices
 from gateway.dispatch import DEFAULT_MAX_MIGRATIONS, Dispatcher
 from gateway.errors import RequestError
 from gateway.prepare import PreparedRequest, RequestPreparer
@@ -220,9 +221,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             tracing.end_span(span, failure.code, failure.details)
 
     # ------------------------------------------------------------------- text
-    async def _text_stream(self, prepared: PreparedRequest,
-                           time_remaining: Callable[[], float | None]) -> AsyncIterator[TextDelta]:
-        """Token events turned into text deltas (valid UTF-8, stop strings applied)."""
+    def _text_stream(self, prepared: PreparedRequest,
+                     time_remaining: Callable[[], float | None]) -> AsyncIterator[TextDelta]:
+        """The request's text deltas: its one choice's, or its n choices' (gateway/choices.py)."""
+        if prepared.params.n == 1:
+            return self._choice_stream(prepared, time_remaining)
+        return merged_choices(prepared, lambda choice, index: self._choice_stream(choice, time_remaining, index))
+
+    async def _choice_stream(self, prepared: PreparedRequest, time_remaining: Callable[[], float | None],
+                             index: int = 0) -> AsyncIterator[TextDelta]:
+        """Token events turned into text deltas (valid UTF-8, stop strings applied) of one
+        choice, `index`."""
         params = prepared.params
         tokenizer = self.preparer.tokenizer
         detokenizer = None
@@ -263,10 +272,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         stop_string=stop_string,
                         stop_token_id=event.stop_token_id if stop_string is None else None,
                         num_prompt_tokens=num_prompt, num_completion_tokens=num_output,
-                        num_cached_tokens=num_cached,
+                        num_cached_tokens=num_cached, index=index,
                     )
                     return  # a stop string ends it here: closing `events` aborts the workers
-                yield TextDelta(prepared.request_id, event.token_ids, text, event.logprobs)
+                yield TextDelta(prepared.request_id, event.token_ids, text, event.logprobs, index=index)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "abort"
             raise

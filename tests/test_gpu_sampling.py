@@ -32,8 +32,9 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 
 
 def test_logit_edits_and_the_bitmask_on_cuda_equal_the_cpus():
-    params = [SamplingParams(presence_penalty=1.5, frequency_penalty=-0.5), SamplingParams(logit_bias={3: 7.0, 9: -3.0}),
-              SamplingParams(allowed_token_ids=[1, 2, 40]), SamplingParams(), SamplingParams(frequency_penalty=2.0)]
+    params = [SamplingParams(presence_penalty=1.5, frequency_penalty=-0.5),
+              SamplingParams(logit_bias={3: 7.0, 9: -3.0}), SamplingParams(allowed_token_ids=[1, 2, 40]),
+              SamplingParams(), SamplingParams(frequency_penalty=2.0)]
     histories = [[4, 4, 7], [], [], [1, 5, PENDING_TOKEN], [3, PENDING_OUTPUT]]
     bans = [bad_word_bans([], h) for h in histories[:3]] + [bad_word_bans([(5, 6), (8,)], histories[3])] + [([], [])]
     logits = torch.randn(len(params), 64, generator=torch.Generator().manual_seed(0))

@@ -63,6 +63,8 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, help="(default: 0, off)")
     parser.add_argument("--seed", type=int, help="(default: none)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("-n", type=int, default=1, help="choices for the prompt, each printed under its index "
+                        "(default: %(default)s)")
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: off)")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: off)")
     constraint = parser.add_mutually_exclusive_group()
@@ -88,10 +90,22 @@ def build_request(args: argparse.Namespace) -> GenerateRequest:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         structured_output=_structured_output(args),
+        n=args.n,
     )
     if args.chat:
         return GenerateRequest("", "messages", (ChatMessage("user", args.prompt),), params)
     return GenerateRequest("", "text", args.prompt, params)
+
+
+def _print_choices(deltas, n: int) -> TextDelta:
+    """Each choice's text under its index, once all are done; the stream's last delta."""
+    texts = [""] * n
+    final = None
+    for final in deltas:
+        texts[final.index] += final.text
+    for index, text in enumerate(texts):
+        print(f"--- choice {index}\n{text}")
+    return final
 
 
 def _structured_output(args: argparse.Namespace) -> StructuredOutput | None:
@@ -125,7 +139,9 @@ def generate_command(args: argparse.Namespace) -> int:
     with connection.open_channel() as channel:
         client = GenerationClient(channel, connection.bearer_key)
         try:
-            if args.stream:
+            if request.params.n > 1:
+                final = _print_choices(client.generate_stream(request, timeout=args.timeout_s), request.params.n)
+            elif args.stream:
                 final: TextDelta | None = None
                 for final in client.generate_stream(request, timeout=args.timeout_s):
                     sys.stdout.write(final.text)

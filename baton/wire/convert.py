@@ -96,6 +96,7 @@ def _sampling_params_from_pb(message: pb.SamplingParams, with_stop_strings: bool
         allowed_token_ids=list(message.allowed_token_ids) if message.allowed_token_ids else None,
         bad_words=list(message.bad_words) if message.bad_words else None,
         structured_output=_structured_output_from_pb(message),
+        n=message.n if has("n") else 1,
     )
 
 
@@ -128,6 +129,7 @@ def sampling_params_to_pb(params: SamplingParams, *, with_stop_strings: bool = T
         logit_bias=dict(params.logit_bias),
         allowed_token_ids=params.allowed_token_ids or (),
         bad_words=params.bad_words,
+        n=params.n,
     )
     structured = params.structured_output
     if structured is not None:
@@ -194,9 +196,10 @@ def text_delta_to_pb(delta: TextDelta) -> pb.GenerateStreamResponse:
     message = pb.GenerateStreamResponse(
         request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text,
         logprobs=logprobs_to_pb(delta.logprobs), finish_reason=finish_reason_to_pb(delta.finish_reason),
+        index=delta.index,
     )
     _set_stop_reason(message, delta)
-    if delta.finish_reason is not None:
+    if delta.has_usage:
         message.usage.CopyFrom(pb.Usage(prompt_tokens=delta.num_prompt_tokens,
                                         completion_tokens=delta.num_completion_tokens,
                                         cached_tokens=delta.num_cached_tokens))
@@ -204,19 +207,37 @@ def text_delta_to_pb(delta: TextDelta) -> pb.GenerateStreamResponse:
 
 
 def completion_to_pb(deltas: Sequence[TextDelta]) -> pb.GenerateResponse:
-    """A unary Generate answer: a stream's deltas joined (the last one finished it)."""
+    """A unary Generate answer: a stream's deltas joined, by choice (the stream's last
+    delta has the usage)."""
     last = deltas[-1]
+    choices = [_choice_to_pb(index, [d for d in deltas if d.index == index])
+               for index in sorted({delta.index for delta in deltas})]
+    first = choices[0]
     message = pb.GenerateResponse(
-        request_id=last.request_id,
-        text="".join(delta.text for delta in deltas),
-        token_ids=[t for delta in deltas for t in delta.token_ids],
-        logprobs=logprobs_to_pb([entry for delta in deltas for entry in delta.logprobs]),
-        finish_reason=finish_reason_to_pb(last.finish_reason),
+        request_id=last.request_id, text=first.text, token_ids=first.token_ids, logprobs=first.logprobs,
+        finish_reason=first.finish_reason,
         usage=pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_completion_tokens,
                        cached_tokens=last.num_cached_tokens),
     )
-    _set_stop_reason(message, last)
+    stop_reason = first.WhichOneof("stop_reason")
+    if stop_reason is not None:
+        setattr(message, stop_reason, getattr(first, stop_reason))
+    if len(choices) > 1:
+        message.choices.extend(choices)
     return message
+
+
+def _choice_to_pb(index: int, deltas: Sequence[TextDelta]) -> pb.Choice:
+    """One choice's deltas joined (its last one finished it)."""
+    choice = pb.Choice(
+        index=index,
+        text="".join(delta.text for delta in deltas),
+        token_ids=[t for delta in deltas for t in delta.token_ids],
+        logprobs=logprobs_to_pb([entry for delta in deltas for entry in delta.logprobs]),
+        finish_reason=finish_reason_to_pb(deltas[-1].finish_reason),
+    )
+    _set_stop_reason(choice, deltas[-1])
+    return choice
 
 
 def _set_stop_reason(message, delta: TextDelta) -> None:
@@ -240,6 +261,7 @@ def text_delta_from_pb(message: pb.GenerateStreamResponse | pb.GenerateResponse)
         num_prompt_tokens=message.usage.prompt_tokens,
         num_completion_tokens=message.usage.completion_tokens,
         num_cached_tokens=message.usage.cached_tokens,
+        index=message.index if isinstance(message, pb.GenerateStreamResponse) else 0,
     )
 
 

@@ -78,8 +78,10 @@ class GenerateRequest:
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
-    """One message of a client's stream: the tokens and text since the previous one. The
-    last has `finish_reason`, what stopped it, and the token counts."""
+    """One message of a client's stream: the tokens and text since the previous one, of
+    choice `index` (n > 1). The last of a choice has `finish_reason` and what stopped it;
+    the last of the stream also the token counts (the prompt's once, every choice's
+    tokens): a choice that finishes before others carries none (num_prompt_tokens 0)."""
 
     request_id: str
     token_ids: list[int]
@@ -91,6 +93,11 @@ class TextDelta:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV a prefix cache held
+    index: int = 0
+
+    @property
+    def has_usage(self) -> bool:
+        return self.finish_reason is not None and self.num_prompt_tokens > 0
 
 
 # ------------------------------------------------------- gateway to workers

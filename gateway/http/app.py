@@ -259,32 +259,38 @@ class _Call:
             if message["type"] == "http.disconnect":
                 return
 
-    async def _collect(self, request: GenerateRequest) -> tuple[str, list[TextDelta]]:
-        deltas = [delta async for delta in self.generate(request)]
-        return "".join(d.text for d in deltas), deltas
+    async def _collect(self, request: GenerateRequest) -> list[TextDelta]:
+        return [delta async for delta in self.generate(request)]
 
     # ------------------------------------------------------------ completions
     async def completion(self, requests: list[GenerateRequest]) -> api.CompletionResponse:
+        """Prompt i's choice j is choice i * n + j, as OpenAI numbers them."""
         results = await asyncio.gather(*(self._collect(r) for r in requests))
         choices = []
-        for index, (text, deltas) in enumerate(results):
-            logprobs = None
-            if requests[index].params.logprobs is not None:
-                logprobs = translate.completion_logprobs([e for d in deltas for e in d.logprobs], self.text, 0)
-            choices.append(api.CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                finish_reason=deltas[-1].finish_reason))
+        for prompt_index, deltas in enumerate(results):
+            params = requests[prompt_index].params
+            for index in range(params.n):
+                mine = [d for d in deltas if d.index == index]
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = translate.completion_logprobs([e for d in mine for e in d.logprobs], self.text, 0)
+                choices.append(api.CompletionChoice(index=prompt_index * params.n + index,
+                                                    text="".join(d.text for d in mine), logprobs=logprobs,
+                                                    finish_reason=mine[-1].finish_reason))
         return api.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=translate.usage([d[-1] for _, d in results]))
+                                      usage=translate.usage([d for deltas in results for d in deltas]))
 
     async def completion_chunks(self, requests: list[GenerateRequest], include_usage: bool) -> AsyncIterator[str]:
         lasts: list[TextDelta] = []
-        offsets = [0] * len(requests)
+        offsets: dict[int, int] = {}  # by choice: the text streamed so far, for logprobs' text_offset
 
-        def chunk(index: int, delta: TextDelta) -> str:
+        def chunk(prompt_index: int, delta: TextDelta) -> str:
+            params = requests[prompt_index].params
+            index = prompt_index * params.n + delta.index
             logprobs = None
-            if requests[index].params.logprobs is not None:
-                logprobs = translate.completion_logprobs(delta.logprobs, self.text, offsets[index])
-            offsets[index] += len(delta.text)
+            if params.logprobs is not None:
+                logprobs = translate.completion_logprobs(delta.logprobs, self.text, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(delta.text)
             choice = api.CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
                                           finish_reason=delta.finish_reason)
             return _event(api.CompletionResponse(id=self.id, created=self.created, model=self.model,
@@ -292,10 +298,10 @@ class _Call:
 
         started = False
         try:
-            async for index, delta in _interleave([self._indexed(i, r) for i, r in enumerate(requests)]):
+            async for prompt_index, delta in _interleave([self._indexed(i, r) for i, r in enumerate(requests)]):
                 if delta.finish_reason is not None:
                     lasts.append(delta)
-                yield chunk(index, delta)
+                yield chunk(prompt_index, delta)
                 started = True
         except RequestError as error:
             if not started:
@@ -318,40 +324,46 @@ class _Call:
 
     # ------------------------------------------------------------------- chat
     async def chat(self, request: GenerateRequest) -> api.ChatCompletionResponse:
-        text, deltas = await self._collect(request)
-        last = deltas[-1]
-        logprobs = None
-        if request.params.logprobs is not None:
-            logprobs = translate.chat_logprobs([e for d in deltas for e in d.logprobs], self.text)
-        choice = api.ChatChoice(index=0, message=api.ChatMessageOut(content=text), logprobs=logprobs,
-                                finish_reason=last.finish_reason)
-        return api.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                          usage=translate.usage([last]))
+        deltas = await self._collect(request)
+        choices = []
+        for index in range(request.params.n):
+            mine = [d for d in deltas if d.index == index]
+            logprobs = None
+            if request.params.logprobs is not None:
+                logprobs = translate.chat_logprobs([e for d in mine for e in d.logprobs], self.text)
+            message = api.ChatMessageOut(content="".join(d.text for d in mine))
+            choices.append(api.ChatChoice(index=index, message=message, logprobs=logprobs,
+                                          finish_reason=mine[-1].finish_reason))
+        return api.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                          usage=translate.usage(deltas))
 
     async def chat_chunks(self, request: GenerateRequest, include_usage: bool) -> AsyncIterator[str]:
-        def chunk(delta: api.ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
-            choice = api.ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        def chunk(index: int, delta: api.ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
+            choice = api.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
             return _event(api.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                                   choices=[choice]))
 
-        last = None
+        started: set[int] = set()  # the choices whose role chunk went out
+        lasts: list[TextDelta] = []
         try:
             async for delta in self.generate(request):
-                if last is None:  # the role first, as OpenAI sends it
-                    yield chunk(api.ChatDelta(role="assistant", content=""))
+                if delta.index not in started:  # each choice's role first, as OpenAI sends it
+                    started.add(delta.index)
+                    yield chunk(delta.index, api.ChatDelta(role="assistant", content=""))
                 logprobs = translate.chat_logprobs(delta.logprobs, self.text) \
                     if request.params.logprobs is not None else None
-                last = delta
-                yield chunk(api.ChatDelta(content=delta.text), delta.finish_reason, logprobs)
+                if delta.finish_reason is not None:
+                    lasts.append(delta)
+                yield chunk(delta.index, api.ChatDelta(content=delta.text), delta.finish_reason, logprobs)
         except RequestError as error:
-            if last is None:
+            if not started:
                 raise  # before the stream: a status (stream())
             yield self._error_event(error)
             yield "data: [DONE]\n\n"
             return
-        if include_usage and last is not None:
+        if include_usage and lasts:
             yield _event(api.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                                 usage=translate.usage([last])))
+                                                 usage=translate.usage(lasts)))
         yield "data: [DONE]\n\n"
 
 

@@ -53,8 +53,8 @@ class _Request(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     pretty_json: bool | None = None
-    # Refused unless they ask for nothing (translate.UNSUPPORTED).
     n: int | None = None
+    # Refused unless it asks for nothing (translate.UNSUPPORTED).
     best_of: int | None = None
 
     @property

@@ -27,7 +27,6 @@ _DEFAULTS = SamplingParams()
 # What a client asks for that Baton does not serve yet: refused, never ignored. Each
 # holds when the field asks for something (n=1 or a zero penalty asks for nothing).
 UNSUPPORTED = {
-    "n": lambda v: v is not None and v != 1,
     "best_of": lambda v: v is not None and v != 1,
     "tools": lambda v: bool(v),
     "functions": lambda v: bool(v),
@@ -112,6 +111,7 @@ def sampling(body: api.CompletionRequest | api.ChatCompletionRequest, max_tokens
         "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "logit_bias": body.logit_bias, "allowed_token_ids": body.allowed_token_ids, "bad_words": body.bad_words,
+        "n": body.n,
     }
     try:
         return SamplingParams(**{k: v for k, v in chosen.items() if v is not None},
@@ -246,7 +246,9 @@ def completion_logprobs(entries: list[TokenLogprobs], text: TokenText, offset: i
 
 
 def usage(deltas: list[TextDelta]) -> api.Usage:
-    """The usage of finished requests (their last deltas): the prompt tokens of each."""
+    """The usage of finished requests (their streams' last deltas, which carry it): the
+    prompt tokens of each, once however many choices it had."""
+    deltas = [d for d in deltas if d.has_usage]
     prompt = sum(d.num_prompt_tokens for d in deltas)
     completion = sum(d.num_completion_tokens for d in deltas)
     return api.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
