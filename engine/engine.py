@@ -20,6 +20,7 @@ from engine.decode_graphs import GraphCapture, graph_batch_sizes, static_decode_
 from engine.grammar import GrammarCompiler
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import KvReceive, RequestOutput, StepOutput
+from engine import prompt_logprobs
 from engine.preemption import PreemptionCostModel
 from engine.request import PENDING_TOKEN, InvalidRequestError, Request, RequestStatus
 from engine.request_inputs import bad_word_ids, check_sampling_ids, check_token_ids, start_grammar
@@ -207,6 +208,7 @@ class LLMEngine:
         request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority, trace,
                                     num_generated_tokens + 1, deadline)
         request.all_token_ids.append(first_token_id)
+        request.prompt_logprobs = None  # the engine that prefilled it computed them
         request.output_start -= num_generated_tokens
         start_grammar(self.grammars, request)
         request.kv_remote = True
@@ -364,6 +366,7 @@ class LLMEngine:
         that began at perf_counter `started`)."""
         scheduler = self.scheduler
         runner_out = step.launched.result()
+        prompt_logprobs.record(runner_out.prompt_logprobs)
         # Requests that ended while the step ran (aborted, or stopped by the step before).
         ended = [request.is_finished for request in runner_out.requests]
         finished = scheduler.resolve(runner_out.requests, runner_out.token_ids, step.positions)
@@ -414,6 +417,7 @@ class LLMEngine:
                         # Not the next step's token, already PENDING when overlapped.
                         num_output_tokens=request.num_output_tokens - (request.all_token_ids[-1] == PENDING_TOKEN),
                         new_logprobs=new_logprobs,
+                        prompt_logprobs=prompt_logprobs.take(request),
                         kv_block_ids=kv_block_ids,
                         timings=None if kv_block_ids is None else request.take_timings(),
                         events=None if request.events is None else request.take_events(),
@@ -440,6 +444,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             text=self.output_text(request),
             new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs.take(request),
             timings=request.take_timings(),
             events=None if request.events is None else request.take_events(),
         )

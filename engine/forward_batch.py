@@ -20,6 +20,7 @@ import torch
 
 from engine.attention.base import AttentionBatch, PrefillChunk
 from engine.block_pool import KVCacheManager, cdiv
+from engine.prompt_logprobs import PromptRows, prompt_rows
 from engine.request import PENDING_TOKEN, Request
 from engine.scheduler import SchedulerOutput
 
@@ -38,6 +39,8 @@ class ForwardBatch:
     # host): input_ids[pending_rows[i]] is that step's sampled token pending_sources[i].
     pending_rows: torch.Tensor | None = None  # [P] int64
     pending_sources: torch.Tensor | None = None  # [P] int64
+    # Prefill rows whose logits give prompt logprobs (engine.prompt_logprobs).
+    prompt_rows: tuple[PromptRows, ...] = ()
 
     def fill_pending_inputs(self, sampled_token_ids: torch.Tensor | None) -> None:
         """Write the pending decode rows' input tokens from the previous step's sampled
@@ -91,6 +94,7 @@ def prepare_forward_batch(
     sample_requests = list(decodes) if len(sample_idx) == num_decodes else [decodes[i] for i in sample_idx]
     query_start = list(range(num_decodes + 1))
     token_start = num_decodes
+    prompt_logprob_rows: list[PromptRows] = []
     for index, (request, num_new) in enumerate(chunks):
         start = request.num_computed_tokens
         end = start + num_new
@@ -104,6 +108,10 @@ def prepare_forward_batch(
         slot_parts.append(tables[num_decodes + index, block_idx] * block_size + (positions - block_idx * block_size))
         token_start += num_new
         query_start.append(token_start)
+        if request.prompt_logprobs is not None:
+            rows = prompt_rows(request, token_start - num_new, start, end)
+            if rows is not None:
+                prompt_logprob_rows.append(rows)
         if end == len(request.all_token_ids):
             sample_requests.append(request)
             sample_idx.append(token_start - 1)
@@ -164,6 +172,7 @@ def prepare_forward_batch(
         num_prefill_tokens=num_tokens - num_decodes,
         pending_rows=rows if num_pending else None,
         pending_sources=sources if num_pending else None,
+        prompt_rows=tuple(prompt_logprob_rows),
     )
 
 

@@ -91,8 +91,11 @@ class LLM:
                 if params.n > 1:
                     followers[request.request_id] = (position, params, prio)
             pending = {request.request_id for _, _, request in requests}
+            prompt_logprobs = {}
             while pending:
                 for output in engine.step().outputs:
+                    if output.prompt_logprobs is not None:
+                        prompt_logprobs[output.request_id] = output.prompt_logprobs
                     follow = followers.pop(output.request_id, None)
                     if follow is not None:  # its first token: the prompt is in the prefix cache
                         position, params, prio = follow
@@ -120,6 +123,7 @@ class LLM:
                 num_preemptions=request.num_preemptions,
                 num_cached_tokens=request.num_cached_tokens or 0,
                 index=index,
+                prompt_logprobs=prompt_logprobs.get(request.request_id),
             )
             for position, index, request in requests
         ]

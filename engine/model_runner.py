@@ -13,6 +13,7 @@ from engine.decode_graphs import GraphCapture, StaticDecode, graph_batch_sizes
 from engine.forward_batch import ForwardBatch, prepare_forward_batch
 from engine.grammar import bitmask_words, fill_bitmask
 from engine.kv_cache import KVCache
+from engine.prompt_logprobs import PendingPromptLogprobs
 from engine.request import Request
 from engine.sampler import SampledTokens, Sampler, SamplerOutput
 from engine.sampling_inputs import sampling_batch
@@ -31,6 +32,7 @@ class ModelRunnerOutput:
     num_prefill_tokens: int = 0  # prompt (or recompute) tokens in the forward pass
     seconds: float = 0.0  # the step's time on the device (CUDA events), or on the host clock (CPU)
     wait_seconds: float = 0.0  # host time `LaunchedStep.result` spent waiting for the device
+    prompt_logprobs: list = ()  # its prefill chunks' prompt logprobs (engine.prompt_logprobs.record)
 
 
 class LaunchedStep:
@@ -42,7 +44,7 @@ class LaunchedStep:
     """
 
     __slots__ = ("requests", "sampled", "swap_bytes", "swap_seconds", "num_prefill_tokens", "events",
-                 "host_seconds", "deferred", "_output")
+                 "host_seconds", "deferred", "prompt_logprobs", "_output")
 
     def __init__(self, requests: list[Request], sampled: SampledTokens | None, swap_bytes: int,
                  swap_seconds: float, num_prefill_tokens: int, events: tuple | None, host_seconds: float) -> None:
@@ -58,6 +60,7 @@ class LaunchedStep:
         # Sampling that waits for the step before's tokens (its rows' grammars must see
         # them first): (logits, sampling batch, last token ids); None: launched.
         self.deferred: tuple | None = None
+        self.prompt_logprobs: PendingPromptLogprobs | None = None
         self._output: ModelRunnerOutput | None = None
 
     @property
@@ -87,6 +90,7 @@ class LaunchedStep:
                 self.num_prefill_tokens,
                 seconds,
                 wait_seconds,
+                () if self.prompt_logprobs is None else self.prompt_logprobs.result(),
             )
         return self._output
 
@@ -146,7 +150,7 @@ class ModelRunner:
             events[0].record()
         started = time.perf_counter()
         swap_bytes, swap_seconds = self._swap(out)
-        sampled = deferred = None
+        sampled = deferred = prompt_logprobs = None
         sample_requests: list[Request] = []
         num_prefill_tokens = 0
         if out.requests:
@@ -159,7 +163,7 @@ class ModelRunner:
             if static is not None:
                 logits = self.static_decode.run(batch, graph_key)
             else:
-                logits = self._forward(batch)
+                logits, prompt_logprobs = self._forward(batch)
             sample_requests = batch.sample_requests
             num_prefill_tokens = batch.num_prefill_tokens
             if sample_requests:
@@ -177,6 +181,7 @@ class ModelRunner:
         step = LaunchedStep(sample_requests, sampled, swap_bytes, swap_seconds, num_prefill_tokens, events,
                             time.perf_counter() - started)
         step.deferred = deferred
+        step.prompt_logprobs = prompt_logprobs
         return step
 
     @torch.inference_mode()
@@ -198,8 +203,9 @@ class ModelRunner:
             grammar = (torch.tensor(rows, pin_memory=pinned).to(self.device, non_blocking=True), bitmask)
         return self.sampler.sample(logits, sampling, last_token_ids, grammar)
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """The eager forward pass; logits [S, V] of the rows that sample (None: no row does)."""
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, PendingPromptLogprobs | None]:
+        """The eager forward pass: logits [S, V] of the rows that sample (None: no row does),
+        and the prompt logprobs its prefill chunks give (None: none asked)."""
         metadata = self.backend.build_metadata(
             batch.attn,
             block_size=self.block_size,
@@ -211,9 +217,12 @@ class ModelRunner:
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn, metadata
         )  # [N, hidden]
+        prompt_logprobs = None
+        if batch.prompt_rows:
+            prompt_logprobs = PendingPromptLogprobs.launch(self.model, hidden, list(batch.prompt_rows))
         if not batch.sample_requests:
-            return None
-        return self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab]
+            return None, prompt_logprobs
+        return self.model.compute_logits(hidden[batch.sample_indices]), prompt_logprobs  # [S, vocab]
 
     def _swap(self, out: SchedulerOutput) -> tuple[int, float]:
         """The step's swap copies: (bytes, seconds on the host clock; 0 on CUDA).

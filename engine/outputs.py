@@ -37,6 +37,9 @@ class RequestOutput:
     num_cached_tokens: int | None = None
     text: str | None = None  # the whole output text, on the finishing step when a tokenizer exists
     new_logprobs: list[TokenLogprobs] | None = None
+    # On its first answer, when asked: prompt token i + 1's logprob and top alternatives
+    # at entry i (the first prompt token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
     # Set when a prefill_only request's KV is now held for a handoff: its blocks, in order.
     kv_block_ids: list[int] | None = None
     # Set on a request's last output here (finished, or held for a handoff), once.
@@ -79,3 +82,4 @@ class CompletionOutput:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     index: int = 0  # its choice, of a prompt asked n > 1
+    prompt_logprobs: list[TokenLogprobs] | None = None  # as RequestOutput's

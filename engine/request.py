@@ -134,6 +134,7 @@ class Request:
         "output_start",
         "bad_word_ids",
         "grammar",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -212,6 +213,9 @@ class Request:
         self.bad_word_ids: tuple[tuple[int, ...], ...] = ()
         # Its structured output's matcher (engine.grammar.GrammarState); None: free text.
         self.grammar = None
+        # The prompt logprobs computed so far, until its first answer takes them
+        # (engine.prompt_logprobs); None: not asked, or taken.
+        self.prompt_logprobs: list | None = [] if sampling_params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -73,6 +73,9 @@ class SamplingParams:
       sequence a request (n = 1).
     - `logprobs`: None = none; n >= 0 = the sampled token's logprob plus the
       top-n (token_id, logprob) pairs per step (0..20).
+    - `prompt_logprobs`: None = none; k >= 0 = each prompt token's logprob (but the
+      first's) and the top-k alternatives at its position (0..20), with the first
+      answer. Such a prompt is prefilled in full: the prefix cache is not read for it.
     - `include_stop_str_in_output`, `skip_special_tokens`: detokenizer options.
     """
 
@@ -97,6 +100,7 @@ class SamplingParams:
     bad_words: list[str] | tuple[str, ...] | None = None
     structured_output: StructuredOutput | None = None
     n: int = 1
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_real("temperature", self.temperature)
@@ -124,11 +128,12 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise SamplingParamError("min_tokens",
                                      f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_NUM_LOGPROBS:
-                raise SamplingParamError("logprobs",
-                                         f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_NUM_LOGPROBS:
+                    raise SamplingParamError(name, f"{name} must be in [0, {MAX_NUM_LOGPROBS}], got {value}")
         _check_int("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise SamplingParamError("n", f"n must be in [1, {MAX_N}], got {self.n}")
@@ -142,7 +147,7 @@ class SamplingParams:
         # Plain Python numbers from here on (numpy scalars are accepted above).
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        for name in ("max_tokens", "min_tokens", "seed", "logprobs", "n"):
+        for name in ("max_tokens", "min_tokens", "seed", "logprobs", "n", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "top_k", 0 if self.top_k == -1 else int(self.top_k))
@@ -161,8 +166,10 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
     def choice(self, index: int) -> SamplingParams:
-        """Choice `index` of an n > 1 request as a request of its own: n = 1, and seed + index."""
-        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+        """Choice `index` of an n > 1 request as a request of its own: n = 1, seed + index,
+        and the prompt's logprobs asked of choice 0 only (the others read the prefix cache)."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index,
+                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @property
     def has_output_penalty(self) -> bool:

@@ -177,6 +177,7 @@ class Dispatcher:
                     result.finish_reason,
                     stop_token_id=result.first_token_id if result.finish_reason == "stop" else None,
                     num_cached_tokens=result.num_cached_tokens,
+                    prompt_logprobs=result.prompt_logprobs,
                 )
                 try:
                     yield first  # TTFT does not wait for the handoff

@@ -272,10 +272,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         stop_string=stop_string,
                         stop_token_id=event.stop_token_id if stop_string is None else None,
                         num_prompt_tokens=num_prompt, num_completion_tokens=num_output,
-                        num_cached_tokens=num_cached, index=index,
+                        num_cached_tokens=num_cached, index=index, prompt_logprobs=event.prompt_logprobs,
                     )
                     return  # a stop string ends it here: closing `events` aborts the workers
-                yield TextDelta(prepared.request_id, event.token_ids, text, event.logprobs, index=index)
+                yield TextDelta(prepared.request_id, event.token_ids, text, event.logprobs, index=index,
+                                prompt_logprobs=event.prompt_logprobs)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "abort"
             raise

@@ -128,7 +128,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             tracing.set_prefill_result(span, output)
         if output.finished:  # the first token ended it: nothing is held
             return PrefillResult(output.new_token_ids[0], first_logprob, output.finish_reason,
-                                 num_cached_tokens=output.num_cached_tokens or 0)
+                                 num_cached_tokens=output.num_cached_tokens or 0,
+                                 prompt_logprobs=output.prompt_logprobs)
         # NOTE: the decode call shares the request's deadline: KV nobody pulled by then never will be.
         lease_s = self.sender.hold(work.request_id, output.kv_block_ids, output.num_prompt_tokens, deadline)
         handle = KvHandle(
@@ -143,7 +144,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             prefill_endpoint=self.kv_endpoint,
         )
         return PrefillResult(output.new_token_ids[0], first_logprob, kv_handle=handle,
-                             num_cached_tokens=output.num_cached_tokens or 0)
+                             num_cached_tokens=output.num_cached_tokens or 0, prompt_logprobs=output.prompt_logprobs)
 
     async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context) -> worker_pb2.ReleaseKvResponse:
         await self._require_engine(context)

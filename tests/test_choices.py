@@ -2,7 +2,8 @@
 off): greedy choices equal one greedy run, a seeded choice i equals a request of its own
 with seed + i (so it depends on nothing else in the batch), the prompt is prefilled and
 moved once (the other choices move only its last, partial block), usage counts the prompt
-once; the OpenAI client's n over completions and chat, streamed and not."""
+once; the OpenAI client's n over completions and chat, streamed and not. And prompt logprobs,
+which the prefill worker computes and the first message carries."""
 
 from __future__ import annotations
 
@@ -25,12 +26,18 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def system(tmp_path_factory):
-    """test_serving's deployment (a tiny random Llama with SmolLM2's tokenizer, block size 4,
-    prefix caching on), with the HTTP API."""
+def tiny(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer (transformers', float64) and its directory."""
     directory = tmp_path_factory.mktemp("tiny-choices")
-    _, path = make_tiny_model(directory, "llama", 4, 2, 16, True, dtype=torch.float64, vocab_size=VOCAB_SIZE)
+    model, path = make_tiny_model(directory, "llama", 4, 2, 16, True, dtype=torch.float64, vocab_size=VOCAB_SIZE)
     load_tokenizer("smollm2-135m").save_pretrained(directory)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def system(tiny, tmp_path_factory):
+    """test_serving's deployment (block size 4, prefix caching on), with the HTTP API."""
+    _, path = tiny
     deployment = start_deployment(
         path, tmp_path_factory.mktemp("logs"), http_port=0,
         worker_args=["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "400"],
@@ -139,3 +146,29 @@ def test_openai_n_over_completions_and_chat(system, client):
     assert texts == {c.index: c.message.content for c in chat.choices}
     assert chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens and chunks[-1].usage.completion_tokens == 18
     json.dumps(chat.model_dump())  # a plain JSON answer
+
+
+def test_prompt_logprobs_come_from_the_prefill_worker_over_the_handoff(system, stub, client, tiny):
+    """Computed where the prompt is prefilled (the prefill worker, every prompt handed off),
+    on the first message; equal to transformers' log-softmax; a cached prompt is computed
+    again; with n > 1, once; over HTTP in vLLM's shape."""
+    model, _ = tiny
+    prompt = list(range(700, 730))
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt])).logits[0, :-1].double().log_softmax(dim=-1)
+    for _ in range(2):  # the second time the prefix caches hold the prompt
+        messages = list(stub.GenerateStream(with_n(greedy_request(prompt, 3), 2, prompt_logprobs=2), timeout=120))
+        assert len(messages[0].prompt_logprobs) == len(prompt) - 1
+        assert all(not m.prompt_logprobs for m in messages[1:])
+        for i, entry in enumerate(messages[0].prompt_logprobs):
+            assert entry.token_id == prompt[i + 1]
+            assert entry.logprob == pytest.approx(reference[i, prompt[i + 1]].item(), abs=1e-9)
+            assert [t.token_id for t in entry.top_logprobs] == reference[i].topk(2).indices.tolist()
+    unary = stub.Generate(with_n(greedy_request(prompt, 3), 1, prompt_logprobs=0), timeout=120)
+    assert [e.logprob for e in unary.prompt_logprobs] == [e.logprob for e in messages[0].prompt_logprobs]
+    model_id = client.models.list().data[0].id
+    answer = client.completions.create(model=model_id, prompt=prompt, max_tokens=2,
+                                       extra_body={"prompt_logprobs": 1})
+    shown = answer.choices[0].model_extra["prompt_logprobs"]
+    assert shown[0] is None and len(shown) == len(prompt)
+    assert shown[1][str(prompt[1])]["logprob"] == pytest.approx(reference[0, prompt[1]].item(), abs=1e-9)

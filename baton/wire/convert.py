@@ -97,6 +97,7 @@ def _sampling_params_from_pb(message: pb.SamplingParams, with_stop_strings: bool
         bad_words=list(message.bad_words) if message.bad_words else None,
         structured_output=_structured_output_from_pb(message),
         n=message.n if has("n") else 1,
+        prompt_logprobs=message.prompt_logprobs if has("prompt_logprobs") else None,
     )
 
 
@@ -143,6 +144,8 @@ def sampling_params_to_pb(params: SamplingParams, *, with_stop_strings: bool = T
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        message.prompt_logprobs = params.prompt_logprobs
     return message
 
 
@@ -196,7 +199,7 @@ def text_delta_to_pb(delta: TextDelta) -> pb.GenerateStreamResponse:
     message = pb.GenerateStreamResponse(
         request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text,
         logprobs=logprobs_to_pb(delta.logprobs), finish_reason=finish_reason_to_pb(delta.finish_reason),
-        index=delta.index,
+        index=delta.index, prompt_logprobs=logprobs_to_pb(delta.prompt_logprobs),
     )
     _set_stop_reason(message, delta)
     if delta.has_usage:
@@ -216,6 +219,7 @@ def completion_to_pb(deltas: Sequence[TextDelta]) -> pb.GenerateResponse:
     message = pb.GenerateResponse(
         request_id=last.request_id, text=first.text, token_ids=first.token_ids, logprobs=first.logprobs,
         finish_reason=first.finish_reason,
+        prompt_logprobs=logprobs_to_pb(next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)),
         usage=pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_completion_tokens,
                        cached_tokens=last.num_cached_tokens),
     )
@@ -262,6 +266,7 @@ def text_delta_from_pb(message: pb.GenerateStreamResponse | pb.GenerateResponse)
         num_completion_tokens=message.usage.completion_tokens,
         num_cached_tokens=message.usage.cached_tokens,
         index=message.index if isinstance(message, pb.GenerateStreamResponse) else 0,
+        prompt_logprobs=logprobs_from_pb(message.prompt_logprobs) or None,
     )
 
 
@@ -342,7 +347,7 @@ def prefill_request_from_pb(message: worker_pb2.PrefillRequest) -> WorkRequest:
 def prefill_result_to_pb(result: PrefillResult) -> worker_pb2.PrefillResponse:
     message = worker_pb2.PrefillResponse(
         first_token_id=result.first_token_id, finish_reason=finish_reason_to_pb(result.finish_reason),
-        num_cached_tokens=result.num_cached_tokens,
+        num_cached_tokens=result.num_cached_tokens, prompt_logprobs=logprobs_to_pb(result.prompt_logprobs),
     )
     if result.first_logprob is not None:
         message.first_logprob.CopyFrom(logprobs_to_pb([result.first_logprob])[0])
@@ -358,6 +363,7 @@ def prefill_result_from_pb(message: worker_pb2.PrefillResponse) -> PrefillResult
         finish_reason=finish_reason_from_pb(message.finish_reason),
         kv_handle=kv_handle_from_pb(message.kv_handle) if message.HasField("kv_handle") else None,
         num_cached_tokens=message.num_cached_tokens,
+        prompt_logprobs=logprobs_from_pb(message.prompt_logprobs) or None,
     )
 
 
@@ -402,6 +408,7 @@ def token_event_to_pb(event: TokenEvent) -> worker_pb2.DecodeEvent:
         token_ids=event.token_ids,
         logprobs=logprobs_to_pb(event.logprobs),
         finish_reason=finish_reason_to_pb(event.finish_reason),
+        prompt_logprobs=logprobs_to_pb(event.prompt_logprobs),
     )
     if event.stop_token_id is not None:
         message.stop_token_id = event.stop_token_id
@@ -417,4 +424,5 @@ def token_event_from_pb(message: worker_pb2.DecodeEvent) -> TokenEvent:
         finish_reason=finish_reason_from_pb(message.finish_reason),
         stop_token_id=message.stop_token_id if message.HasField("stop_token_id") else None,
         num_cached_tokens=message.num_cached_tokens if message.HasField("num_cached_tokens") else None,
+        prompt_logprobs=logprobs_from_pb(message.prompt_logprobs) or None,
     )

@@ -94,6 +94,7 @@ class TextDelta:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV a prefix cache held
     index: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the first delta, when asked
 
     @property
     def has_usage(self) -> bool:
@@ -124,10 +125,11 @@ class WorkRequest:
         """This request carried on after `generated` more tokens were streamed, as a new
         attempt `request_id` on other workers: they prefill the prompt plus those tokens
         and generate what is left, with the token limits counted down, and a seeded
-        request's generator skips the draws already made; its `attempt` counts the move."""
+        request's generator skips the draws already made; its `attempt` counts the move.
+        Prompt logprobs, when asked, came with the first attempt: not asked again."""
         n = len(generated)
         params = replace(self.params, max_tokens=self.params.max_tokens - n,
-                         min_tokens=max(0, self.params.min_tokens - n))
+                         min_tokens=max(0, self.params.min_tokens - n), prompt_logprobs=None)
         return WorkRequest(request_id, [*self.prompt_token_ids, *generated], params, self.priority,
                            num_generated_tokens=self.num_generated_tokens + n, kv_token=self.kv_token,
                            attempt=self.attempt + 1)
@@ -157,6 +159,7 @@ class PrefillResult:
     finish_reason: str | None = None  # set: nothing is held, kv_handle is None
     kv_handle: KvHandle | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache held
+    prompt_logprobs: list[TokenLogprobs] | None = None  # when asked: entry i is prompt token i + 1's
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,7 @@ class TokenEvent:
     # On the first event from the worker that prefilled the prompt: its tokens a prefix
     # cache held there (None: not reported by this event).
     num_cached_tokens: int | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the first event, when asked
 
 
 # ------------------------------------------------------- the KV handoff's control

@@ -23,8 +23,8 @@ class PrefixMatcher:
     def hit(self, request: Request) -> PrefixHit:
         """The cached blocks a request admitted now would start with: of its whole prompt
         if its KV arrives from elsewhere, else of its tokens but the last."""
-        if not self.kv.enable_prefix_caching:
-            return NO_PREFIX
+        if not self.kv.enable_prefix_caching or request.prompt_logprobs is not None:
+            return NO_PREFIX  # a prompt's logprobs come from computing every position
         if request.kv_remote:
             num_blocks = request.num_prompt_tokens // self.block_size
         else:

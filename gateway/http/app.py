@@ -276,7 +276,8 @@ class _Call:
                     logprobs = translate.completion_logprobs([e for d in mine for e in d.logprobs], self.text, 0)
                 choices.append(api.CompletionChoice(index=prompt_index * params.n + index,
                                                     text="".join(d.text for d in mine), logprobs=logprobs,
-                                                    finish_reason=mine[-1].finish_reason))
+                                                    finish_reason=mine[-1].finish_reason,
+                                                    prompt_logprobs=translate.prompt_logprobs(mine, self.text)))
         return api.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=translate.usage([d for deltas in results for d in deltas]))
 
@@ -292,7 +293,8 @@ class _Call:
                 logprobs = translate.completion_logprobs(delta.logprobs, self.text, offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(delta.text)
             choice = api.CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
-                                          finish_reason=delta.finish_reason)
+                                          finish_reason=delta.finish_reason,
+                                          prompt_logprobs=translate.prompt_logprobs([delta], self.text))
             return _event(api.CompletionResponse(id=self.id, created=self.created, model=self.model,
                                                  choices=[choice]))
 
@@ -335,7 +337,8 @@ class _Call:
             choices.append(api.ChatChoice(index=index, message=message, logprobs=logprobs,
                                           finish_reason=mine[-1].finish_reason))
         return api.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                          usage=translate.usage(deltas))
+                                          usage=translate.usage(deltas),
+                                          prompt_logprobs=translate.prompt_logprobs(deltas, self.text))
 
     async def chat_chunks(self, request: GenerateRequest, include_usage: bool) -> AsyncIterator[str]:
         def chunk(index: int, delta: api.ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:

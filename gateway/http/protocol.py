@@ -54,6 +54,7 @@ class _Request(BaseModel):
     guided_grammar: str | None = None
     pretty_json: bool | None = None
     n: int | None = None
+    prompt_logprobs: int | None = None
     # Refused unless it asks for nothing (translate.UNSUPPORTED).
     best_of: int | None = None
 
@@ -131,6 +132,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: per prompt token (None for the first), {token id: {logprob, rank, decoded_token}}.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -175,6 +178,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # as CompletionChoice's
 
 
 class ChatDelta(BaseModel):

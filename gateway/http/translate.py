@@ -111,7 +111,7 @@ def sampling(body: api.CompletionRequest | api.ChatCompletionRequest, max_tokens
         "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "logit_bias": body.logit_bias, "allowed_token_ids": body.allowed_token_ids, "bad_words": body.bad_words,
-        "n": body.n,
+        "n": body.n, "prompt_logprobs": body.prompt_logprobs,
     }
     try:
         return SamplingParams(**{k: v for k, v in chosen.items() if v is not None},
@@ -243,6 +243,23 @@ def completion_logprobs(entries: list[TokenLogprobs], text: TokenText, offset: i
     return api.CompletionLogprobs(
         tokens=tokens, token_logprobs=[e.logprob for e in entries],
         top_logprobs=[{text(t): lp for t, lp in e.top_logprobs} for e in entries], text_offset=offsets)
+
+
+def prompt_logprobs(deltas: list[TextDelta], text: TokenText) -> list[dict | None] | None:
+    """The prompt logprobs the deltas carry, as vLLM writes them: None for the first prompt
+    token, then per token {id: {logprob, rank, decoded_token}} for it and its alternatives."""
+    entries = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    if entries is None:
+        return None
+    out: list[dict | None] = [None]
+    for entry in entries:
+        ranked = {token_id: rank for rank, (token_id, _) in enumerate(entry.top_logprobs, 1)}
+        alternatives = {str(t): {"logprob": lp, "rank": ranked[t], "decoded_token": text(t)}
+                        for t, lp in entry.top_logprobs}
+        alternatives[str(entry.token_id)] = {"logprob": entry.logprob, "rank": ranked.get(entry.token_id),
+                                             "decoded_token": text(entry.token_id)}
+        out.append(alternatives)
+    return out
 
 
 def usage(deltas: list[TextDelta]) -> api.Usage:

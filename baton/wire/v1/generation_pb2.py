@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/generation.proto\x12\x08\x62\x61ton.v1\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\xe9\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x06\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x08\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\t\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x01\x12;\n\nlogit_bias\x18\x11 \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\r\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x17 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x18 \x01(\tH\x00\x12\x13\n\x0bpretty_json\x18\x19 \x01(\x08\x12\x0e\n\x01n\x18\x1a \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x13\n\x11structured_outputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"]\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12*\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\xa2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12!\n\x07\x63hoices\x18\t \x03(\x0b\x32\x10.baton.v1.ChoiceB\r\n\x0bstop_reason\"\xd0\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"\x94\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\r\n\x05index\x18\t \x01(\rB\r\n\x0bstop_reason\"\x15\n\x13GetModelInfoRequest\"|\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xe4\x01\n\nGeneration\x12\x41\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x19.baton.v1.GenerateRequest\x1a .baton.v1.GenerateStreamResponse0\x01\x12\x42\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x13.baton.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/generation.proto\x12\x08\x62\x61ton.v1\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x9b\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x06\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x08\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\t\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x01\x12;\n\nlogit_bias\x18\x11 \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\r\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x17 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x18 \x01(\tH\x00\x12\x13\n\x0bpretty_json\x18\x19 \x01(\x08\x12\x0e\n\x01n\x18\x1a \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1b \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x13\n\x11structured_outputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"]\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12*\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\xd3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12!\n\x07\x63hoices\x18\t \x03(\x0b\x32\x10.baton.v1.Choice\x12/\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x16.baton.v1.TokenLogprobB\r\n\x0bstop_reason\"\xd0\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"\xc5\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\r\n\x05index\x18\t \x01(\r\x12/\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x16.baton.v1.TokenLogprobB\r\n\x0bstop_reason\"\x15\n\x13GetModelInfoRequest\"|\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xe4\x01\n\nGeneration\x12\x41\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x19.baton.v1.GenerateRequest\x1a .baton.v1.GenerateStreamResponse0\x01\x12\x42\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x13.baton.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2442
-  _globals['_FINISHREASON']._serialized_end=2537
+  _globals['_FINISHREASON']._serialized_start=2590
+  _globals['_FINISHREASON']._serialized_end=2685
   _globals['_GENERATEREQUEST']._serialized_start=40
   _globals['_GENERATEREQUEST']._serialized_end=250
   _globals['_TOKENIDS']._serialized_start=252
@@ -44,27 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=323
   _globals['_CHATMESSAGES']._serialized_end=378
   _globals['_SAMPLINGPARAMS']._serialized_start=381
-  _globals['_SAMPLINGPARAMS']._serialized_end=1254
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1049
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1097
-  _globals['_CHOICES']._serialized_start=1256
-  _globals['_CHOICES']._serialized_end=1282
-  _globals['_USAGE']._serialized_start=1284
-  _globals['_USAGE']._serialized_end=1364
-  _globals['_TOKENLOGPROB']._serialized_start=1366
-  _globals['_TOKENLOGPROB']._serialized_end=1459
-  _globals['_TOPLOGPROB']._serialized_start=1461
-  _globals['_TOPLOGPROB']._serialized_end=1508
-  _globals['_GENERATERESPONSE']._serialized_start=1511
-  _globals['_GENERATERESPONSE']._serialized_end=1801
-  _globals['_CHOICE']._serialized_start=1804
-  _globals['_CHOICE']._serialized_end=2012
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2015
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2291
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2293
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2314
-  _globals['_MODELINFO']._serialized_start=2316
-  _globals['_MODELINFO']._serialized_end=2440
-  _globals['_GENERATION']._serialized_start=2540
-  _globals['_GENERATION']._serialized_end=2768
+  _globals['_SAMPLINGPARAMS']._serialized_end=1304
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1079
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1127
+  _globals['_CHOICES']._serialized_start=1306
+  _globals['_CHOICES']._serialized_end=1332
+  _globals['_USAGE']._serialized_start=1334
+  _globals['_USAGE']._serialized_end=1414
+  _globals['_TOKENLOGPROB']._serialized_start=1416
+  _globals['_TOKENLOGPROB']._serialized_end=1509
+  _globals['_TOPLOGPROB']._serialized_start=1511
+  _globals['_TOPLOGPROB']._serialized_end=1558
+  _globals['_GENERATERESPONSE']._serialized_start=1561
+  _globals['_GENERATERESPONSE']._serialized_end=1900
+  _globals['_CHOICE']._serialized_start=1903
+  _globals['_CHOICE']._serialized_end=2111
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2114
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2439
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2441
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2462
+  _globals['_MODELINFO']._serialized_start=2464
+  _globals['_MODELINFO']._serialized_end=2588
+  _globals['_GENERATION']._serialized_start=2688
+  _globals['_GENERATION']._serialized_end=2916
 # @@protoc_insertion_point(module_scope)
