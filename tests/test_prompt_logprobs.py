@@ -4,10 +4,15 @@ again, not skipped), and after a preemption by recompute (what was computed is k
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
+from baton.cli.local import start_deployment
+from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
 from engine import LLM, SamplingParams
+from engine.outputs import TokenLogprobs
 from tests.tiny_models import make_tiny_model
 
 
@@ -63,3 +68,23 @@ def test_prompt_logprobs_survive_a_preemption_by_recompute(tiny):
     assert llm.get_metrics().num_preemptions_recompute > 0
     for prompt, out in zip(prompts, outputs):
         check(out.prompt_logprobs, hf_prompt_logprobs(model, prompt), prompt, 3)
+
+
+def test_a_colocated_decode_worker_sends_them_on_its_first_event(tiny, tmp_path):
+    """A decode worker that prefills the prompt itself (no prefill worker) computes them and
+    its first event carries them; tests/test_choices.py has them over the handoff."""
+    model, path = tiny
+    deployment = start_deployment(path, tmp_path / "logs", prefill=False,
+                                  worker_args=["--dtype", "float64", "--block-size", "4"])
+    try:
+        prompt = list(range(40, 63))
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2))
+        with grpc.insecure_channel(deployment.gateway) as channel:
+            messages = list(generation_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=120))
+        entries = [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top_logprobs))
+                   for e in messages[0].prompt_logprobs]
+        check(entries, hf_prompt_logprobs(model, prompt), prompt, 2)
+        assert all(not m.prompt_logprobs for m in messages[1:])
+    finally:
+        assert deployment.stop() == {"gateway": 0, "decode": 0}, deployment.logs()
