@@ -18,6 +18,7 @@ wherever it lands (a handoff's decode worker, a worker it moved to after a crash
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -170,12 +171,35 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + BITS - 1) // BITS
 
 
+_EXECUTOR = []  # llguidance's thread pool, made at first use
+
+
+def _executor():
+    if not _EXECUTOR:
+        import llguidance
+
+        _EXECUTOR.append(llguidance.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) - 1))))
+    return _EXECUTOR[0]
+
+
 def fill_bitmask(states: Sequence[GrammarState], num_words: int, device: torch.device) -> Tensor:
-    """The rows' next-token bitmask [G, W] int32, filled on the host and copied to `device`
-    without waiting (from pinned memory on CUDA)."""
+    """The rows' next-token bitmask [G, W] int32, filled on the host (several rows at once on
+    llguidance's threads, the GIL released) and copied to `device` without waiting (from
+    pinned memory on CUDA)."""
     host = torch.empty(len(states), num_words, dtype=torch.int32, pin_memory=device.type == "cuda")
+    live = [(state.matcher, row) for row, state in enumerate(states) if not state.is_done]
     for row, state in enumerate(states):
-        state.fill(host, row)
+        if state.is_done:
+            host[row].fill_(-1)  # it ended: whatever is sampled reaches no one
+    if len(live) > 1:
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        fill_next_token_bitmask_par(_executor(), live, host)
+        for matcher, row in live:
+            if matcher.is_error():
+                host[row].fill_(-1)  # failed in this step: ends after it (scheduler.resolve)
+    elif live:
+        states[live[0][1]].fill(host, live[0][1])
     return host.to(device, non_blocking=True)
 
 
