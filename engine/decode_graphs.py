@@ -50,6 +50,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.block_pool import KVCacheManager
 from engine.forward_batch import ForwardBatch, decode_rows
+from engine.prompt_logprobs import wants_rows
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ class StaticDecode:
         requests = out.requests
         num_seqs = len(requests)
         size = padded_batch_size(self.batch_sizes, num_seqs)
-        if size is None or out.total_num_scheduled_tokens != num_seqs:
+        if size is None or out.total_num_scheduled_tokens != num_seqs or any(map(wants_rows, requests)):
             return None
         kv = self.kv
         d = decode_rows(requests, kv)

@@ -20,7 +20,7 @@ import torch
 
 from engine.attention.base import AttentionBatch, PrefillChunk
 from engine.block_pool import KVCacheManager, cdiv
-from engine.prompt_logprobs import PromptRows, prompt_rows
+from engine.prompt_logprobs import PromptRows, prompt_rows, wants_rows
 from engine.request import PENDING_TOKEN, Request
 from engine.scheduler import SchedulerOutput
 
@@ -72,9 +72,11 @@ def prepare_forward_batch(
     requests = out.requests
     num_scheduled = out.num_scheduled_tokens
 
-    decodes = [r for r, n in zip(requests, num_scheduled) if n == 1]
+    # A one-token step is a decode row, but for a prompt position whose logprobs are asked.
+    decodes = [r for r, n in zip(requests, num_scheduled) if n == 1 and not wants_rows(r)]
     num_decodes = len(decodes)
-    chunks = [(r, n) for r, n in zip(requests, num_scheduled) if n != 1] if num_decodes != len(requests) else []
+    chunks = ([(r, n) for r, n in zip(requests, num_scheduled) if n != 1 or wants_rows(r)]
+              if num_decodes != len(requests) else [])
     num_seqs = num_decodes + len(chunks)
 
     d = decode_rows(decodes, kv)

@@ -18,6 +18,10 @@ import torch
 from engine.outputs import TokenLogprobs
 from engine.request import Request
 
+# Prompt positions whose full-vocabulary logits exist at once (a long chunk's would be
+# gigabytes at a 150k vocabulary).
+ROWS_AT_ONCE = 256
+
 
 @dataclass(frozen=True, slots=True)
 class PromptRows:
@@ -28,6 +32,12 @@ class PromptRows:
     row: int
     first_target: int
     count: int
+
+
+def wants_rows(request: Request) -> bool:
+    """Whether a request's next position still predicts a prompt token it needs an entry
+    for: its step is then a prefill chunk, even of one token (not a decode row)."""
+    return request.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens - 1
 
 
 def prompt_rows(request: Request, row_start: int, start: int, end: int) -> PromptRows | None:
@@ -58,11 +68,14 @@ class PendingPromptLogprobs:
         targets = torch.tensor([c.request.prompt_token_ids[c.first_target + i] for c in chunks for i in range(c.count)],
                                pin_memory=pinned)
         rows, targets = rows.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        logits = model.compute_logits(hidden.index_select(0, rows))  # [R, V]
-        logprobs = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).log_softmax(dim=-1)
-        k = max(c.request.sampling_params.prompt_logprobs for c in chunks)
-        top_vals, top_ids = logprobs.topk(max(k, 1), dim=-1)
-        values = (logprobs.gather(1, targets[:, None])[:, 0], top_vals, top_ids)
+        k = max(1, max(c.request.sampling_params.prompt_logprobs for c in chunks))
+        parts = []
+        for at in range(0, len(rows), ROWS_AT_ONCE):  # [R, V] logits a slice at a time
+            logits = model.compute_logits(hidden.index_select(0, rows[at: at + ROWS_AT_ONCE]))
+            logprobs = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).log_softmax(-1)
+            top_vals, top_ids = logprobs.topk(k, dim=-1)
+            parts.append((logprobs.gather(1, targets[at: at + ROWS_AT_ONCE, None])[:, 0], top_vals, top_ids))
+        values = tuple(torch.cat(column) for column in zip(*parts))
         if pinned:
             values = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                            for t in values)

@@ -41,7 +41,9 @@ def _bans(request: Request) -> tuple[list[int], list[int]]:
     the token that must be its last (still on the device when overlapped)."""
     params = request.sampling_params
     ids: list[int] = []
-    if request.num_output_tokens < params.min_tokens:
+    # A grammar decides when its output may end: banning EOS where it allows nothing else
+    # would leave the row no token at all.
+    if request.num_output_tokens < params.min_tokens and request.grammar is None:
         ids += request.eos_token_ids
         ids += params.stop_token_ids
     conditions = [-1] * len(ids)

@@ -61,7 +61,8 @@ class SamplingParams:
     Stopping:
     - `max_tokens`: generated tokens at most (>= 1).
     - `min_tokens`: EOS and `stop_token_ids` are suppressed until this many
-      tokens were generated.
+      tokens were generated (not under a structured output: its grammar decides
+      where the output may end).
     - `stop`: strings that end generation when they appear in the output text.
     - `stop_token_ids`: token ids that end generation (besides EOS).
     - `ignore_eos`: keep generating past EOS.
@@ -137,6 +138,9 @@ class SamplingParams:
         _check_int("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise SamplingParamError("n", f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - self.n:
+            # choice i draws from seed + i, a 64-bit seed on the wire too
+            raise SamplingParamError("seed", f"seed must be in [-2^63, 2^63 - n], got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_real(name, getattr(self, name))
             if abs(getattr(self, name)) > MAX_ABS_PENALTY:

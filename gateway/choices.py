@@ -58,13 +58,14 @@ async def merged_choices(prepared: PreparedRequest, stream: Callable[[PreparedRe
     try:
         while remaining:
             item = await queue.get()
+            if len(tasks) == 1 and not isinstance(item, BaseException):
+                # choice 0's first token (or its end): its prompt is cached now
+                tasks += [asyncio.ensure_future(pump(index)) for index in range(1, len(choices))]
             if item is done:
                 remaining -= 1
                 continue
             if isinstance(item, BaseException):
                 raise item
-            if len(tasks) == 1:  # choice 0's first token: its prompt is cached now
-                tasks += [asyncio.ensure_future(pump(index)) for index in range(1, len(choices))]
             if item.finish_reason is not None:
                 num_finished += 1
                 num_completion += item.num_completion_tokens

@@ -253,7 +253,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             async for event in events:
                 if not num_output:
                     self.admission.started(prepared.request_id)  # its prompt is no longer queued
-                self.admission.generated(prepared.request_id, len(event.token_ids))
+                if index == 0:  # the output-length model learns one choice's length, not n summed
+                    self.admission.generated(prepared.request_id, len(event.token_ids))
                 num_output += len(event.token_ids)
                 if event.num_cached_tokens is not None:
                     num_cached = event.num_cached_tokens

@@ -16,9 +16,12 @@ import torch
 
 from baton.cli.local import start_deployment
 from baton.wire.v1 import generation_pb2 as pb
+from baton.wire.v1 import generation_pb2_grpc
 from engine import LLM, SamplingParams
+from engine.outputs import TokenLogprobs
 from engine.request import InvalidRequestError
 from engine.tokenizer import load_tokenizer
+from tests.test_prompt_logprobs import check, hf_prompt_logprobs
 from tests.test_serving import VOCAB_SIZE, greedy_request, stream_all
 from tests.tiny_models import make_tiny_model
 
@@ -53,8 +56,9 @@ def test_llm_generate_runs_n_choices_off_one_prefill(tmp_path):
     _, path = make_tiny_model(tmp_path, vocab_size=320, dtype=torch.float64)
     llm = LLM(path, dtype="float64", block_size=4)
     prompt = list(range(10, 71))  # 15 full blocks and one token
-    outs = llm.generate([prompt, [5, 6, 7]], [SamplingParams(temperature=0.0, max_tokens=5, n=3, ignore_eos=True),
-                                              SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=4, ignore_eos=True)])
+    outs = llm.generate([prompt, [5, 6, 7]],
+                        [SamplingParams(temperature=0.0, max_tokens=5, n=3, ignore_eos=True),
+                         SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=4, ignore_eos=True)])
     assert [o.index for o in outs] == [0, 1, 2, 0, 1]
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
     assert [o.num_cached_tokens for o in outs[:3]] == [0, 60, 60]
@@ -114,10 +118,11 @@ def test_the_prompt_is_moved_once_and_the_other_choices_move_its_last_block(syst
 
 
 def test_n_is_refused_out_of_range(system, stub):
-    for n in (0, 129):
+    for n, sampling, words in ((0, {}, "n must be"), (129, {}, "n must be"),
+                               (2, {"seed": 2**63 - 1, "temperature": 1.0}, "seed must be")):
         with pytest.raises(grpc.RpcError) as error:
-            stub.Generate(with_n(greedy_request([5, 6], 2), n), timeout=60)
-        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be" in error.value.details()
+            stub.Generate(with_n(greedy_request([5, 6], 2), n, **sampling), timeout=60)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in error.value.details()
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +177,23 @@ def test_prompt_logprobs_come_from_the_prefill_worker_over_the_handoff(system, s
     shown = answer.choices[0].model_extra["prompt_logprobs"]
     assert shown[0] is None and len(shown) == len(prompt)
     assert shown[1][str(prompt[1])]["logprob"] == pytest.approx(reference[0, prompt[1]].item(), abs=1e-9)
+
+
+def test_a_colocated_decode_worker_sends_prompt_logprobs_on_its_first_event(tmp_path):
+    """A decode worker that prefills the prompt itself (no prefill worker) computes them and
+    its first event carries them."""
+    model, path = make_tiny_model(tmp_path, vocab_size=160, dtype=torch.float64)
+    deployment = start_deployment(path, tmp_path / "logs", prefill=False,
+                                  worker_args=["--dtype", "float64", "--block-size", "4"])
+    try:
+        prompt = list(range(40, 63))
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2))
+        with grpc.insecure_channel(deployment.gateway) as channel:
+            messages = list(generation_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=120))
+        entries = [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top_logprobs))
+                   for e in messages[0].prompt_logprobs]
+        check(entries, hf_prompt_logprobs(model, prompt), prompt, 2)
+        assert all(not m.prompt_logprobs for m in messages[1:])
+    finally:
+        assert deployment.stop() == {"gateway": 0, "decode": 0}, deployment.logs()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -96,8 +97,13 @@ def test_workers_on_many_hosts_found_by_dns(tiny_model, network, tmp_path):
             cluster.add("decode", "decode-2", "h2")
             results = [[future.result() for future in first]]
             second = wave(1)
-            # One leaves while these run: out of DNS, the gateway routes it nothing new; then
-            # SIGTERM, and what runs there finishes within its grace period.
+            # One leaves while these run (once it has some: on CI's busy cores they may take a
+            # while to arrive): out of DNS, the gateway routes it nothing new; then SIGTERM,
+            # and what runs there finishes within its grace period.
+            worker = cluster.process("decode-1")
+            deadline = time.monotonic() + 60
+            while not _has_work(deployment.stats(worker)) and time.monotonic() < deadline:
+                time.sleep(0.01)
             leaving = cluster.unlist("decode-1")
             in_flight = deployment.stats(leaving)
             leaving.popen.send_signal(signal.SIGTERM)
@@ -112,7 +118,7 @@ def test_workers_on_many_hosts_found_by_dns(tiny_model, network, tmp_path):
         # The new worker took requests; the one that left had some in flight, which finished.
         assert idle["decode-2"].num_finished > 0
         assert in_flight.worker_id == "decode-1"
-        assert in_flight.num_running + in_flight.num_waiting + in_flight.num_kv_handoffs_pending > 0, in_flight
+        assert _has_work(in_flight), in_flight
         # KV crossed hosts (Gloo) and moved within one (ipc), counted where it was sent.
         sent = {}
         for name in ("prefill-0", "prefill-1"):
@@ -130,3 +136,7 @@ def test_workers_on_many_hosts_found_by_dns(tiny_model, network, tmp_path):
     finally:
         if not stopped:
             cluster.stop()
+
+
+def _has_work(stats) -> bool:
+    return stats.num_running + stats.num_waiting + stats.num_kv_handoffs_pending > 0

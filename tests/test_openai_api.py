@@ -194,7 +194,7 @@ def test_structured_output_over_http(client):
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("best_of", 3), ("tools", [{"type": "function", "function": {"name": "f"}}]),
 ])
 def test_unsupported_fields_are_refused_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as error:

@@ -4,15 +4,10 @@ again, not skipped), and after a preemption by recompute (what was computed is k
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
-from baton.cli.local import start_deployment
-from baton.wire.v1 import generation_pb2 as pb
-from baton.wire.v1 import generation_pb2_grpc
 from engine import LLM, SamplingParams
-from engine.outputs import TokenLogprobs
 from tests.tiny_models import make_tiny_model
 
 
@@ -57,6 +52,18 @@ def test_prompt_logprobs_equal_transformers_in_chunks_and_beside_other_prompts(t
     assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_one_token_chunk_of_a_prompt_is_computed_too(tiny, overlap):
+    """A step's budget left for one token of a prompt whose logprobs are asked: that token
+    is a prefill chunk of one (not a decode row), and its entry is there."""
+    model, path = tiny
+    llm = LLM(path, dtype="float64", block_size=4, max_num_batched_tokens=16, overlap_scheduling=overlap)
+    prompts = [list(range(20, 35)), list(range(50, 59))]  # 15 tokens, then 1 of the second's 9 fit
+    params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, prompt_logprobs=1)]
+    outputs = llm.generate(prompts, params)
+    check(outputs[1].prompt_logprobs, hf_prompt_logprobs(model, prompts[1]), prompts[1], 1)
+
+
 def test_prompt_logprobs_survive_a_preemption_by_recompute(tiny):
     model, path = tiny
     llm = LLM(path, dtype="float64", block_size=4, max_num_batched_tokens=24, max_num_seqs=8, num_kv_blocks=30,
@@ -69,22 +76,3 @@ def test_prompt_logprobs_survive_a_preemption_by_recompute(tiny):
     for prompt, out in zip(prompts, outputs):
         check(out.prompt_logprobs, hf_prompt_logprobs(model, prompt), prompt, 3)
 
-
-def test_a_colocated_decode_worker_sends_them_on_its_first_event(tiny, tmp_path):
-    """A decode worker that prefills the prompt itself (no prefill worker) computes them and
-    its first event carries them; tests/test_choices.py has them over the handoff."""
-    model, path = tiny
-    deployment = start_deployment(path, tmp_path / "logs", prefill=False,
-                                  worker_args=["--dtype", "float64", "--block-size", "4"])
-    try:
-        prompt = list(range(40, 63))
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
-            temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2))
-        with grpc.insecure_channel(deployment.gateway) as channel:
-            messages = list(generation_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=120))
-        entries = [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top_logprobs))
-                   for e in messages[0].prompt_logprobs]
-        check(entries, hf_prompt_logprobs(model, prompt), prompt, 2)
-        assert all(not m.prompt_logprobs for m in messages[1:])
-    finally:
-        assert deployment.stop() == {"gateway": 0, "decode": 0}, deployment.logs()

@@ -83,7 +83,8 @@ def test_baton_up_answers_capital_of_france(tmp_path):
         jsonschema.validate(answer, schema)
         assert "Paris" in answer["capital"], answer
         chat = client.chat.completions.create(
-            model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
             max_tokens=60, temperature=0.0,
             response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
         assert json.loads(chat.choices[0].message.content) == answer

@@ -131,6 +131,14 @@ def test_any_object_choice_and_grammar(llm):
     assert all(out.text.startswith("{") for out in objects)
 
 
+def test_min_tokens_does_not_hold_a_grammar_that_is_done(llm):
+    """The grammar decides where a constrained output ends: min_tokens does not ban EOS
+    where the grammar allows nothing else (the row would have no token left)."""
+    out = llm.generate([[5, 6]], [SamplingParams(temperature=1.0, seed=2, max_tokens=20, min_tokens=15,
+                                                 structured_output=StructuredOutput(choice=("yes", "no")))])[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no")
+
+
 def test_pretty_json_has_bounded_whitespace_and_ends(llm):
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                                "b": {"type": "boolean"}}, "required": ["a", "b"],

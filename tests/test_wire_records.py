@@ -30,3 +30,9 @@ def test_new_work_is_attempt_zero_and_each_move_counts_one():
     # The generated tokens so far are kept counting: the earlier attempt's and this move's.
     assert moved.num_generated_tokens == 4 and moved.prompt_token_ids == [5, 6, 7, 8, 100, 101]
     assert moved.kv_token == "t"
+
+
+def test_a_move_asks_for_prompt_logprobs_again_only_if_none_came():
+    work = WorkRequest("r", [5, 6, 7], SamplingParams(max_tokens=9, prompt_logprobs=2), 0)
+    assert work.continued([], "r~1").params.prompt_logprobs == 2  # lost before its first token
+    assert work.continued([11], "r~1").params.prompt_logprobs is None  # they came with it

@@ -68,12 +68,16 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: off)")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: off)")
     constraint = parser.add_mutually_exclusive_group()
-    constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema")
-    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
-    constraint.add_argument("--regex", help="the output matches this regular expression")
-    constraint.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
-    constraint.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar")
-    parser.add_argument("--pretty-json", action="store_true", help="JSON with newlines and indentation")
+    constraint.add_argument("--json-schema", metavar="FILE",
+                            help="the output is JSON valid against this schema (default: none)")
+    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object (default: off)")
+    constraint.add_argument("--regex", help="the output matches this regular expression (default: none)")
+    constraint.add_argument("--choice", action="append",
+                            help="the output is one of these strings (repeatable; default: none)")
+    constraint.add_argument("--grammar", metavar="FILE",
+                            help="the output follows this Lark or GBNF grammar (default: none)")
+    parser.add_argument("--pretty-json", action="store_true",
+                        help="JSON with newlines and indentation (default: compact)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="(default: %(default)s)")
 
 

@@ -126,10 +126,11 @@ class WorkRequest:
         attempt `request_id` on other workers: they prefill the prompt plus those tokens
         and generate what is left, with the token limits counted down, and a seeded
         request's generator skips the draws already made; its `attempt` counts the move.
-        Prompt logprobs, when asked, came with the first attempt: not asked again."""
+        Prompt logprobs, when asked, came with the first token: asked again only if none came."""
         n = len(generated)
         params = replace(self.params, max_tokens=self.params.max_tokens - n,
-                         min_tokens=max(0, self.params.min_tokens - n), prompt_logprobs=None)
+                         min_tokens=max(0, self.params.min_tokens - n),
+                         prompt_logprobs=self.params.prompt_logprobs if n == 0 else None)
         return WorkRequest(request_id, [*self.prompt_token_ids, *generated], params, self.priority,
                            num_generated_tokens=self.num_generated_tokens + n, kv_token=self.kv_token,
                            attempt=self.attempt + 1)
