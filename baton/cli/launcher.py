@@ -161,7 +161,10 @@ class UpSettings:
 
 
 def up_command(args: argparse.Namespace) -> int:
+    from baton.cli.main import check_model
+
     settings = from_args(UpSettings, args)
+    check_model(settings.model)
     configure_logging(settings.log_level)
     return up(settings)
 

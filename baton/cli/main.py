@@ -84,11 +84,26 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
     return _serve_role
 
 
+def check_model(model: str) -> None:
+    """SettingsError (one line, exit 2) when `model` names no files here: before any
+    process or server starts, not as a traceback from a worker's event loop."""
+    from engine.dummy_models import dummy_model
+    from engine.tokenizer import resolve_source
+
+    if dummy_model(model) is not None:
+        return
+    try:
+        resolve_source(model)
+    except FileNotFoundError as error:
+        raise SettingsError(str(error)) from None
+
+
 def _serve_role(args: argparse.Namespace) -> int:
     """One role in this process, until SIGTERM."""
     from baton.runtime.server import configure_logging
 
     settings = from_args(ROLES[args.command], args)
+    check_model(settings.model)
     configure_logging(settings.log_level)
     if args.command == "gateway":
         from gateway.server import serve

@@ -50,8 +50,9 @@ GRACE_S = 10.0  # SIGTERM: seconds in-flight calls get to finish (every role)
 # A prefill worker's steps are prefill chunks only: a smaller token budget than a decode
 # worker's keeps each step short, so a prompt's first token is not held up behind others.
 PREFILL_MAX_NUM_BATCHED_TOKENS = 512
-MODEL_HELP = (f"model: {DEFAULT_MODEL!r}, a Hugging Face model directory, a .gguf file, "
-              "or dummy:<name> (random weights at a real model's shapes: dummy:llama-3.1-8b, ...)")
+MODEL_HELP = (f"model: {DEFAULT_MODEL!r}, a Hugging Face model directory, a .gguf file, a hub id (org/name, "
+              "from the local Hugging Face cache), or dummy:<name> (random weights at a real model's shapes: "
+              "dummy:llama-3.1-8b, ...)")
 DEVICE_HELP = "cpu, cuda or cuda:N"
 DTYPE_HELP = "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 or float64"
 TLS_CERT_HELP = "PEM certificate chain this process serves and presents as a client (a TLS secret's tls.crt)"
