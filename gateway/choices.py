@@ -1,11 +1,13 @@
 """A request's n > 1 choices: each one a request of its own to the workers, the prompt
 prefilled once.
 
-Choice 0 goes first; the others follow once its first token is out, so that its prompt's
-blocks are in the prefix caches by then: the prefill worker (prefix affinity routes them
-to it) computes only the prompt's last, partial block for each, and the decode worker
-(routed to by the same affinity) already holds the full blocks, so their handoffs move
-only that partial block. Each choice is an ordinary request from then on: its own stop
+Choice 0 goes first; the others follow once its second delta is out (or it ended), so
+that its prompt's blocks are in the prefix caches by then: the prefill worker (prefix
+affinity routes them to it) computes only the prompt's last, partial block for each, and
+the decode worker (routed to by the same affinity) already holds the full blocks, so
+their handoffs move only that partial block. (The first delta comes from the prefill
+worker before the handoff: the decode worker may not hold the blocks yet. The second
+comes from the decode worker, which decoded from them.) Each choice is an ordinary request from then on: its own stop
 strings, its own move to another decode worker if its worker is lost; a seeded request's
 choice i draws from seed + i (SamplingParams.choice). The stream interleaves the
 choices' deltas, each tagged with its index; the stream's last delta has the usage (the
@@ -54,13 +56,15 @@ async def merged_choices(prepared: PreparedRequest, stream: Callable[[PreparedRe
 
     tasks = [asyncio.ensure_future(pump(0))]
     remaining = len(choices)
-    num_finished = num_completion = num_cached = 0
+    num_finished = num_completion = num_cached = num_first = 0
     try:
         while remaining:
             item = await queue.get()
             if len(tasks) == 1 and not isinstance(item, BaseException):
-                # choice 0's first token (or its end): its prompt is cached now
-                tasks += [asyncio.ensure_future(pump(index)) for index in range(1, len(choices))]
+                num_first += 1
+                if num_first == 2 or item is done or item.finish_reason is not None:
+                    # choice 0's second delta (or its end): its prompt is cached everywhere now
+                    tasks += [asyncio.ensure_future(pump(index)) for index in range(1, len(choices))]
             if item is done:
                 remaining -= 1
                 continue
