@@ -155,17 +155,6 @@ class GrammarState:
         request then ends where it is."""
         return self.matcher.is_stopped() or self.matcher.is_error()
 
-    def fill(self, bitmask: Tensor, row: int) -> None:
-        """Row `row` of `bitmask` [R, W] int32 (host): bit t set where token t may come next."""
-        from llguidance.torch import fill_next_token_bitmask
-
-        if self.is_done:
-            bitmask[row].fill_(-1)  # it ended: whatever is sampled reaches no one
-            return
-        fill_next_token_bitmask(self.matcher, bitmask, row)
-        if self.matcher.is_error():
-            bitmask[row].fill_(-1)  # failed in this step: ends after it (scheduler.resolve)
-
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + BITS - 1) // BITS
@@ -186,20 +175,17 @@ def fill_bitmask(states: Sequence[GrammarState], num_words: int, device: torch.d
     """The rows' next-token bitmask [G, W] int32, filled on the host (several rows at once on
     llguidance's threads, the GIL released) and copied to `device` without waiting (from
     pinned memory on CUDA)."""
+    from llguidance.torch import fill_next_token_bitmask_par
+
     host = torch.empty(len(states), num_words, dtype=torch.int32, pin_memory=device.type == "cuda")
     live = [(state.matcher, row) for row, state in enumerate(states) if not state.is_done]
-    for row, state in enumerate(states):
-        if state.is_done:
-            host[row].fill_(-1)  # it ended: whatever is sampled reaches no one
-    if len(live) > 1:
-        from llguidance.torch import fill_next_token_bitmask_par
-
+    if live:
         fill_next_token_bitmask_par(_executor(), live, host)
-        for matcher, row in live:
-            if matcher.is_error():
-                host[row].fill_(-1)  # failed in this step: ends after it (scheduler.resolve)
-    elif live:
-        states[live[0][1]].fill(host, live[0][1])
+    for row, state in enumerate(states):
+        # Ended (before or in this step's mask): whatever is sampled reaches no one, and a
+        # matcher that failed now ends the request after this step (scheduler.resolve).
+        if state.is_done:
+            host[row].fill_(-1)
     return host.to(device, non_blocking=True)
 
 
