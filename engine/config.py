@@ -177,6 +177,9 @@ class EngineConfig:
     """Everything an engine is built from."""
 
     model: str = DEFAULT_MODEL
+    revision: str | None = None  # of a hub id: a branch, tag or commit (None: main)
+    tokenizer: str | None = None  # where the tokenizer is, when not with the model
+    served_model_name: str | None = None  # the name clients see (None: `model`)
     device: str = DEFAULT_DEVICE  # "cpu", "cuda" or "cuda:N"
     dtype: str | torch.dtype = "auto"  # a torch.dtype once constructed ("auto": DEFAULT_DTYPES)
     max_model_len: int | None = None
@@ -211,8 +214,8 @@ _KEYWORD_ALIASES = {"scheduler_policy": "policy"}
 def engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
     """An EngineConfig from flat keywords, each routed to the config that has a field of its name.
 
-    The names are the fields of EngineConfig (device, dtype, max_model_len,
-    attention_backend, seed), CacheConfig (block_size, num_kv_blocks, ...) and
+    The names are the fields of EngineConfig (revision, tokenizer, served_model_name,
+    device, dtype, max_model_len, attention_backend, seed), CacheConfig (block_size, num_kv_blocks, ...) and
     SchedulerConfig (max_num_seqs, max_num_batched_tokens, ...; its `policy`
     also as `scheduler_policy`). What is not given keeps the dataclass's default.
     Raises TypeError for any other name.

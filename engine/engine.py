@@ -62,9 +62,11 @@ class LLMEngine:
         if loaded is None:
             loaded = load_model(
                 config.model, config.dtype, config.max_model_len, config.attention_backend,
-                self.device, config.seed,
+                self.device, config.seed, revision=config.revision, tokenizer=config.tokenizer,
+                served_model_name=config.served_model_name,
             )
         self.model_name = loaded.name
+        self.model_load = loaded.load
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = loaded.max_model_len

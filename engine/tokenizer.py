@@ -42,8 +42,9 @@ class ModelSource:
     name: str
 
 
-def resolve_source(model: str) -> ModelSource:
-    """Map the user's model string (alias, .gguf path or directory) to local files."""
+def resolve_source(model: str, revision: str | None = None) -> ModelSource:
+    """Map the user's model string (alias, .gguf path, directory or hub id) to local files;
+    `revision` (a branch, tag or commit) applies to a hub id only."""
     if model == SMOLLM2_ALIAS:
         spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # locate, without importing it
         if spec is None or not spec.submodule_search_locations:
@@ -61,7 +62,7 @@ def resolve_source(model: str) -> ModelSource:
     if os.path.isdir(path):
         return ModelSource(path, None, model)
     if _HUB_ID.fullmatch(model):
-        return ModelSource(_hub_snapshot(model), None, model)
+        return ModelSource(_hub_snapshot(model, revision), None, model)
     raise FileNotFoundError(
         f"model {model!r} is neither {SMOLLM2_ALIAS!r}, a .gguf file, a model directory nor a hub id (org/name)"
     )
@@ -97,12 +98,13 @@ def _hub_snapshot(repo_id: str, revision: str | None = None) -> str:
                                 f"and the hub did not give it: {reason}") from None
 
 
-def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
-    """Only the tokenizer of `model` (for the gateway, which holds no weights); None if it has none."""
+def load_tokenizer(model: str, revision: str | None = None) -> PreTrainedTokenizerBase | None:
+    """Only the tokenizer of `model` (for the gateway, which holds no weights; `model` may
+    be a tokenizer's own directory or hub id); None if it has none."""
     spec = dummy_model(model)
     if spec is not None:
         return dummy_tokenizer(spec)
-    return load_tokenizer_from_source(resolve_source(model))
+    return load_tokenizer_from_source(resolve_source(model, revision))
 
 
 def dummy_tokenizer(spec: DummyModel) -> PreTrainedTokenizerBase:

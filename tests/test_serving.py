@@ -24,6 +24,7 @@ from tests.tiny_models import hf_greedy, make_tiny_model
 pytestmark = pytest.mark.timeout(900)
 
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+SERVED_NAME = "acme/tiny-chat"  # what the workers call the model (--served-model-name)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def tiny_chat_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def system(tiny_chat_model, tmp_path_factory):
     _, path, _ = tiny_chat_model
-    worker_args = ["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "400", "--verify-kv"]
+    worker_args = ["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "400", "--verify-kv",
+                   "--served-model-name", SERVED_NAME]
     deployment = start_deployment(
         path,
         tmp_path_factory.mktemp("logs"),
@@ -215,6 +217,11 @@ def test_model_info(system, stub):
     assert list(info.eos_token_ids) == [2]
     assert info.max_context_length == 512
     assert info.has_chat_template
+    assert info.model == SERVED_NAME and system.stats("decode").model == SERVED_NAME
+    # How the answering worker read the weights: straight from the checkpoint's one file.
+    assert info.load.format == "safetensors" and info.load.files == 1 and info.load.tensors == 2 + 9 * 2
+    assert info.load.bytes > 0 and info.load.seconds > 0
+    assert info.load.bytes_per_second == pytest.approx(info.load.bytes / info.load.seconds)
 
 
 @contextlib.contextmanager

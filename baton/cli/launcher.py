@@ -31,10 +31,12 @@ from baton.runtime.settings import (
     GPU_MEMORY_UTILIZATION_HELP,
     KV_CACHE_MEMORY_SHOWN,
     MODEL_HELP,
+    REVISION_HELP,
     TLS_CA_HELP,
     TLS_CERT_HELP,
     TLS_KEY_HELP,
     TLS_SERVER_NAME_HELP,
+    TOKENIZER_HELP,
     SettingsError,
     default_of,
     from_args,
@@ -55,6 +57,8 @@ class UpSettings:
     role's settings are its defaults (or its BATON_* variables)."""
 
     model: str = setting(DEFAULT_MODEL, MODEL_HELP)
+    revision: str | None = setting(None, REVISION_HELP, shown="main")
+    tokenizer: str | None = setting(None, TOKENIZER_HELP, shown="--model's")
     device: str = setting(default_of(EngineConfig, "device"), DEVICE_HELP)
     dtype: str = setting(default_of(EngineConfig, "dtype"), DTYPE_HELP)
     gpu_memory_utilization: float = setting(default_of(CacheConfig, "gpu_memory_utilization"),
@@ -164,7 +168,7 @@ def up_command(args: argparse.Namespace) -> int:
     from baton.cli.main import check_model
 
     settings = from_args(UpSettings, args)
-    check_model(settings.model)
+    check_model(settings.model, settings.revision, settings.tokenizer)
     configure_logging(settings.log_level)
     return up(settings)
 
@@ -205,9 +209,12 @@ def role_args(settings: UpSettings) -> RoleArgs:
     for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
         if getattr(settings, name) is not None:
             tls += ["--" + name.replace("_", "-"), getattr(settings, name)]
-    gateway = [*tls]
-    if settings.served_model_name is not None:
-        gateway += ["--served-model-name", settings.served_model_name]
+    model = []  # every role's
+    for name in ("revision", "tokenizer", "served_model_name"):
+        if getattr(settings, name) is not None:
+            model += ["--" + name.replace("_", "-"), getattr(settings, name)]
+    worker += model
+    gateway = [*tls, *model]
     if settings.api_key_file is not None:
         gateway += ["--api-key-file", settings.api_key_file]
     # A key given as such goes in the environment, not on a command line anyone can read

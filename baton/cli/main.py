@@ -84,17 +84,27 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
     return _serve_role
 
 
-def check_model(model: str) -> None:
-    """SettingsError (one line, exit 2) when `model` names no files here: before any
-    process or server starts, not as a traceback from a worker's event loop."""
+def check_model(model: str, revision: str | None = None, tokenizer: str | None = None,
+                weights: bool = True) -> None:
+    """SettingsError (one line, exit 2) when `model` (or `tokenizer`) names no files here or
+    its checkpoint cannot be served (its config and every header checked, no weight read;
+    the tokenizer's files only when not `weights`): before any process or server starts,
+    not as a traceback from a worker's event loop."""
     from engine.dummy_models import dummy_model
     from engine.tokenizer import resolve_source
 
-    if dummy_model(model) is not None:
-        return
     try:
-        resolve_source(model)
-    except FileNotFoundError as error:
+        if tokenizer is not None:
+            resolve_source(tokenizer, revision)
+        if dummy_model(model) is not None:
+            return
+        if not weights:
+            resolve_source(model, revision)
+            return
+        from engine.model.loader import inspect_model
+
+        inspect_model(model, revision)
+    except (FileNotFoundError, ValueError) as error:  # CheckpointError is a ValueError
         raise SettingsError(str(error)) from None
 
 
@@ -103,7 +113,7 @@ def _serve_role(args: argparse.Namespace) -> int:
     from baton.runtime.server import configure_logging
 
     settings = from_args(ROLES[args.command], args)
-    check_model(settings.model)
+    check_model(settings.model, settings.revision, settings.tokenizer, weights=args.command != "gateway")
     configure_logging(settings.log_level)
     if args.command == "gateway":
         from gateway.server import serve

@@ -53,6 +53,8 @@ PREFILL_MAX_NUM_BATCHED_TOKENS = 512
 MODEL_HELP = (f"model: {DEFAULT_MODEL!r}, a Hugging Face model directory, a .gguf file, a hub id (org/name, "
               "from the local Hugging Face cache), or dummy:<name> (random weights at a real model's shapes: "
               "dummy:llama-3.1-8b, ...)")
+REVISION_HELP = "of a hub id --model (and --tokenizer): a branch, tag or commit in the local Hugging Face cache"
+TOKENIZER_HELP = "the tokenizer's own directory or hub id, when it is not --model's"
 DEVICE_HELP = "cpu, cuda or cuda:N"
 DTYPE_HELP = "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 or float64"
 TLS_CERT_HELP = "PEM certificate chain this process serves and presents as a client (a TLS secret's tls.crt)"
@@ -242,6 +244,10 @@ class WorkerSettings:
     worker_id: str = setting(help="worker id in stats, logs and KV handles", shown="random",
                              default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
     model: str = setting(DEFAULT_MODEL, MODEL_HELP)
+    revision: str | None = setting(None, REVISION_HELP, shown="main")
+    tokenizer: str | None = setting(None, TOKENIZER_HELP, shown="--model's")
+    served_model_name: str | None = setting(None, "the model's name in GetModelInfo, stats and the HTTP API",
+                                            shown="--model")
     device: str = setting(default_of(EngineConfig, "device"), DEVICE_HELP)
     dtype: str = setting(default_of(EngineConfig, "dtype"), DTYPE_HELP)
     max_model_len: int | None = setting(None, "cap on prompt + output tokens", shown="the model's")
@@ -328,6 +334,9 @@ class WorkerSettings:
         object.__setattr__(self, "tls", load_tls(self))
         object.__setattr__(self, "engine", engine_config(
             self.model,
+            revision=self.revision,
+            tokenizer=self.tokenizer,
+            served_model_name=self.served_model_name,
             device=self.device,
             dtype=self.dtype,
             max_model_len=self.max_model_len,
@@ -389,7 +398,10 @@ class GatewaySettings:
                                                   "(at least one)")
     discovery_interval_s: float = setting(5.0, "seconds between lookups of dns:/// worker names (workers that "
                                                "join are used, workers that leave are drained)")
-    model: str = setting(DEFAULT_MODEL, "model whose tokenizer to load; the workers must serve it")
+    model: str = setting(DEFAULT_MODEL, "model whose tokenizer to load (never its weights); the workers must "
+                                        "serve it")
+    revision: str | None = setting(None, REVISION_HELP, shown="main")
+    tokenizer: str | None = setting(None, TOKENIZER_HELP, shown="--model's")
     startup_timeout_s: float = setting(600.0, "seconds to wait for a decode worker to serve before exiting "
                                               "with an error")
     grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
@@ -448,18 +460,13 @@ class GatewaySettings:
                     parse_target(target)
                 except ValueError as error:
                     raise ValueError(f"{flag}: {error}") from None
-        if self.discovery_interval_s <= 0:
-            raise ValueError("discovery_interval_s must be positive")
+        for name in ("discovery_interval_s", "startup_timeout_s", "max_queue_wait_s", "stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_local_prefill_tokens < 0 or self.max_prefill_queue_tokens < 0 or self.cross_host_tokens < 0:
             raise ValueError("routing thresholds must be >= 0")
-        if self.startup_timeout_s <= 0:
-            raise ValueError("startup_timeout_s must be positive")
         if self.max_concurrent_requests < 0 or self.max_queued_tokens < 0:
             raise ValueError("max_concurrent_requests and max_queued_tokens must be >= 0 (0: derived)")
-        if not self.max_queue_wait_s > 0:
-            raise ValueError("max_queue_wait_s must be positive")
-        if self.stall_timeout_s <= 0:
-            raise ValueError("stall_timeout_s must be positive")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
         if self.admin_listen is not None and self.admin_listen == self.listen:

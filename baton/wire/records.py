@@ -53,6 +53,23 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
+    load: ModelLoad | None = None  # how the worker read the weights
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    """How a worker read its model's weights (engine/model/checkpoint.py's LoadReport)."""
+
+    format: str
+    source: str
+    files: int
+    tensors: int
+    bytes: int
+    seconds: float
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)

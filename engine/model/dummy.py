@@ -10,11 +10,14 @@ host copy of the weights is ever made: an 8B model fills an H100 in seconds.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.attention import AttentionBackend
 from engine.dummy_models import DUMMY_PREFIX, dummy_model
-from engine.model.llama import ModelArch
+from engine.model.llama import ModelArch, parameter_shapes
+from engine.model.checkpoint import LoadReport
 from engine.model.loader import LoadedModel, assemble_model
 from engine.tokenizer import dummy_tokenizer
 
@@ -38,39 +41,14 @@ def load_dummy_model(
         raise ValueError(f"{model!r} is not a {DUMMY_PREFIX}<name> model")
     config = AutoConfig.for_model(spec.model_type, **spec.config)
     arch = ModelArch.from_hf_config(config)
+    start = time.perf_counter()
     state = random_state_dict(arch, dtype, device, seed)
+    report = LoadReport("dummy", "", 0, len(state), sum(t.nbytes for t in state.values()),
+                        time.perf_counter() - start)
     return assemble_model(
         config, state, dummy_tokenizer(spec), model, (spec.eos_token_id,),
-        dtype, max_model_len, attention_backend, device,
+        dtype, max_model_len, attention_backend, device, report,
     )
-
-
-def parameter_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """Our parameter names (see LlamaForCausalLM) and their shapes."""
-    hidden, inter, head_dim = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed_tokens.weight": (arch.vocab_size, hidden),
-        "norm.weight": (hidden,),
-    }
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, hidden)
-    for i in range(arch.num_layers):
-        prefix = f"layers.{i}."
-        shapes[prefix + "input_layernorm.weight"] = (hidden,)
-        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
-        shapes[prefix + "self_attn.qkv_proj.weight"] = (qkv_rows, hidden)
-        shapes[prefix + "self_attn.o_proj.weight"] = (hidden, arch.num_heads * head_dim)
-        shapes[prefix + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
-        shapes[prefix + "mlp.down_proj.weight"] = (hidden, inter)
-        if arch.attention_bias:
-            shapes[prefix + "self_attn.qkv_proj.bias"] = (qkv_rows,)
-        if arch.o_proj_bias:
-            shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
-        if arch.mlp_bias:
-            shapes[prefix + "mlp.gate_up_proj.bias"] = (2 * inter,)
-            shapes[prefix + "mlp.down_proj.bias"] = (hidden,)
-    return shapes
 
 
 def random_state_dict(

