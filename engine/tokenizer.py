@@ -42,9 +42,10 @@ class ModelSource:
     name: str
 
 
-def resolve_source(model: str, revision: str | None = None) -> ModelSource:
+def resolve_source(model: str, revision: str | None = None, tokenizer_only: bool = False) -> ModelSource:
     """Map the user's model string (alias, .gguf path, directory or hub id) to local files;
-    `revision` (a branch, tag or commit) applies to a hub id only."""
+    `revision` (a branch, tag or commit) applies to a hub id only, and a hub id downloaded
+    for its tokenizer (`tokenizer_only`) brings no weights."""
     if model == SMOLLM2_ALIAS:
         spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # locate, without importing it
         if spec is None or not spec.submodule_search_locations:
@@ -62,7 +63,8 @@ def resolve_source(model: str, revision: str | None = None) -> ModelSource:
     if os.path.isdir(path):
         return ModelSource(path, None, model)
     if _HUB_ID.fullmatch(model):
-        return ModelSource(_hub_snapshot(model, revision), None, model)
+        return ModelSource(_hub_snapshot(model, revision, _TOKENIZER_PATTERNS if tokenizer_only else _HUB_PATTERNS),
+                           None, model)
     raise FileNotFoundError(
         f"model {model!r} is neither {SMOLLM2_ALIAS!r}, a .gguf file, a model directory nor a hub id (org/name)"
     )
@@ -72,9 +74,10 @@ def resolve_source(model: str, revision: str | None = None) -> ModelSource:
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 # What a model's snapshot needs: config, weights, tokenizer (no other formats' weights).
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+_TOKENIZER_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
-def _hub_snapshot(repo_id: str, revision: str | None = None) -> str:
+def _hub_snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> str:
     """The directory of `repo_id`'s snapshot in the local Hugging Face cache (downloaded
     into it first when it is not there and the hub may be used); FileNotFoundError, in one
     line saying where it looked, when there is none."""
@@ -91,7 +94,7 @@ def _hub_snapshot(repo_id: str, revision: str | None = None) -> str:
                                 "HF_HUB_OFFLINE is set: download it first (hf download "
                                 f"{repo_id}) or pass its directory") from None
     try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS)
+        return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
         reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         raise FileNotFoundError(f"model {repo_id!r} (revision {revision or 'main'}) is not in {where}, "
@@ -104,7 +107,7 @@ def load_tokenizer(model: str, revision: str | None = None) -> PreTrainedTokeniz
     spec = dummy_model(model)
     if spec is not None:
         return dummy_tokenizer(spec)
-    return load_tokenizer_from_source(resolve_source(model, revision))
+    return load_tokenizer_from_source(resolve_source(model, revision, tokenizer_only=True))
 
 
 def dummy_tokenizer(spec: DummyModel) -> PreTrainedTokenizerBase:

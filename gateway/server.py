@@ -55,7 +55,8 @@ async def run_gateway(settings: GatewaySettings) -> None:
         logger.info("gateway admin on %s", admin_server.address)
     logger.info("gateway listening on %s%s%s; waiting for workers", server.address,
                 " (TLS)" if tls is not None else "", " (API key)" if settings.bearer_key else "")
-    tokenizer = await asyncio.to_thread(load_tokenizer, settings.tokenizer or settings.model, settings.revision)
+    tokenizer = await asyncio.to_thread(load_tokenizer, settings.tokenizer or settings.model,
+                                        None if settings.tokenizer else settings.revision)
     # SERVING only once a decode worker is up; none within the timeout: exit with the error.
     waiting_for = "any worker to answer GetModelInfo"
     try:

@@ -194,6 +194,49 @@ def test_loading_holds_the_weights_and_at_most_one_shard_more(tmp_path, dtype):
     assert measured["peak"] <= measured["weights"] + shard + slack, (measured, shard)
 
 
+def test_what_published_checkpoints_carry_beside_the_weights(tmp_path):
+    """A tied model that stores lm_head anyway, older exports' rotary inv_freq tensors, and
+    Mistral's consolidated.safetensors beside model.safetensors: all skipped, output unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    model, _ = make_tiny_model(tmp_path / "made", "llama", 4, 2, 16, True, dtype=torch.float64)
+    directory = save_checkpoint(model, tmp_path / "ckpt", 1)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8, dtype=torch.float32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, os.path.join(directory, "consolidated.safetensors"))
+    prompt = [5, 9, 17, 33, 60]
+    llm = LLM(directory, dtype="float64", block_size=4)
+    out = llm.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)])[0]
+    assert out.token_ids == hf_greedy(model, prompt, 8) and llm.engine.model_load.num_files == 1
+
+
+def test_the_gateway_needs_only_the_tokenizer(tmp_path, hub_cache, capsys):
+    """A quantized checkpoint is refused by name for the workers; the gateway, which never
+    reads weights, starts its checks from --tokenizer alone, without the model's files."""
+    from baton.cli.main import check_model, main
+    from baton.runtime.settings import SettingsError
+
+    model, _ = make_tiny_model(tmp_path / "made", "llama", 4, 2, 16, True, dtype=torch.float32)
+    directory = save_checkpoint(model, tmp_path / "ckpt", 1)
+    config = json.loads(open(os.path.join(directory, "config.json")).read())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    capsys.readouterr()
+    assert main(["decode-worker", "--model", directory]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "gptq-quantized" in error and "config.json" in error and len(error.splitlines()) == 1
+    tokenizer_dir = tmp_path / "tokenizer"
+    dummy_tokenizer(DummyModel("llama", {"vocab_size": 300, "eos_token_id": 2})).save_pretrained(tokenizer_dir)
+    check_model("acme/not-here", tokenizer=str(tokenizer_dir), weights=False)  # no model files needed
+    check_model("acme/not-here", tokenizer="dummy:llama-3.2-1b", weights=False)
+    with pytest.raises(SettingsError, match="acme/not-here"):
+        check_model("acme/not-here", weights=False)
+
+
 # ---------------------------------------------------------------- bad checkpoints
 def _broken(tmp_path, how: str) -> tuple[str, str]:
     """A 3-shard checkpoint broken `how`; returns it and what the error must name."""

@@ -186,6 +186,29 @@ def test_the_gpu_overlay_gives_each_worker_a_gpu(rendered, mounted_files):
             assert gpus is None and settings.device == "cpu" and container["image"].endswith(":cpu")
 
 
+def test_the_gpu_overlay_serves_the_model_on_its_volume_by_baton_model(rendered, mounted_files):
+    """Every pod mounts the baton-models claim read-only and names the same model, resolved
+    offline in the volume's Hugging Face cache; the CPU overlay serves the image's SmolLM2."""
+    overlay, docs = rendered
+    models = set()
+    for name, deployment in objects(docs, "Deployment").items():
+        spec = deployment["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        env = container_env(container)
+        settings = settings_of(container, mounted_files)
+        models.add(settings.model)
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        if overlay != "gpu":
+            assert "models" not in volumes and settings.model == "smollm2-135m", name
+            continue
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "baton-models", "readOnly": True}
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"], name
+        assert env["HF_HOME"].startswith("/models/") and env["HF_HUB_OFFLINE"] == "1", name
+    assert len(models) == 1  # the gateway's tokenizer is the workers' model's
+    if overlay == "gpu":
+        assert objects(docs, "PersistentVolumeClaim")["baton-models"]["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
 # ------------------------------------------------------------------ images
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
 def test_the_images_install_what_make_setup_installs(dockerfile):

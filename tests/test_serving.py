@@ -23,8 +23,9 @@ from tests.tiny_models import hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
 
-VOCAB_SIZE = 49152  # SmolLM2's tokenizer
-SERVED_NAME = "acme/tiny-chat"  # what the workers call the model (--served-model-name)
+VOCAB_SIZE, SERVED_NAME = 49152, "acme/tiny-chat"  # SmolLM2's tokenizer; the workers' --served-model-name
+WORKER_ARGS = ["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "400", "--verify-kv",
+               "--served-model-name", SERVED_NAME]
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +40,12 @@ def tiny_chat_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def system(tiny_chat_model, tmp_path_factory):
-    _, path, _ = tiny_chat_model
-    worker_args = ["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "400", "--verify-kv",
-                   "--served-model-name", SERVED_NAME]
+    # Every prompt goes through the prefill worker and a handoff (no local prefill); bursts
+    # far over a step of its tiny budget are queued, not refused.
     deployment = start_deployment(
-        path,
-        tmp_path_factory.mktemp("logs"),
-        worker_args=worker_args,
-        prefill_args=["--max-num-batched-tokens", "48"],
+        tiny_chat_model[1], tmp_path_factory.mktemp("logs"), worker_args=WORKER_ARGS, prefill_args=["--max-num-batched-tokens", "48"],
         decode_args=["--max-num-batched-tokens", "64"],
-        # Every prompt goes through the prefill worker and a handoff (no local prefill);
-        # bursts far over a step of its tiny budget are queued, not refused.
-        gateway_args=["--max-prefill-queue-tokens", "0", "--max-queued-tokens", "100000"],
-    )
+        gateway_args=["--max-prefill-queue-tokens", "0", "--max-queued-tokens", "100000"])
     yield deployment
     codes = deployment.stop()
     assert codes == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
@@ -218,10 +212,9 @@ def test_model_info(system, stub):
     assert info.max_context_length == 512
     assert info.has_chat_template
     assert info.model == SERVED_NAME and system.stats("decode").model == SERVED_NAME
-    # How the answering worker read the weights: straight from the checkpoint's one file.
-    assert info.load.format == "safetensors" and info.load.files == 1 and info.load.tensors == 2 + 9 * 2
-    assert info.load.bytes > 0 and info.load.seconds > 0
-    assert info.load.bytes_per_second == pytest.approx(info.load.bytes / info.load.seconds)
+    load = info.load  # how the worker read the weights: the checkpoint's one file, directly
+    assert (load.format, load.files, load.tensors) == ("safetensors", 1, 2 + 9 * 2) and load.seconds > 0
+    assert load.bytes_per_second == pytest.approx(load.bytes / load.seconds) and load.bytes > 0
 
 
 @contextlib.contextmanager

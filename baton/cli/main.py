@@ -94,17 +94,17 @@ def check_model(model: str, revision: str | None = None, tokenizer: str | None =
     from engine.tokenizer import resolve_source
 
     try:
-        if tokenizer is not None:
-            resolve_source(tokenizer, revision)
-        if dummy_model(model) is not None:
+        if tokenizer is not None and dummy_model(tokenizer) is None:
+            resolve_source(tokenizer, tokenizer_only=True)  # its repository's main: --revision is the model's
+        if dummy_model(model) is not None or (not weights and tokenizer is not None):
             return
         if not weights:
-            resolve_source(model, revision)
+            resolve_source(model, revision, tokenizer_only=True)
             return
         from engine.model.loader import inspect_model
 
         inspect_model(model, revision)
-    except (FileNotFoundError, ValueError) as error:  # CheckpointError is a ValueError
+    except (OSError, ValueError) as error:  # FileNotFoundError, PermissionError; CheckpointError
         raise SettingsError(str(error)) from None
 
 

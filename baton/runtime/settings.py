@@ -53,7 +53,7 @@ PREFILL_MAX_NUM_BATCHED_TOKENS = 512
 MODEL_HELP = (f"model: {DEFAULT_MODEL!r}, a Hugging Face model directory, a .gguf file, a hub id (org/name, "
               "from the local Hugging Face cache), or dummy:<name> (random weights at a real model's shapes: "
               "dummy:llama-3.1-8b, ...)")
-REVISION_HELP = "of a hub id --model (and --tokenizer): a branch, tag or commit in the local Hugging Face cache"
+REVISION_HELP = "of a hub id --model: a branch, tag or commit in the local Hugging Face cache (not --tokenizer's)"
 TOKENIZER_HELP = "the tokenizer's own directory or hub id, when it is not --model's"
 DEVICE_HELP = "cpu, cuda or cuda:N"
 DTYPE_HELP = "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 or float64"

@@ -83,7 +83,7 @@ class LoadReport:
 
 def has_safetensors(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, INDEX_FILE)) or any(
-        name.endswith(".safetensors") for name in os.listdir(directory))
+        name.endswith(".safetensors") and not name.startswith("consolidated") for name in os.listdir(directory))
 
 
 def placements(arch: ModelArch) -> dict[str, Placement]:
@@ -122,14 +122,20 @@ def checkpoint_files(directory: str) -> list[str]:
     """The safetensors files of `directory`, as its index names them (checked to be there)."""
     index_path = os.path.join(directory, INDEX_FILE)
     if not os.path.isfile(index_path):
-        names = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
+        if os.path.isfile(os.path.join(directory, SINGLE_FILE)):
+            return [os.path.join(directory, SINGLE_FILE)]
+        # Mistral's repositories ship their own format beside the transformers one.
+        names = sorted(name for name in os.listdir(directory)
+                       if name.endswith(".safetensors") and not name.startswith("consolidated"))
         if not names:
             raise CheckpointError(f"{directory}: no {SINGLE_FILE}, {INDEX_FILE} or other *.safetensors file")
         return [os.path.join(directory, name) for name in names]
     try:
         with open(index_path) as f:
             weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        if not all(isinstance(name, str) for name in weight_map.values()):
+            raise ValueError("a weight_map value is not a file name")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{index_path}: not a safetensors index ({_reason(error)})") from None
     files: dict[str, None] = {}
     for tensor, name in weight_map.items():
@@ -231,11 +237,14 @@ def load_checkpoint(
 
 def _read_ahead(path: str) -> None:
     """Ask the kernel to start reading `path` into the page cache (it returns at once)."""
-    fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):  # only a hint (and not on every platform)
+        pass
 
 
 class _Progress:

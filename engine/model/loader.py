@@ -35,7 +35,7 @@ from engine.model.checkpoint import (
 )
 from engine.model.llama import LlamaForCausalLM, ModelArch, RotaryEmbedding
 from engine.model.ops import select_ops
-from engine.tokenizer import ModelSource, load_tokenizer_from_source, resolve_source
+from engine.tokenizer import ModelSource, load_tokenizer, load_tokenizer_from_source, resolve_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -79,10 +79,12 @@ def load_model(
         from engine.model.dummy import load_dummy_model
 
         loaded = load_dummy_model(model, dtype, max_model_len, attention_backend, device, seed)
-        return dataclasses.replace(loaded, name=name)
+        return dataclasses.replace(loaded, name=name, tokenizer=loaded.tokenizer if tokenizer is None
+                                   else load_tokenizer(tokenizer))
     source = resolve_source(model, revision)
     config, arch = read_config(source)
-    tokens = load_tokenizer_from_source(source if tokenizer is None else resolve_source(tokenizer, revision))
+    # The revision is the model's: a tokenizer named apart is its repository's main.
+    tokens = load_tokenizer_from_source(source) if tokenizer is None else load_tokenizer(tokenizer)
     if source.gguf_file is None and has_safetensors(source.directory):
         state, report = load_checkpoint(inspect_checkpoint(source.directory, arch), arch, dtype, device)
         eos_ids = _eos_token_ids(_generation_config(source.directory), config, tokens)
@@ -119,9 +121,15 @@ def read_config(source: ModelSource) -> tuple[Any, ModelArch]:
         raise CheckpointError(f"{where}: not there (a model directory needs its config.json)")
     try:
         config = AutoConfig.from_pretrained(source.directory, **kwargs)
-        return config, ModelArch.from_hf_config(config)
+        arch = ModelArch.from_hf_config(config)
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(f"{where}: {_first_line(error)}") from None
+    quantization = getattr(config, "quantization_config", None)
+    if quantization and source.gguf_file is None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise CheckpointError(f"{where}: a {method}-quantized checkpoint; Baton serves float16, bfloat16, "
+                              "float32 and float64 weights only")
+    return config, arch
 
 
 def _load_through_transformers(
