@@ -29,7 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.step_time import StepTimeModel
 from engine.thread_device import use_device
-from engine.timeline import FirstDecodeStep, PrefillChunk, StepBatch
+from engine.timeline import PrefillChunk, StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -366,71 +366,65 @@ class LLMEngine:
     def _complete(self, step: _InFlightStep, started: float) -> StepOutput:
         """Wait for a launched step's tokens and turn them into outputs (in the `step` call
         that began at perf_counter `started`)."""
-        scheduler = self.scheduler
         runner_out = step.launched.result()
         prompt_logprobs.record(runner_out.prompt_logprobs)
-        # Requests that ended while the step ran (aborted, or stopped by the step before).
-        ended = [request.is_finished for request in runner_out.requests]
-        finished = scheduler.resolve(runner_out.requests, runner_out.token_ids, step.positions)
-        batch = step.batch
+        # Requests that ended while the step ran (aborted, or stopped by the step before) get nothing.
+        live = [not request.is_finished for request in runner_out.requests]
+        finished = self.scheduler.resolve(runner_out.requests, runner_out.token_ids, step.positions)
         finished_ids = {request.request_id for request in finished}
         outputs: list[RequestOutput] = []
-        sampler_out = runner_out.sampler_output
-        now = time.monotonic()
+        sampler_out, now = runner_out.sampler_output, time.monotonic()
         for index, (request, token_id) in enumerate(zip(runner_out.requests, runner_out.token_ids)):
-            if ended[index]:
+            if not live[index]:
                 continue
-            new_logprobs = None
-            if request.logprobs is not None and sampler_out is not None and sampler_out.logprobs:
-                entry = sampler_out.logprobs[index]
-                request.logprobs.append(entry)
-                new_logprobs = [entry]
-            if request.first_token_time is None and request.kv_ready_time is None:
-                request.first_token_time = now  # its prompt was prefilled here
-            elif request.first_decode_time is None:
-                request.first_decode_time = now
-                if request.events is not None:
-                    request.record(FirstDecodeStep(batch=batch))
-            detokenizer = request.detokenizer
-            if detokenizer is not None and detokenizer.stop_matched is None:
-                # Every token reaches the detokenizer, also the one that ended the request by
-                # length or EOS in this step: the text must include it.
-                detokenizer.append([token_id])
-                if detokenizer.stop_matched is not None:
-                    request.stop_reason = detokenizer.stop_matched
-                    if request.is_finished:  # already ended (and freed) by the scheduler this step
-                        request.status = RequestStatus.FINISHED_STOPPED
-                    else:
-                        scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-                    finished_ids.add(request.request_id)
-            if request.request_id in finished_ids:
+            wants_logprob = request.logprobs is not None and sampler_out is not None and sampler_out.logprobs
+            logprob = sampler_out.logprobs[index] if wants_logprob else None
+            request.note_token(logprob, now, step.batch)
+            new_logprobs = None if logprob is None else [logprob]
+            if self._matches_stop_string(request, token_id) or request.request_id in finished_ids:
                 outputs.append(self._final_output(request, [token_id], new_logprobs))
             else:
-                kv_block_ids = None
-                if request.status == RequestStatus.HELD:
-                    kv_block_ids = list(self.kv_manager.get_block_ids(request.request_id))
-                outputs.append(
-                    RequestOutput(
-                        request_id=request.request_id,
-                        new_token_ids=[token_id],
-                        finished=False,
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        num_cached_tokens=request.num_cached_tokens,
-                        # Not the next step's token, already PENDING when overlapped.
-                        num_output_tokens=request.num_output_tokens - (request.all_token_ids[-1] == PENDING_TOKEN),
-                        new_logprobs=new_logprobs,
-                        prompt_logprobs=prompt_logprobs.take(request),
-                        kv_block_ids=kv_block_ids,
-                        timings=None if kv_block_ids is None else request.take_timings(),
-                        events=None if request.events is None else request.take_events(),
-                    )
-                )
+                outputs.append(self._running_output(request, token_id, new_logprobs))
         # On CUDA the swap copies are not timed apart from the step: learn from steps without.
         if not (runner_out.swap_bytes and self.device.type == "cuda"):
             self.step_time.observe(runner_out, step.scheduled, time.perf_counter() - started)
         for num_bytes, seconds in self.runner.finished_swaps():
             self.cost_model.observe_swap(num_bytes, seconds)
         return StepOutput(outputs=outputs)
+
+    def _matches_stop_string(self, request: Request, token_id: int) -> bool:
+        """Add the token to the request's text (every token, also one that ended it by length
+        or EOS this step: the text must include it); True if that completed a stop string,
+        which ends the request unless the scheduler already has (its status then stays: its
+        finish_reason reads the string)."""
+        detokenizer = request.detokenizer
+        if detokenizer is None or detokenizer.stop_matched is not None:
+            return False
+        detokenizer.append([token_id])
+        if detokenizer.stop_matched is None:
+            return False
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)  # no-op if already ended
+        return True
+
+    def _running_output(self, request: Request, token_id: int, new_logprobs: list | None) -> RequestOutput:
+        """The output of a request that goes on (or waits, HELD, for its KV to be pulled)."""
+        kv_block_ids = None
+        if request.status == RequestStatus.HELD:
+            kv_block_ids = list(self.kv_manager.get_block_ids(request.request_id))
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            finished=False,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            # Not the next step's token, already PENDING when overlapped.
+            num_output_tokens=request.num_output_tokens - (request.all_token_ids[-1] == PENDING_TOKEN),
+            new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs.take(request),
+            kv_block_ids=kv_block_ids,
+            timings=None if kv_block_ids is None else request.take_timings(),
+            events=None if request.events is None else request.take_events(),
+        )
 
     def _final_output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list | None = None
@@ -440,7 +434,7 @@ class LLMEngine:
             new_token_ids=new_token_ids,
             finished=True,
             finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason if request.status == RequestStatus.FINISHED_STOPPED else None,
+            stop_reason=request.finish_stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -244,8 +244,24 @@ class Request:
         return self.status >= RequestStatus.FINISHED_STOPPED
 
     @property
+    def stop_string(self) -> str | None:
+        """The stop string its text matched, if one did (which ends it)."""
+        return None if self.detokenizer is None else self.detokenizer.stop_matched
+
+    @property
     def finish_reason(self) -> str | None:
+        """Why it ended: "stop" for a matched stop string, even when the token that
+        completed the string had also ended it by length or EOS (as vLLM reports it)."""
+        if self.is_finished and self.stop_string is not None:
+            return "stop"
         return FINISH_REASONS.get(self.status)
+
+    @property
+    def finish_stop_reason(self) -> int | str | None:
+        """What stopped it, when it stopped: the stop string, else the stop token id."""
+        if self.is_finished and self.stop_string is not None:
+            return self.stop_string
+        return self.stop_reason if self.status == RequestStatus.FINISHED_STOPPED else None
 
     @property
     def queue_time(self) -> float | None:
@@ -253,6 +269,21 @@ class Request:
         if self.first_scheduled_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+    def note_token(self, logprob: Any, now: float, batch: int) -> None:
+        """A token sampled for it in a step of `batch` rows, at monotonic `now`: keep its
+        logprobs (if it asked), and the time of its first token (its prompt prefilled
+        here) or of its first decode step."""
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if self.first_token_time is None and self.kv_ready_time is None:
+            self.first_token_time = now
+        elif self.first_decode_time is None:
+            self.first_decode_time = now
+            if self.events is not None:
+                from engine.timeline import FirstDecodeStep
+
+                self.record(FirstDecodeStep(batch=batch))
 
     def record(self, event: TimelineEvent) -> None:
         """Add a timeline event (traced requests only: check `events is not None` first)."""

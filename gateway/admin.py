@@ -31,7 +31,7 @@ class GatewayAdminService(worker_pb2_grpc.GatewayAdminServicer):
     @staticmethod
     async def _status(worker: Worker) -> WorkerStatus:
         try:
-            with worker.asking():
+            with worker.polls.held():
                 stats = await worker.client.get_stats(timeout=STATS_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
             return WorkerStatus(worker.address, worker.role, reachable=False, in_rotation=worker.routable,

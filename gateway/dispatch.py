@@ -135,10 +135,10 @@ class Dispatcher:
                                else "no decode worker is serving")
         prefill = self.pool.pick_prefill(num_prompt, decode, prompt=prompt)
         # Attached: a worker retired meanwhile (gone from DNS) keeps its client until then.
-        attached = [worker for worker in (decode, prefill) if worker is not None]
-        for worker in attached:
-            worker.num_attached += 1
-        try:
+        with contextlib.ExitStack() as attached:
+            for worker in (decode, prefill):
+                if worker is not None:
+                    attached.enter_context(worker.attached.held())
             generated: list[int] = []
             async with contextlib.aclosing(self._attempt_on(decode, prefill, work, span, time_remaining)) as events:
                 async for event in events:
@@ -147,9 +147,6 @@ class Dispatcher:
             # The decode worker caches the blocks of its output too (all but the last token
             # has KV): a chat's next turn starts with them.
             decode.routed(prompt.extended(generated[:-1]))
-        finally:
-            for worker in attached:
-                worker.num_attached -= 1
 
     async def _attempt_on(self, decode: Worker, prefill: Worker | None, work: WorkRequest, span,
                           time_remaining: Callable[[], float | None]) -> AsyncIterator[TokenEvent]:
@@ -199,7 +196,7 @@ class Dispatcher:
                        trace_metadata) -> PrefillResult | PrefillSkipped:
         """Prefill on `worker`; PrefillSkipped if it is unreachable or lost meanwhile, or
         refuses the request (the caller then runs colocated)."""
-        worker.num_in_flight += 1
+        done_calling = worker.in_flight.take()
         call = asyncio.ensure_future(worker.client.prefill(work, timeout=time_remaining(), metadata=trace_metadata))
         try:
             if not await self._until_done_or_lost(worker, call):
@@ -225,7 +222,7 @@ class Dispatcher:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"prefill worker {worker.address} sent an unusable KV handle: {error}") from None
         finally:
-            worker.num_in_flight -= 1
+            done_calling()
             if not call.done():
                 call.cancel()
 
@@ -251,7 +248,7 @@ class Dispatcher:
         """Stream the decode worker's events; `holder` is the prefill worker holding the
         request's KV, if it was handed off. WorkerLost if the decode worker is lost."""
         events = aiter(worker.client.decode(request, timeout=time_remaining(), metadata=trace_metadata))
-        worker.num_in_flight += 1
+        done_calling = worker.in_flight.take()
         got_event = False
         try:
             while True:
@@ -277,7 +274,7 @@ class Dispatcher:
                 raise WorkerLost(worker, f"{code.name}: {error.details()}") from None
             raise RequestError.from_worker(error, "decode failed") from None
         finally:
-            worker.num_in_flight -= 1
+            done_calling()
             await events.aclose()  # the client went away or a stop string matched: abort on the worker
             if holder is not None and not got_event:
                 # The decode side may never have pulled the KV: drop the lease now, not at expiry.
@@ -286,14 +283,13 @@ class Dispatcher:
     def _release_later(self, prefill: Worker, work: WorkRequest, trace_metadata) -> None:
         """Drop the KV `prefill` holds for a request that will not pull it, in the background
         (best effort: the lease expires anyway); its kv_token proves the KV is ours."""
-        prefill.num_attached += 1
-        self._background.spawn(self._release(prefill, work, trace_metadata))
+        self._background.spawn(self._release(prefill, work, trace_metadata, prefill.attached.take()))
 
-    async def _release(self, prefill: Worker, work: WorkRequest, trace_metadata) -> None:
+    async def _release(self, prefill: Worker, work: WorkRequest, trace_metadata, detach: Callable[[], None]) -> None:
         try:
             await prefill.client.release_kv(ReleaseKv(work.request_id, work.kv_token), timeout=RELEASE_TIMEOUT_S,
                                             metadata=trace_metadata)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: the pool closed its client
             pass
         finally:
-            prefill.num_attached -= 1
+            detach()

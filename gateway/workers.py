@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -66,6 +67,37 @@ STALL_STEPS = 50
 # ... nor a burst's first steps, each a full token budget of prefill, however short the
 # recent ones were: this many of those, by the worker's own model.
 STALL_FULL_STEPS = 3
+
+
+class Holds:
+    """A count of holders: `with holds.held():` around a use, or `take()` for one that
+    another task releases (idempotent, so a release on every path is safe)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @contextlib.contextmanager
+    def held(self):
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+
+    def take(self) -> Callable[[], None]:
+        """Hold now; the returned function lets go (once, however often it is called)."""
+        self.count += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.count -= 1
+
+        return release
 
 
 @dataclass(frozen=True)
@@ -116,9 +148,12 @@ class Worker:
     # Sent since the last poll: prompt tokens (prefill), blocks (decode).
     pending_prefill_tokens: int = 0
     pending_blocks: int = 0
-    num_in_flight: int = 0
-    num_attached: int = 0  # requests that picked it and may still call it (in flight or about to be)
-    num_polls: int = 0  # GetStats calls on it under way
+    # Each a count of holders, taken around a use (`with worker.in_flight.held():`); while
+    # any is held, a retired worker's client stays open (closing a grpc.aio channel cancels
+    # the tasks awaiting its calls).
+    in_flight: Holds = field(default_factory=Holds)  # calls on it under way (its load)
+    attached: Holds = field(default_factory=Holds)  # requests that picked it and may call it
+    polls: Holds = field(default_factory=Holds)  # GetStats calls on it under way
     min_stall_timeout_s: float = 1.0
     # Set when the worker is marked down; a fresh one once it is back.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -155,8 +190,8 @@ class Worker:
 
     def load_key(self) -> tuple[int, int]:
         if self.role == "prefill":
-            return (self.queued_prefill_tokens, self.num_in_flight)
-        return (-(self.stats.num_kv_blocks_free - self.pending_blocks), self.num_in_flight)
+            return (self.queued_prefill_tokens, self.in_flight.count)
+        return (-(self.stats.num_kv_blocks_free - self.pending_blocks), self.in_flight.count)
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks `num_tokens` take in this worker's cache (its block size, from its stats)."""
@@ -183,15 +218,10 @@ class Worker:
         if prompt is not None and self.prefix.capacity and self.stats.block_size > 0:
             self.prefix.add(prompt.hashes(self.stats.block_size))
 
-    @contextlib.contextmanager
-    def asking(self):
-        """Around a GetStats on it: its client stays open meanwhile, should it be retired
-        (closing a grpc.aio channel cancels the tasks awaiting its calls)."""
-        self.num_polls += 1
-        try:
-            yield
-        finally:
-            self.num_polls -= 1
+    @property
+    def is_held(self) -> bool:
+        """Whether anything may still call it: a request, a call, a poll."""
+        return bool(self.attached.count or self.in_flight.count or self.polls.count)
 
     @property
     def routable(self) -> bool:
@@ -302,7 +332,7 @@ class WorkerPool:
             worker.retired = True
             self._retired.append(worker)
             logger.info("%s worker %s is no longer listed: no new requests, %d in flight finish there",
-                        role, worker.address, worker.num_attached)
+                        role, worker.address, worker.attached.count)
         setattr(self, role, workers)
 
     def _new_worker(self, address: str, role: str) -> Worker:
@@ -312,8 +342,7 @@ class WorkerPool:
     async def _close_retired(self) -> None:
         """Close the clients of retired workers no request will call again."""
         # NOTE: closing a grpc.aio channel cancels the tasks awaiting calls on it, so none may be.
-        done = [worker for worker in self._retired
-                if worker.num_attached == 0 and worker.num_in_flight == 0 and worker.num_polls == 0]
+        done = [worker for worker in self._retired if not worker.is_held]
         for worker in done:  # out of the pool before any await
             self._retired.remove(worker)
         for worker in done:
@@ -337,7 +366,7 @@ class WorkerPool:
         # Retired workers too, while requests hold them: those need to know if it is lost.
         # (One nothing holds is not polled: a pod gone with its address would stretch
         # every round to the poll timeout.)
-        held = [worker for worker in self._retired if worker.num_attached or worker.num_in_flight]
+        held = [worker for worker in self._retired if worker.attached.count or worker.in_flight.count]
         await asyncio.gather(*(self._poll(worker) for worker in self.workers + held))
 
     async def refresh_decode(self) -> None:
@@ -358,7 +387,7 @@ class WorkerPool:
         if timeout_s is None:
             timeout_s = max(POLL_TIMEOUT_S, worker.stall_timeout_s)
         try:
-            with worker.asking():
+            with worker.polls.held():
                 stats = await worker.client.get_stats(timeout=timeout_s)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as error:  # UsageError: its client closed
             if worker.is_up and not worker.retired:

@@ -188,7 +188,7 @@ def test_workers_join_and_leave_through_dns(dns):
         picks = {pool.pick_decode(16).address for _ in range(4)}
         assert picks == {old.address, new.address}  # both take requests (by free blocks)
 
-        old.num_attached = 1  # a request still runs there
+        detach = old.attached.take()  # a request still runs there
         dns.names["decode.test"] = ["127.0.0.3"]
         await _until(lambda: [w.address for w in pool.decode] == [new.address])
         assert old.retired and not old.routable
@@ -197,7 +197,7 @@ def test_workers_join_and_leave_through_dns(dns):
         await asyncio.sleep(0.3)
         assert first.calls > calls  # still polled: its request must learn if it is lost
         assert old in pool._retired
-        old.num_attached = 0
+        detach()
         await _until(lambda: old not in pool._retired)  # its client closed
 
         # Listed again: back in rotation.

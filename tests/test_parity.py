@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.request import RequestStatus
 from tests.tiny_models import hf_greedy, make_tiny_model
 
 # (architecture, num_heads, num_kv_heads, head_dim, tied, extra config)
@@ -249,3 +250,14 @@ def test_smollm2_stop_strings_and_eos(smollm2_hf):
     assert stopped.finish_reason == "stop" and "Paris" not in stopped.text
     assert free.text.startswith(stopped.text) and len(stopped.token_ids) < len(free.token_ids)
     assert llm.get_metrics().num_kv_blocks_used == 0
+    # The token that completes the string is also the last max_tokens allows: the scheduler
+    # ended the request by length, and it reports the string (as vLLM does), its status
+    # left as the scheduler set it.
+    engine = llm.engine
+    request = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=len(stopped.token_ids),
+                                                        stop=["Paris"]))
+    final = []
+    while engine.has_unfinished_requests():
+        final += [out for out in engine.step().outputs if out.finished]
+    assert [(out.finish_reason, out.stop_reason, out.text) for out in final] == [("stop", "Paris", stopped.text)]
+    assert request.status == RequestStatus.FINISHED_LENGTH and request.finish_reason == "stop"

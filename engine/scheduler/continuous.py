@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.block_pool import cdiv
+from engine.block_pool import PrefixHit, cdiv
 from engine.request import Request
 from engine.scheduler.policy import AdmissionPolicy
 
@@ -32,21 +32,23 @@ class ContinuousAdmission(AdmissionPolicy):
         promised = self.num_promised_blocks()
         while waiting and budget > 0 and scheduler.num_seqs < max_num_seqs:
             request = waiting.peek()
-            if not self._can_admit(request, promised):
+            hit = scheduler.prefix.hit(request)  # the one lookup of this admission
+            request.num_cached_estimate = hit.num_tokens(scheduler.block_size)
+            if not self._can_admit(request, hit, promised):
                 self.is_kv_short = True
                 break  # head-of-line: lower-priority requests do not jump ahead
             waiting.pop()
-            budget = scheduler.admit(out, request, budget, chunk_cap, now)
+            budget = scheduler.admit(out, request, budget, chunk_cap, now, hit=hit)
             promised += self.blocks_still_to_take(request)
         if waiting and scheduler.num_seqs >= max_num_seqs:
             self.is_seq_capped = True
         return budget
 
-    def _can_admit(self, request: Request, promised: int) -> bool:
+    def _can_admit(self, request: Request, hit: PrefixHit, promised: int) -> bool:
         """Whether the request's whole prompt (and growth room) fits in the unpromised free blocks
-        (a cached prefix it would share takes only the cached blocks nobody holds)."""
+        (its cached prefix `hit` takes only the cached blocks nobody holds)."""
         scheduler = self.scheduler
-        num_blocks = scheduler.kv.num_blocks_to_admit(request.num_tokens, scheduler.prefix.hit(request))
+        num_blocks = scheduler.kv.num_blocks_to_admit(request.num_tokens, hit)
         available = scheduler.kv.num_free_blocks - promised
         if not scheduler.running and not scheduler.swapped:
             return num_blocks <= available

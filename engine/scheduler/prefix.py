@@ -22,7 +22,8 @@ class PrefixMatcher:
 
     def hit(self, request: Request) -> PrefixHit:
         """The cached blocks a request admitted now would start with: of its whole prompt
-        if its KV arrives from elsewhere, else of its tokens but the last."""
+        if its KV arrives from elsewhere, else of its tokens but the last. A query: it
+        changes nothing but the request's memo of its own hash chain (extended as needed)."""
         if not self.kv.enable_prefix_caching or request.prompt_logprobs is not None:
             return NO_PREFIX  # a prompt's logprobs come from computing every position
         if request.kv_remote:
@@ -30,9 +31,7 @@ class PrefixMatcher:
         else:
             num_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(request, num_blocks)
-        hit = self.kv.match_prefix(hashes[:num_blocks] if len(hashes) > num_blocks else hashes)
-        request.num_cached_estimate = len(hit.block_ids) * self.block_size
-        return hit
+        return self.kv.match_prefix(hashes[:num_blocks] if len(hashes) > num_blocks else hashes)
 
     def cache_computed(self, request: Request) -> None:
         """Offer the request's full blocks whose KV is computed to the prefix cache. With

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import time
 
-from engine.block_pool import KVCacheManager, cdiv
+from engine.block_pool import KVCacheManager, PrefixHit, cdiv
 from engine.config import SchedulerConfig
 from engine.preemption import PreemptionCostModel, PreemptionKind
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
@@ -130,7 +130,8 @@ class Scheduler(KvHandoffStates):
         request.arrival_index = self._num_arrivals
         self._num_arrivals += 1
         self.requests[request.request_id] = request
-        self.prefix.hit(request)  # hashes its blocks, and estimates its queued prefill work
+        # Its prefill work as it waits (stats): the prompt less what the cache holds now.
+        request.num_cached_estimate = self.prefix.hit(request).num_tokens(self.block_size)
         self.policy.add(request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -254,9 +255,11 @@ class Scheduler(KvHandoffStates):
         chunk_cap: int,
         now: float,
         reserve: bool = False,
+        hit: PrefixHit | None = None,
     ) -> int:
         """Move a request the policy took off its queue into the batch, scheduling its
-        first chunk; with `reserve`, take its worst-case blocks now. Returns the budget left."""
+        first chunk; with `reserve`, take its worst-case blocks now. `hit`: its prefix
+        lookup, if the policy made it to decide (else made here). Returns the budget left."""
         assert request.num_computed_tokens == 0
         request.status = RequestStatus.RECEIVING if request.kv_remote else RequestStatus.RUNNING
         effective_priority = (
@@ -273,44 +276,32 @@ class Scheduler(KvHandoffStates):
         self.counters.record_entry(now - request.arrival_time if first else None)
         if not request.kv_remote and request.prefill_start_time is None:
             request.prefill_start_time = now
-        hit = self.prefix.hit(request)
+        if hit is None:
+            hit = self.prefix.hit(request)
+        num_cached = request.num_cached_estimate = hit.num_tokens(self.block_size)
         if request.events is not None:
-            request.record(Admitted(
-                queue_time_s=now - request.arrival_time, readmitted=not first, kv_remote=request.kv_remote,
-                cached_tokens=hit.num_tokens(self.block_size),
-            ))
+            request.record(Admitted(queue_time_s=now - request.arrival_time, readmitted=not first,
+                                    kv_remote=request.kv_remote, cached_tokens=num_cached))
+        # Its table: the cached prefix, then its prompt's blocks (received: all of them now) or,
+        # reserving, its worst case.
+        num_tokens = request.num_prompt_tokens if request.kv_remote else num_cached
+        if reserve:
+            num_tokens = self.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        allocated = self.kv.allocate_admission(
+            request.request_id, hit, num_tokens, received=request.kv_remote,
+            num_queried_tokens=request.num_prompt_tokens if request.kv_remote else request.num_tokens)
+        assert allocated is not None, "admission checked the free blocks"
         if request.kv_remote:
-            num_tokens = request.num_prompt_tokens
-            if reserve:
-                num_tokens = self.peak_kv_tokens(num_tokens, request.sampling_params.max_tokens)
-            ok = self.kv.allocate_slots(request.request_id, num_tokens, hit)
-            assert ok, "admission checked the free blocks"
             request.num_reused_blocks = len(hit.block_ids)
-            stats = self.kv.prefix_stats
-            stats.num_received_blocks_queried += cdiv(request.num_prompt_tokens, self.block_size)
-            stats.num_received_blocks_hit += len(hit.block_ids)
             self.receiving[request.request_id] = request
             out.kv_receives.append(request)
             return budget
         bisect.insort(self.running, request, key=by_sort_key)
-        num_cached = hit.num_tokens(self.block_size)
-        ok = self.kv.allocate_slots(request.request_id, num_cached, hit)  # the table, starting with the hit
-        assert ok, "admission checked the free blocks"
         request.num_computed_tokens = num_cached
-        if self.kv.enable_prefix_caching:
-            stats = self.kv.prefix_stats
-            stats.num_queried_tokens += request.num_tokens
-            stats.num_hit_tokens += num_cached
         if request.num_cached_tokens is None:
             request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
-        if reserve:
-            peak = self.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
-            ok = self.kv.allocate_slots(request.request_id, peak)
-            assert ok, "admission checked the free blocks"
         num_new = min(request.num_tokens - num_cached, budget, chunk_cap)
         if num_new == 0:  # static batching admits past the token budget
-            ok = self.kv.allocate_slots(request.request_id, 0)
-            assert ok
             return budget
         return self._schedule_admitted(out, request, num_new, budget)
 
