@@ -145,6 +145,72 @@ def edges(where: tuple[str, ...], to: tuple[str, ...]) -> list[str]:
                   for target in imports(source) if within(target, *to) and not within(source, *to))
 
 
+def declared_imports(name: str) -> frozenset[str]:
+    """The modules of ours `name` names in its import statements, type-checking-only ones
+    included: `from a import b` is an import of a.b when b is a module, else of a (not of
+    the packages an import runs: a package's modules import it by design)."""
+    known = modules()
+    found = set()
+    for node in ast.walk(ast.parse(known[name].read_text(), str(known[name]))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            lazy = lazy_names(node.module)
+            targets = [lazy.get(alias.name, f"{node.module}.{alias.name}") for alias in node.names]
+            targets = [target if target in known else node.module for target in targets]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return frozenset(found)
+
+
+def import_cycles(prefix: str) -> list[list[str]]:
+    """The cycles of declared imports among the modules under `prefix` (each strongly
+    connected group of more than one module)."""
+    graph = {name: {t for t in declared_imports(name) if within(t, prefix)} for name in modules() if within(name, prefix)}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycle_inside_the_engine():
+    """Type-checking imports included: a module that needs another's types only to annotate
+    a back-reference is a cycle in the design (engine/scheduler/'s policies read an
+    AdmissionView, its statistics a SchedulerState, not the Scheduler)."""
+    assert import_cycles("engine") == []
+
+
+def test_no_admission_policy_imports_the_scheduler():
+    policies = ("engine.scheduler.policy", "engine.scheduler.continuous", "engine.scheduler.static")
+    assert [p for p in policies if "engine.scheduler.scheduler" in declared_imports(p)] == []
+
+
 # ------------------------------------------------------------------ layers
 def test_libraries_import_no_serving_code():
     assert edges(("engine", "kvtransfer"), ("baton", *ROLES)) == []

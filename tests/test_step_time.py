@@ -17,7 +17,8 @@ from baton.wire.records import WorkerStats
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.preemption import PreemptionCostModel
 from engine.sampling_params import SamplingParams
-from engine.step_time import DECODE_WINDOW, DecodeStepFit, StepLine, calibrate_step_time, fit_line
+from engine.calibration import calibrate_step_time
+from engine.step_time import DECODE_WINDOW, DecodeStepFit, StepLine, fit_line
 from prefill_worker.server import PrefillWorkerService
 from tests.tiny_models import make_tiny_model
 

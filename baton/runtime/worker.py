@@ -26,7 +26,7 @@ from engine.outputs import KvReceive, RequestOutput
 from engine.request import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerStats
-from engine.step_time import calibrate_step_time
+from engine.calibration import calibrate_step_time
 from kvtransfer import KvEndpoint, KvLayoutSpec
 from kvtransfer.endpoint import gpu_uuid, local_endpoint
 

@@ -11,44 +11,34 @@ host copy of the weights is ever made: an 8B model fills an H100 in seconds.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
-from engine.attention import AttentionBackend
 from engine.dummy_models import DUMMY_PREFIX, dummy_model
-from engine.model.llama import ModelArch, parameter_shapes
 from engine.model.checkpoint import LoadReport
-from engine.model.loader import LoadedModel, assemble_model
-from engine.tokenizer import dummy_tokenizer
+from engine.model.llama import ModelArch, parameter_shapes
 
 # Standard deviation of the random weights (transformers' usual initializer range).
 WEIGHT_STD = 0.02
 
 
-def load_dummy_model(
-    model: str,
-    dtype: torch.dtype,
-    max_model_len: int | None = None,
-    attention_backend: str | AttentionBackend = "auto",
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-) -> LoadedModel:
-    """The model `model` ("dummy:<name>") with random weights on `device` in `dtype`."""
+def dummy_weights(
+    model: str, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
+) -> tuple[Any, dict[str, torch.Tensor], LoadReport]:
+    """The transformers config of `model` ("dummy:<name>"), its parameters (our names,
+    random, on `device` in `dtype`) and how long making them took."""
     from transformers import AutoConfig
 
     spec = dummy_model(model)
     if spec is None:
         raise ValueError(f"{model!r} is not a {DUMMY_PREFIX}<name> model")
     config = AutoConfig.for_model(spec.model_type, **spec.config)
-    arch = ModelArch.from_hf_config(config)
     start = time.perf_counter()
-    state = random_state_dict(arch, dtype, device, seed)
+    state = random_state_dict(ModelArch.from_hf_config(config), dtype, device, seed)
     report = LoadReport("dummy", "", 0, len(state), sum(t.nbytes for t in state.values()),
                         time.perf_counter() - start)
-    return assemble_model(
-        config, state, dummy_tokenizer(spec), model, (spec.eos_token_id,),
-        dtype, max_model_len, attention_backend, device, report,
-    )
+    return config, state, report
 
 
 def random_state_dict(

@@ -15,7 +15,6 @@ line naming the file and tensor. Weights end on the engine's device in its dtype
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -33,9 +32,10 @@ from engine.model.checkpoint import (
     inspect_checkpoint,
     load_checkpoint,
 )
+from engine.model.dummy import dummy_weights
 from engine.model.llama import LlamaForCausalLM, ModelArch, RotaryEmbedding
 from engine.model.ops import select_ops
-from engine.tokenizer import ModelSource, load_tokenizer, load_tokenizer_from_source, resolve_source
+from engine.tokenizer import ModelSource, dummy_tokenizer, load_tokenizer, load_tokenizer_from_source, resolve_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -75,12 +75,12 @@ def load_model(
     read straight into our parameters (engine/model/checkpoint.py); a GGUF file (or a
     directory of other formats) goes through transformers."""
     name = served_model_name or model
-    if dummy_model(model) is not None:
-        from engine.model.dummy import load_dummy_model
-
-        loaded = load_dummy_model(model, dtype, max_model_len, attention_backend, device, seed)
-        return dataclasses.replace(loaded, name=name, tokenizer=loaded.tokenizer if tokenizer is None
-                                   else load_tokenizer(tokenizer))
+    spec = dummy_model(model)
+    if spec is not None:
+        config, state, report = dummy_weights(model, dtype, device, seed)
+        tokens = dummy_tokenizer(spec) if tokenizer is None else load_tokenizer(tokenizer)
+        return assemble_model(config, state, tokens, name, (spec.eos_token_id,), dtype, max_model_len,
+                              attention_backend, device, report)
     source = resolve_source(model, revision)
     config, arch = read_config(source)
     # The revision is the model's: a tokenizer named apart is its repository's main.

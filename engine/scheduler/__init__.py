@@ -2,13 +2,13 @@
 
     scheduler.py    Scheduler: queues, the running loop, swap-ins, preemption
     handoff.py      KvHandoffStates: HELD and RECEIVING requests (disaggregated serving)
-    policy.py       AdmissionPolicy: how waiting requests join the batch (the contract)
+    policy.py       AdmissionPolicy: chooses the waiting requests to admit (the contract), AdmissionView
     continuous.py   ContinuousAdmission: queue order, whole prompt plus growth room must fit
     static.py       StaticAdmission: batch at a time, worst case reserved up front
     waiting.py      WaitingQueue: the heap of waiting requests (aged priority, then deadline)
     output.py       SchedulerOutput: one step's work
     prefix.py       PrefixMatcher: a request's cached prefix at admission; computed blocks into the cache
-    stats.py        counters, the recent window, SchedulerStats / RecentStats
+    stats.py        counters, the recent window, SchedulerStats / RecentStats, SchedulerState
 
 The names below are imported from their modules when first used, so reading the
 stats records (as the wire layer does) does not load the scheduler itself.

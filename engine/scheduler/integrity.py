@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 from engine.request import PENDING_TOKEN, RequestStatus, by_sort_key
 
 if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.stats import SchedulerState
 
 
-def check_scheduler_integrity(scheduler: Scheduler) -> None:
+def check_scheduler_integrity(scheduler: SchedulerState) -> None:
     """Each live request is in exactly one queue, and holds exactly the blocks its state allows:
     AssertionError naming the first that does not."""
     scheduler.kv.check_integrity()

@@ -1,20 +1,59 @@
-"""AdmissionPolicy: how waiting requests join the running batch (continuous or static)."""
+"""AdmissionPolicy: which waiting requests join the running batch (continuous or static).
+
+A policy only chooses. It owns the WAITING requests and, once per step, yields the
+ones to admit, in order; the Scheduler admits each (Scheduler.admit schedules its
+first chunk) before asking for the next, so a policy sees every admission's blocks
+and budget before it decides on the one after. What it reads of the scheduler is
+an AdmissionView, passed to each call and never changed by the policy.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from engine.request import Request
 from engine.scheduler.waiting import WaitingQueue
 
 if TYPE_CHECKING:
-    from engine.scheduler.output import SchedulerOutput
-    from engine.scheduler.scheduler import Scheduler
+    from engine.block_pool import KVCacheManager, PrefixHit
+    from engine.config import SchedulerConfig
+    from engine.scheduler.prefix import PrefixMatcher
+
+
+class AdmissionView(Protocol):
+    """What a policy reads of the scheduler to choose (the Scheduler is one)."""
+
+    kv: KVCacheManager
+    prefix: PrefixMatcher
+    running: list[Request]
+    swapped: list[Request]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int: ...
+
+    def peak_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int: ...
+
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A waiting request a policy chose, taken off its queue: admit it now."""
+
+    request: Request
+    reserve: bool = False  # take its worst-case blocks at admission
+    hit: PrefixHit | None = None  # its prefix lookup, if the policy made one to decide
+
+
+# What `choose` is: it yields Admissions and is sent the token budget left after each.
+Choices = Generator[Admission, int, None]
 
 
 class AdmissionPolicy(ABC):
-    """Owns the WAITING requests and decides which of them join the running batch.
+    """Owns the WAITING requests and chooses which of them join the running batch.
 
     This is where continuous and static batching differ; the rest of a step
     (running requests, swap-ins, preemption) is the Scheduler's. Contract:
@@ -25,27 +64,26 @@ class AdmissionPolicy(ABC):
     - `remove(request)`: a WAITING request ended (it was aborted).
     - `on_finished(request)`: a request ended, in whatever state.
     - `num_waiting`, `waiting_requests()`: every WAITING request.
-    - `admit(out, budget, chunk_cap, now)`: called once per step, after the
-      running and swapped requests were served, and only if nothing was
-      preempted in the step and no request is swapped out. It moves waiting
-      requests into the batch with `Scheduler.admit` (which schedules their
-      first chunk into `out`), never past `max_num_seqs` sequences, and returns
-      the token budget left. For the step statistics, it sets `is_kv_short` when
-      it left a request waiting for KV blocks, and `is_seq_capped` when requests
-      wait because `max_num_seqs` sequences already run.
+    - `choose(view, budget)`: called once per step, after the running and swapped
+      requests were served, and only if nothing was preempted in the step and no
+      request is swapped out. It yields the requests to admit, each taken off the
+      queue, never past `max_num_seqs` sequences, and is sent the token budget left
+      after each admission. For the step statistics, it sets `is_kv_short` when it
+      left a request waiting for KV blocks, and `is_seq_capped` when requests wait
+      because `max_num_seqs` sequences already run.
 
     The base class keeps the waiting requests in one WaitingQueue.
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.waiting = WaitingQueue(scheduler.config.priority_aging_steps)
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting = WaitingQueue(config.priority_aging_steps)
         self.is_kv_short = False
         self.is_seq_capped = False
 
     @abstractmethod
-    def admit(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
-        """Admit waiting requests into this step's batch; returns the token budget left."""
+    def choose(self, view: AdmissionView, budget: int) -> Choices:
+        """The waiting requests to admit into this step's batch, in order."""
 
     def add(self, request: Request) -> None:
         self.waiting.push(request)
@@ -66,18 +104,20 @@ class AdmissionPolicy(ABC):
     def waiting_requests(self) -> list[Request]:
         return list(self.waiting)
 
-    def num_promised_blocks(self) -> int:
+    @staticmethod
+    def num_promised_blocks(view: AdmissionView) -> int:
         """Blocks that running requests still prefilling will take for the rest of their prompt.
 
         Admission allocates only a request's first chunk, so these are not yet
         off the free list but are no longer free to promise to a newcomer.
         """
         return sum(
-            self.blocks_still_to_take(request)
-            for request in self.scheduler.running
+            AdmissionPolicy.blocks_still_to_take(view, request)
+            for request in view.running
             if request.num_computed_tokens < len(request.all_token_ids) - 1
         )
 
-    def blocks_still_to_take(self, request: Request) -> int:
+    @staticmethod
+    def blocks_still_to_take(view: AdmissionView, request: Request) -> int:
         """Blocks the request's table lacks to cover all of its current tokens."""
-        return self.scheduler.kv.num_new_blocks(request.request_id, len(request.all_token_ids))
+        return view.kv.num_new_blocks(request.request_id, len(request.all_token_ids))

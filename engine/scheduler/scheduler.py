@@ -69,7 +69,7 @@ class Scheduler(KvHandoffStates):
         self.receiving: dict[str, Request] = {}
         self.prefix = PrefixMatcher(kv)
         # The WAITING requests are the policy's.
-        self.policy: AdmissionPolicy = ADMISSION_POLICIES[config.policy](self)
+        self.policy: AdmissionPolicy = ADMISSION_POLICIES[config.policy](config)
         self._num_arrivals = 0
         self._num_admissions = 0
         self.counters = SchedulerCounters(kv.prefix_stats)
@@ -215,10 +215,9 @@ class Scheduler(KvHandoffStates):
             budget = self._schedule_swapped(out, budget, chunk_cap)
             # NOTE: newcomers wait until every swapped request is back, so none starves.
             if not self.swapped:
-                policy = self.policy
-                budget = policy.admit(out, budget, chunk_cap, now)
-                self._step_blocked_by_kv = policy.is_kv_short
-                self._step_seq_capped = policy.is_seq_capped
+                budget = self._admit_chosen(out, budget, chunk_cap, now)
+                self._step_blocked_by_kv = self.policy.is_kv_short
+                self._step_seq_capped = self.policy.is_seq_capped
 
         out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
         return out
@@ -246,6 +245,18 @@ class Scheduler(KvHandoffStates):
     def _growth_reserve(self) -> int:
         """Blocks kept free so the running batch can grow for a few decode steps."""
         return cdiv(len(self.running) * self.config.admission_reserve_steps, self.block_size)
+
+    def _admit_chosen(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
+        """Admit the waiting requests the policy chooses, one by one (it sees each admission
+        before choosing the next); returns the budget left."""
+        choices = self.policy.choose(self, budget)
+        try:
+            choice = next(choices)
+            while True:
+                budget = self.admit(out, choice.request, budget, chunk_cap, now, choice.reserve, choice.hit)
+                choice = choices.send(budget)
+        except StopIteration:
+            return budget
 
     def admit(
         self,

@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING
 
 from engine.block_pool import cdiv
 from engine.request import Request, by_sort_key
-from engine.scheduler.policy import AdmissionPolicy
+from engine.scheduler.policy import Admission, AdmissionPolicy, AdmissionView, Choices
 
 if TYPE_CHECKING:
-    from engine.scheduler.output import SchedulerOutput
-    from engine.scheduler.scheduler import Scheduler
+    from engine.config import SchedulerConfig
 
 
 class StaticAdmission(AdmissionPolicy):
@@ -26,8 +25,8 @@ class StaticAdmission(AdmissionPolicy):
     loop itself never needs to) come back first, into their own batch.
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        super().__init__(scheduler)
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
         self.batch: set[str] = set()  # request ids of the current batch's members
         self.requeued: list[Request] = []  # members preempted by recompute, in running order
 
@@ -56,32 +55,28 @@ class StaticAdmission(AdmissionPolicy):
     def waiting_requests(self) -> list[Request]:
         return [*self.waiting, *self.requeued]
 
-    def admit(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
+    def choose(self, view: AdmissionView, budget: int) -> Choices:
         self.is_kv_short = self.is_seq_capped = False
-        scheduler = self.scheduler
-        max_num_seqs = scheduler.config.max_num_seqs
+        max_num_seqs = self.config.max_num_seqs
         requeued = self.requeued
-        while requeued and scheduler.num_seqs < max_num_seqs:
-            if not self._can_reserve(requeued[0]):
+        while requeued and view.num_seqs < max_num_seqs:
+            if not self._can_reserve(view, requeued[0]):
                 self.is_kv_short = True
-                return budget
-            request = requeued.pop(0)
-            budget = scheduler.admit(out, request, budget, chunk_cap, now, reserve=True)
+                return
+            yield Admission(requeued.pop(0), reserve=True)
         if self.batch:
-            return budget
+            return
         waiting = self.waiting
-        while waiting and scheduler.num_seqs < max_num_seqs:
+        while waiting and view.num_seqs < max_num_seqs:
             request = waiting.peek()
-            if not self._can_reserve(request):
+            if not self._can_reserve(view, request):
                 self.is_kv_short = True
                 break
             waiting.pop()
             self.batch.add(request.request_id)
-            budget = scheduler.admit(out, request, budget, chunk_cap, now, reserve=True)
-        return budget
+            yield Admission(request, reserve=True)
 
-    def _can_reserve(self, request: Request) -> bool:
+    def _can_reserve(self, view: AdmissionView, request: Request) -> bool:
         """Whether the request's worst-case blocks fit in the free blocks."""
-        scheduler = self.scheduler
-        peak = scheduler.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
-        return cdiv(peak, scheduler.block_size) <= scheduler.kv.num_free_blocks - self.num_promised_blocks()
+        peak = view.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        return cdiv(peak, view.block_size) <= view.kv.num_free_blocks - self.num_promised_blocks(view)

@@ -12,14 +12,40 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.preemption import PreemptionKind
 
 if TYPE_CHECKING:
-    from engine.block_pool import PrefixCacheStats
+    from engine.block_pool import KVCacheManager, PrefixCacheStats
+    from engine.config import SchedulerConfig
     from engine.request import Request
-    from engine.scheduler.scheduler import Scheduler
+
+
+class WaitingRequests(Protocol):
+    def waiting_requests(self) -> list[Request]: ...
+
+
+class SchedulerState(Protocol):
+    """What the statistics and the integrity checks read of the scheduler (the Scheduler
+    is one), so that they depend on the queues and counts, not on its module."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+    policy: WaitingRequests
+    requests: dict[str, Request]
+    running: list[Request]
+    swapped: list[Request]
+    held: dict[str, Request]
+    receiving: dict[str, Request]
+    counters: SchedulerCounters
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int: ...
+
+    def recent_stats(self) -> RecentStats: ...
+
 
 RECENT_WINDOW_S = 60.0
 # Bounds the ring at a very high step rate; the window then covers fewer seconds.
@@ -249,7 +275,7 @@ class SchedulerCounters:
         )
 
 
-def snapshot_stats(scheduler: Scheduler, with_queue_times: bool) -> SchedulerStats:
+def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> SchedulerStats:
     """The scheduler's queues, KV pools and counters now (see Scheduler.stats)."""
     counters = scheduler.counters
     steps = max(counters.num_steps, 1)
@@ -295,7 +321,7 @@ def snapshot_stats(scheduler: Scheduler, with_queue_times: bool) -> SchedulerSta
     )
 
 
-def _num_queued_prefill_tokens(scheduler: Scheduler, waiting: list[Request]) -> int:
+def _num_queued_prefill_tokens(scheduler: SchedulerState, waiting: list[Request]) -> int:
     """Prompt (or recompute) tokens not yet computed: waiting requests (but what the prefix
     cache held of them when last looked up: at arrival, or an admission attempt) and
     running chunks."""
