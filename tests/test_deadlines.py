@@ -96,7 +96,7 @@ def test_kv_held_for_a_prefill_is_freed_at_its_deadline_not_at_lease_expiry(tmp_
                     held_s = time.monotonic() - prefilled
                     break
                 await asyncio.sleep(0.05)
-            held = await service.engine.call(lambda llm: sorted(llm.scheduler.held))
+            held = await service.engine.call(lambda llm: sorted(llm.scheduler.handoffs.held))
             return untimed.kv_handle, timed.kv_handle, held_s, held, service.sender.num_leases_expired
         finally:
             await client.close()

@@ -295,7 +295,7 @@ def test_sharing_keeps_counts_and_every_slot_holds_its_own_tokens(config, ops, s
         for request_id in sorted(s.requests):
             s.abort_request(request_id)
         # Receiving requests end when their receive does.
-        for request_id in list(s.receiving):
+        for request_id in list(s.handoffs.receiving):
             s.complete_kv_receive(request_id, False)
     else:
         for _ in range(20_000):

@@ -1,7 +1,8 @@
 """The scheduler: which requests run each step, with how many tokens.
 
     scheduler.py    Scheduler: queues, the running loop, swap-ins, preemption
-    handoff.py      KvHandoffStates: HELD and RECEIVING requests (disaggregated serving)
+    handoff.py      KvHandoffs: HELD and RECEIVING requests (disaggregated serving), a component
+    stopping.py     when a sampled token ends its request (EOS, stop tokens, grammar, length)
     policy.py       AdmissionPolicy: chooses the waiting requests to admit (the contract), AdmissionView
     continuous.py   ContinuousAdmission: queue order, whole prompt plus growth room must fit
     static.py       StaticAdmission: batch at a time, worst case reserved up front

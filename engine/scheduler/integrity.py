@@ -19,8 +19,8 @@ def check_scheduler_integrity(scheduler: SchedulerState) -> None:
         RequestStatus.WAITING: waiting,
         RequestStatus.RUNNING: scheduler.running,
         RequestStatus.SWAPPED: scheduler.swapped,
-        RequestStatus.HELD: list(scheduler.held.values()),
-        RequestStatus.RECEIVING: list(scheduler.receiving.values()),
+        RequestStatus.HELD: list(scheduler.handoffs.held.values()),
+        RequestStatus.RECEIVING: list(scheduler.handoffs.receiving.values()),
     }
     seen: set[str] = set()
     for status, queue in queues.items():
@@ -44,7 +44,7 @@ def check_scheduler_integrity(scheduler: SchedulerState) -> None:
             raise AssertionError(f"waiting {request} holds KV")
     running_ids = {request.request_id for request in scheduler.running}
     swapped_ids = {request.request_id for request in scheduler.swapped}
-    handoff_ids = set(scheduler.held) | set(scheduler.receiving)
+    handoff_ids = set(scheduler.handoffs.held) | set(scheduler.handoffs.receiving)
     if holders != running_ids | swapped_ids | handoff_ids:
         raise AssertionError(
             "block holders are not exactly the running, swapped, held and receiving requests"

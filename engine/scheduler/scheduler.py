@@ -32,12 +32,13 @@ from engine.preemption import PreemptionCostModel, PreemptionKind
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
                             by_sort_key, deadline_key)
 from engine.scheduler.continuous import ContinuousAdmission
-from engine.scheduler.handoff import KvHandoffStates
+from engine.scheduler.handoff import KvHandoffs
 from engine.scheduler.integrity import check_scheduler_integrity
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import AdmissionPolicy
 from engine.scheduler.prefix import PrefixMatcher
 from engine.scheduler.static import StaticAdmission
+from engine.scheduler.stopping import ends_by_length, stop_status
 from engine.scheduler.stats import RecentStats, SchedulerCounters, SchedulerStats, snapshot_stats
 from engine.timeline import Admitted, Preempted, SwappedIn
 
@@ -47,7 +48,7 @@ ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
 }
 
 
-class Scheduler(KvHandoffStates):
+class Scheduler:
     """Owns the request queues and decides each step's work."""
 
     def __init__(
@@ -65,9 +66,8 @@ class Scheduler(KvHandoffStates):
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # sorted by Request.sort_key
         self.swapped: list[Request] = []  # sorted by Request.sort_key
-        self.held: dict[str, Request] = {}
-        self.receiving: dict[str, Request] = {}
         self.prefix = PrefixMatcher(kv)
+        self.handoffs = KvHandoffs(kv, self.prefix)  # HELD and RECEIVING requests
         # The WAITING requests are the policy's.
         self.policy: AdmissionPolicy = ADMISSION_POLICIES[config.policy](config)
         self._num_arrivals = 0
@@ -90,7 +90,7 @@ class Scheduler(KvHandoffStates):
     @property
     def num_seqs(self) -> int:
         """Sequences counted against max_num_seqs: running, and receiving (about to run)."""
-        return len(self.running) + len(self.receiving)
+        return len(self.running) + len(self.handoffs.receiving)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -146,9 +146,7 @@ class Scheduler(KvHandoffStates):
             self.swapped.remove(request)
             self.kv.free_swapped(request.request_id)
         elif request.status in (RequestStatus.HELD, RequestStatus.RECEIVING):
-            queue = self.held if request.status == RequestStatus.HELD else self.receiving
-            del queue[request.request_id]
-            self.kv.free(request.request_id)
+            self.handoffs.forget(request)
         else:
             self.policy.remove(request)
         # Tokens of steps still in flight (sampled after the one that ended it) reach no one.
@@ -246,6 +244,33 @@ class Scheduler(KvHandoffStates):
         """Blocks kept free so the running batch can grow for a few decode steps."""
         return cdiv(len(self.running) * self.config.admission_reserve_steps, self.block_size)
 
+    def release_held(self, request_id: str) -> Request | None:
+        """End a HELD request whose KV was handed off (or given up); frees its blocks."""
+        request = self.handoffs.held.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_HANDED_OFF)
+        return request
+
+    def complete_kv_receive(self, request_id: str, ok: bool, fence_id: str | None = None) -> Request | None:
+        """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here). With
+        `fence_id`, the failed receive's blocks go under that fence (KVCacheManager.fence)."""
+        request = self.handoffs.receiving.get(request_id)
+        if request is None:
+            return None
+        if fence_id is not None:
+            assert not ok, "a completed receive has nothing to fence"
+            # The reused prefix was never written: only the blocks being received are in doubt.
+            self.kv.fence(request_id, fence_id, start=request.num_reused_blocks)
+        if request.abort_requested:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            return None
+        self.handoffs.end_receive(request, ok)
+        if ok:
+            bisect.insort(self.running, request, key=by_sort_key)
+        else:
+            self.policy.add(request)
+        return request
+
     def _admit_chosen(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
         """Admit the waiting requests the policy chooses, one by one (it sees each admission
         before choosing the next); returns the budget left."""
@@ -304,7 +329,7 @@ class Scheduler(KvHandoffStates):
         assert allocated is not None, "admission checked the free blocks"
         if request.kv_remote:
             request.num_reused_blocks = len(hit.block_ids)
-            self.receiving[request.request_id] = request
+            self.handoffs.receive(request)
             out.kv_receives.append(request)
             return budget
         bisect.insort(self.running, request, key=by_sort_key)
@@ -397,9 +422,10 @@ class Scheduler(KvHandoffStates):
         for index, request in enumerate(sampled_requests):
             token_ids = request.all_token_ids
             if request.prefill_only:
-                self._hold(request)
+                self.running.remove(request)
+                self.handoffs.hold(request)
                 positions.append(None)
-            elif self._ends_by_length(request, len(token_ids) + 1):
+            elif ends_by_length(request, len(token_ids) + 1, self.max_model_len):
                 positions.append(None)
             else:
                 positions.append(len(token_ids))
@@ -430,32 +456,11 @@ class Scheduler(KvHandoffStates):
             else:
                 token_ids[position] = token_id
                 num_tokens = position + 1
-            params = request.sampling_params
-            status = None
-            grammar = request.grammar
-            # Sampled under the grammar's mask, so the matcher takes it (a request whose
-            # grammar has ended only runs on in a step it was already scheduled for).
-            if grammar is not None and not grammar.is_done:
-                grammar.accept(token_id)  # False only after the matcher failed: is_done then
-            if num_tokens - len(request.prompt_token_ids) >= params.min_tokens and (
-                token_id in request.eos_token_ids or token_id in params.stop_token_ids
-            ):
-                status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-            elif grammar is not None and grammar.is_done:
-                status = RequestStatus.FINISHED_STOPPED  # the output is complete: nothing may follow
-            elif self._ends_by_length(request, num_tokens):
-                status = RequestStatus.FINISHED_LENGTH
+            status = stop_status(request, token_id, num_tokens, self.max_model_len)
             if status is not None:
                 self.finish_request(request, status)
                 finished.append(request)
         return finished
-
-    def _ends_by_length(self, request: Request, num_tokens: int) -> bool:
-        """Whether a request ends once it has `num_tokens` tokens (prompt and output): its
-        max_tokens, or max_model_len, reached."""
-        return (num_tokens >= self.max_model_len
-                or num_tokens - len(request.prompt_token_ids) >= request.sampling_params.max_tokens)
 
     def end_step(self, out: SchedulerOutput) -> None:
         """Count a step (scheduled as `out`) in the stats, once its launch is accounted for."""

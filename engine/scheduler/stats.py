@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from engine.block_pool import KVCacheManager, PrefixCacheStats
     from engine.config import SchedulerConfig
     from engine.request import Request
+    from engine.scheduler.handoff import KvHandoffs
 
 
 class WaitingRequests(Protocol):
@@ -36,8 +37,7 @@ class SchedulerState(Protocol):
     requests: dict[str, Request]
     running: list[Request]
     swapped: list[Request]
-    held: dict[str, Request]
-    receiving: dict[str, Request]
+    handoffs: KvHandoffs
     counters: SchedulerCounters
     block_size: int
 
@@ -288,8 +288,8 @@ def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> Schedul
         num_running=len(scheduler.running),
         num_waiting=len(waiting),
         num_swapped=len(scheduler.swapped),
-        num_held=len(scheduler.held),
-        num_receiving=len(scheduler.receiving),
+        num_held=len(scheduler.handoffs.held),
+        num_receiving=len(scheduler.handoffs.receiving),
         num_queued_prefill_tokens=_num_queued_prefill_tokens(scheduler, waiting),
         num_kv_blocks_total=kv.pool.num_blocks,
         num_kv_blocks_used=kv.num_used_blocks,
