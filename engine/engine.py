@@ -461,7 +461,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- metrics
     def get_metrics(self, with_queue_times: bool = True) -> SchedulerStats:
-        """Scheduler counters, step-time model; `with_queue_times`: every queue time too."""
+        """Scheduler counters, step-time model; `with_queue_times`: the latest queue times too."""
         return replace(self.scheduler.stats(with_queue_times), **self.step_time.estimate()._asdict())
 
     def check_integrity(self) -> None:

@@ -287,6 +287,22 @@ def test_inadmissible_requests_rejected_at_add():
         s.add_request(make_request("ok", 10, max_tokens=6))
 
 
+def test_queue_times_are_bounded_and_the_mean_counts_every_request(monkeypatch):
+    """A worker's life admits requests without end: the stats keep the latest queue times
+    only, while the mean (and the recent window's count) cover every request."""
+    from engine.scheduler import stats as stats_module
+
+    monkeypatch.setattr(stats_module, "MAX_QUEUE_TIMES", 3)
+    s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(6):
+        s.add_request(make_request(f"r{i}", 5, max_tokens=3))
+    run_to_completion(s)
+    stats = s.stats()
+    assert stats.num_finished == 6 and len(stats.queue_times) == 3 and s.counters.num_queued == 6
+    assert stats.mean_queue_time == pytest.approx(s.counters.queue_time_total / 6)
+    assert stats.recent.num_queued == 6
+
+
 def test_metrics_track_queue_and_efficiency():
     s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(4):

@@ -298,20 +298,7 @@ class Scheduler:
         lookup, if the policy made it to decide (else made here). Returns the budget left."""
         assert request.num_computed_tokens == 0
         request.status = RequestStatus.RECEIVING if request.kv_remote else RequestStatus.RUNNING
-        effective_priority = (
-            request.priority
-            - (self.step_index - request.arrival_step) // self.config.priority_aging_steps
-        )
-        # NOTE: within a priority the request without a deadline, then the latest, is
-        # preempted first (running[-1]): it has the most time to make up for it.
-        request.sort_key = (effective_priority, deadline_key(request.deadline), self._num_admissions)
-        self._num_admissions += 1
-        first = request.first_scheduled_time is None
-        if first:
-            request.first_scheduled_time = now
-        self.counters.record_entry(now - request.arrival_time if first else None)
-        if not request.kv_remote and request.prefill_start_time is None:
-            request.prefill_start_time = now
+        first = self._enter(request, now)
         if hit is None:
             hit = self.prefix.hit(request)
         num_cached = request.num_cached_estimate = hit.num_tokens(self.block_size)
@@ -340,6 +327,22 @@ class Scheduler:
         if num_new == 0:  # static batching admits past the token budget
             return budget
         return self._schedule_admitted(out, request, num_new, budget)
+
+    def _enter(self, request: Request, now: float) -> bool:
+        """Stamp a request joining the batch: its place in it (sort key), its first-admission
+        and prefill-start times, the entry count; whether this is its first admission."""
+        effective_priority = request.priority - (self.step_index - request.arrival_step) // self.config.priority_aging_steps
+        # NOTE: within a priority the request without a deadline, then the latest, is
+        # preempted first (running[-1]): it has the most time to make up for it.
+        request.sort_key = (effective_priority, deadline_key(request.deadline), self._num_admissions)
+        self._num_admissions += 1
+        first = request.first_scheduled_time is None
+        if first:
+            request.first_scheduled_time = now
+        self.counters.record_entry(now - request.arrival_time if first else None)
+        if not request.kv_remote and request.prefill_start_time is None:
+            request.prefill_start_time = now
+        return first
 
     def _schedule_admitted(
         self, out: SchedulerOutput, request: Request, num_new: int, budget: int
@@ -487,7 +490,7 @@ class Scheduler:
         return self.counters.recent(now, self.kv.pool.num_blocks)
 
     def stats(self, with_queue_times: bool = True) -> SchedulerStats:
-        """Queues, KV blocks and counters now; `with_queue_times` adds every queue time so far."""
+        """Queues, KV blocks and counters now; `with_queue_times` adds the latest queue times."""
         return snapshot_stats(self, with_queue_times)
 
     # ------------------------------------------------------------- integrity

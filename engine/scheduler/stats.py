@@ -48,6 +48,7 @@ class SchedulerState(Protocol):
 
 
 RECENT_WINDOW_S = 60.0
+MAX_QUEUE_TIMES = 10_000  # the queue times SchedulerStats.queue_times lists, the latest
 # Bounds the ring at a very high step rate; the window then covers fewer seconds.
 _MAX_RECENT_STEPS = 1 << 16
 # The cumulative counts each snapshot holds, in this order (see SchedulerCounters._totals).
@@ -131,7 +132,7 @@ class SchedulerStats:
     kv_memory_efficiency: float
     num_finished: int
     mean_queue_time: float
-    queue_times: tuple[float, ...]
+    queue_times: tuple[float, ...]  # the latest MAX_QUEUE_TIMES requests' (with_queue_times)
     recent: RecentStats
     oldest_queued_time: float  # seconds the longest-waiting never-admitted request has waited (0: none)
     # Prefix caching (off: all zero). Blocks in the cache, held or not; of them, held by
@@ -160,7 +161,7 @@ class SchedulerCounters:
     __slots__ = (
         "num_steps", "num_tokens_last_step", "num_tokens_total", "num_seqs_total",
         "kv_efficiency_total", "num_kv_blocks_used_total", "num_waiting_total", "num_entries",
-        "num_preemptions", "num_swapped_blocks_out", "queue_times", "queue_time_total",
+        "num_preemptions", "num_swapped_blocks_out", "queue_times", "num_queued", "queue_time_total",
         "num_steps_kv_blocked", "num_steps_seq_capped", "num_finished", "snapshots", "prefix",
     )
 
@@ -178,7 +179,10 @@ class SchedulerCounters:
         self.num_entries = 0  # admissions, readmissions and swap-ins
         self.num_preemptions = {PreemptionKind.RECOMPUTE: 0, PreemptionKind.SWAP: 0}
         self.num_swapped_blocks_out = 0
-        self.queue_times: list[float] = []  # arrival to first admission, per request
+        # Arrival to first admission: the last MAX_QUEUE_TIMES requests' (a worker's life
+        # would otherwise keep one per request), and the count and sum of all.
+        self.queue_times: deque[float] = deque(maxlen=MAX_QUEUE_TIMES)
+        self.num_queued = 0
         self.queue_time_total = 0.0
         self.num_steps_kv_blocked = 0
         self.num_steps_seq_capped = 0
@@ -192,6 +196,7 @@ class SchedulerCounters:
         self.num_entries += 1
         if queue_time is not None:
             self.queue_times.append(queue_time)
+            self.num_queued += 1
             self.queue_time_total += queue_time
 
     def record_preemption(self, kind: PreemptionKind, num_blocks_swapped_out: int = 0) -> None:
@@ -237,7 +242,7 @@ class SchedulerCounters:
         return (
             self.num_steps, self.num_seqs_total, self.num_tokens_total, self.num_kv_blocks_used_total,
             self.num_waiting_total, self.num_entries, self.num_preemptions[PreemptionKind.RECOMPUTE],
-            self.num_preemptions[PreemptionKind.SWAP], self.num_swapped_blocks_out, len(self.queue_times),
+            self.num_preemptions[PreemptionKind.SWAP], self.num_swapped_blocks_out, self.num_queued,
             self.queue_time_total, self.num_steps_kv_blocked, self.num_steps_seq_capped,
             self.prefix.num_queried_tokens, self.prefix.num_hit_tokens,
         )
@@ -306,7 +311,7 @@ def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> Schedul
         mean_seqs_per_step=counters.num_seqs_total / steps,
         kv_memory_efficiency=counters.kv_efficiency_total / steps,
         num_finished=counters.num_finished,
-        mean_queue_time=counters.queue_time_total / max(len(counters.queue_times), 1),
+        mean_queue_time=counters.queue_time_total / max(counters.num_queued, 1),
         queue_times=tuple(counters.queue_times) if with_queue_times else (),
         recent=scheduler.recent_stats(),
         oldest_queued_time=time.monotonic() - min(arrivals) if arrivals else 0.0,
