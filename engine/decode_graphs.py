@@ -40,6 +40,7 @@ Steps with prefill chunks, and batches past the largest size, run eagerly. On CP
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.block_pool import KVCacheManager
-from engine.forward_batch import ForwardBatch, decode_rows
+from engine.forward_batch import ForwardBatch, PackedLayout, decode_rows
 from engine.prompt_logprobs import wants_rows
 from engine.scheduler import SchedulerOutput
 
@@ -57,9 +58,6 @@ logger = logging.getLogger(__name__)
 
 # Beyond this many sequences a step is long enough that launches no longer matter.
 MAX_GRAPH_BATCH_SIZE = 512
-# Parts of the buffer sized by the batch: ids, positions, slots, seq_lens, sample rows,
-# pending rows, pending sources.
-_NUM_ROW_PARTS = 7
 
 
 def graph_batch_sizes(max_num_seqs: int, max_size: int = MAX_GRAPH_BATCH_SIZE) -> tuple[int, ...]:
@@ -91,8 +89,14 @@ def context_bounds(max_model_len: int) -> tuple[int, ...]:
     return (*sorted(n for n in bounds if 0 < n < max_model_len), max_model_len)
 
 
-def _even(n: int) -> int:
-    return n + n % 2
+@functools.cache
+def graph_layout(size: int, width: int) -> PackedLayout:
+    """The buffer of a static step of padded size `size` with block tables `width` wide
+    (the persistent buffer is this at the largest size and max width: the parts before
+    the tables sit at the same offsets for every width)."""
+    rows = dict.fromkeys(("input_ids", "positions", "slots", "seq_lens", "samples", "pending_rows",
+                          "pending_sources"), size)
+    return PackedLayout({**rows, "table_stride": 1, "block_tables": size * width})
 
 
 class GraphKey(NamedTuple):
@@ -154,16 +158,13 @@ class StaticDecode:
         self.num_kv_heads = kv_layers[0][0].shape[2]
         self.max_width = kv.max_blocks_per_seq
         largest = batch_sizes[-1]
-        self.buffer = torch.zeros(self._num_elements(largest, self.max_width), dtype=torch.int64, device=device)
+        self.buffer = torch.zeros(graph_layout(largest, self.max_width).num_elements, dtype=torch.int64,
+                                  device=device)
         self.query_start = torch.arange(largest + 1, dtype=torch.int64, device=device)
         # Every graph a step can need, with the longest context it serves: its metadata's bound.
         self.max_seq_lens = graph_keys(backend, batch_sizes, max_model_len, self.num_kv_heads)
         self._batches: dict[GraphKey, tuple[ForwardBatch, object]] = {}
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-
-    @staticmethod
-    def _num_elements(size: int, width: int) -> int:
-        return _NUM_ROW_PARTS * _even(size) + 2 + size * width
 
     def graph_key(self, size: int, max_seq_len: int) -> GraphKey:
         """The graph of a step of padded size `size` whose longest context is max_seq_len."""
@@ -178,24 +179,20 @@ class StaticDecode:
             return cached
         size = key.size
         max_seq_len = self.max_seq_lens[key]
-        stride = _even(size)
-        parts = [self.buffer[i * stride : i * stride + size] for i in range(_NUM_ROW_PARTS)]
-        ids, positions, slots, seq_lens, samples, pending_rows, pending_sources = parts
-        tail = _NUM_ROW_PARTS * stride
-        table_stride = self.buffer[tail : tail + 1]
+        parts = graph_layout(size, self.max_width).views(self.buffer)
         # Laid out at the step's width; the kernel reads the stride from table_stride.
-        tables = self.buffer[tail + 2 : tail + 2 + size * self.max_width].view(size, self.max_width)
+        tables = parts["block_tables"].view(size, self.max_width)
         attn = AttentionBatch(
-            slot_mapping=slots,
+            slot_mapping=parts["slots"],
             query_start=self.query_start[: size + 1],
-            seq_lens=seq_lens,
+            seq_lens=parts["seq_lens"],
             block_tables=tables,
             num_decode_tokens=size,
             max_query_len=1,
             max_seq_len=max_seq_len,  # the bound of the contexts this graph serves: its splits
             decode_max_seq_len=max_seq_len,
             prefills=(),
-            table_stride=table_stride,
+            table_stride=parts["table_stride"],
         )
         layout = self.kv_layers[0][0]
         metadata = self.backend.build_metadata(
@@ -207,14 +204,14 @@ class StaticDecode:
             dtype=layout.dtype,
         )
         batch = ForwardBatch(
-            input_ids=ids,
-            positions=positions,
+            input_ids=parts["input_ids"],
+            positions=parts["positions"],
             attn=attn,
-            sample_indices=samples,
+            sample_indices=parts["samples"],
             sample_requests=[],
             num_prefill_tokens=0,
-            pending_rows=pending_rows,
-            pending_sources=pending_sources,
+            pending_rows=parts["pending_rows"],
+            pending_sources=parts["pending_sources"],
         )
         self._batches[key] = (batch, metadata)
         return batch, metadata
@@ -235,29 +232,25 @@ class StaticDecode:
         width = (max_seq_len - 1) // kv.block_size + 1
         sample_rows = d.sample_rows
 
-        stride = _even(size)
-        host = torch.empty(self._num_elements(size, width), dtype=torch.int64,
-                           pin_memory=self.device.type == "cuda")
-        flat = host.numpy()
-        parts = [flat[i * stride : i * stride + size] for i in range(_NUM_ROW_PARTS)]
-        h_ids, h_positions, h_slots, h_seq_lens, h_samples, h_pending_rows, h_pending_sources = parts
-        h_ids[:num_seqs] = d.token_ids
-        h_ids[num_seqs:] = 0
-        h_positions[:num_seqs] = d.positions
-        h_positions[num_seqs:] = 0
-        h_slots[:num_seqs] = d.slots
-        h_slots[num_seqs:] = -1
-        h_seq_lens[:num_seqs] = d.positions + 1
-        h_seq_lens[num_seqs:] = 1
-        h_samples[: len(sample_rows)] = sample_rows
-        h_pending_rows[:num_pending] = d.pending_rows
-        h_pending_sources[:num_pending] = d.pending_sources
-        tail = _NUM_ROW_PARTS * stride
-        flat[tail] = width
-        table_part = flat[tail + 2 :].reshape(size, width)
+        layout = graph_layout(size, width)
+        host = layout.host_buffer(self.device)
+        h = layout.views(host.numpy())
+        h["input_ids"][:num_seqs] = d.token_ids
+        h["input_ids"][num_seqs:] = 0
+        h["positions"][:num_seqs] = d.positions
+        h["positions"][num_seqs:] = 0
+        h["slots"][:num_seqs] = d.slots
+        h["slots"][num_seqs:] = -1
+        h["seq_lens"][:num_seqs] = d.positions + 1
+        h["seq_lens"][num_seqs:] = 1
+        h["samples"][: len(sample_rows)] = sample_rows
+        h["pending_rows"][:num_pending] = d.pending_rows
+        h["pending_sources"][:num_pending] = d.pending_sources
+        h["table_stride"][0] = width
+        table_part = h["block_tables"].reshape(size, width)
         table_part[:num_seqs] = kv.block_tables[d.table_rows, :width]
         table_part[num_seqs:] = 0
-        self.buffer[: len(flat)].copy_(host, non_blocking=True)
+        self.buffer[: len(host)].copy_(host, non_blocking=True)
 
         key = self.graph_key(size, max_seq_len)
         full, _ = self._views(key)
@@ -331,14 +324,12 @@ class StaticDecode:
 
     def _fill_padding(self, size: int) -> None:
         """Every row a padding row, tables one block wide: what warm-up and capture run on."""
-        stride = _even(size)
-        buffer = self.buffer
-        buffer[: _NUM_ROW_PARTS * stride].zero_()
-        buffer[2 * stride : 2 * stride + size].fill_(-1)  # slots: stored nowhere
-        buffer[3 * stride : 3 * stride + size].fill_(1)  # seq_lens: one key
-        tail = _NUM_ROW_PARTS * stride
-        buffer[tail].fill_(1)
-        buffer[tail + 2 : tail + 2 + size].zero_()
+        parts = graph_layout(size, 1).views(self.buffer)
+        for name in ("input_ids", "positions", "samples", "pending_rows", "pending_sources", "block_tables"):
+            parts[name].zero_()
+        parts["slots"].fill_(-1)  # stored nowhere
+        parts["seq_lens"].fill_(1)  # one key
+        parts["table_stride"].fill_(1)
 
 
 def _graph_key(backend: AttentionBackend, size: int, max_seq_len: int, num_kv_heads: int) -> GraphKey:
@@ -361,6 +352,6 @@ def static_decode_bytes(backend: AttentionBackend, batch_sizes: tuple[int, ...],
     memory (engine/memory.py reserves it before sizing the KV cache): the int64 input buffer
     and each graph's [size, hidden] output."""
     largest = batch_sizes[-1]
-    buffer = (StaticDecode._num_elements(largest, -(-max_model_len // block_size)) + largest + 1) * 8
+    buffer = (graph_layout(largest, -(-max_model_len // block_size)).num_elements + largest + 1) * 8
     keys = graph_keys(backend, batch_sizes, max_model_len, num_kv_heads)
     return buffer + sum(key.size for key in keys) * hidden_size * torch.empty(0, dtype=dtype).element_size()

@@ -51,53 +51,118 @@ class ForwardBatch:
         self.input_ids.index_copy_(0, self.pending_rows, sampled_token_ids.index_select(0, self.pending_sources))
 
 
+@dataclass(frozen=True)
+class PackedLayout:
+    """Named int64 parts of one buffer, in order: a step's index arrays written into a
+    host buffer (pinned for CUDA) and moved to the device in one non-blocking copy. Each
+    part starts 16-byte aligned (an even number of int64s in): Triton specializes kernels
+    on pointer alignment, and parts at varying alignment would compile variants mid-run.
+    The eager path (prepare_forward_batch) and the CUDA graphs' persistent buffer
+    (engine/decode_graphs.py) are both laid out by one."""
+
+    sizes: dict[str, int]
+
+    @property
+    def num_elements(self) -> int:
+        return sum(size + size % 2 for size in self.sizes.values())
+
+    def views(self, flat):
+        """The parts of `flat` (a numpy array or a tensor, at least num_elements long), by name."""
+        parts, offset = {}, 0
+        for name, size in self.sizes.items():
+            parts[name] = flat[offset:offset + size]
+            offset += size + size % 2
+        return parts
+
+    def host_buffer(self, device: torch.device | str) -> torch.Tensor:
+        """An empty host buffer for it, pinned when the copy goes to a CUDA device."""
+        return torch.empty(self.num_elements, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+
+
 def prepare_forward_batch(
     out: SchedulerOutput, kv: KVCacheManager, device: torch.device | str = "cpu"
 ) -> ForwardBatch:
     """Flatten the scheduled work into model inputs (decodes first, then chunks).
 
-    Every index array of the step is written into one int64 host buffer (pinned
-    for a CUDA device) and reaches the device in one non-blocking copy:
+    Every index array of the step is written into one host buffer laid out as
 
         [ input_ids N | positions N | slots N | query_start B+1 | seq_lens B | block_tables B*MB | samples S
           | pending rows P | pending sources P ]
 
-    (each part padded to an even length). A decode whose input is a PENDING_TOKEN
-    (sampled by the step in flight) is listed in the pending parts; the runner fills
-    its input id on the device (`ForwardBatch.fill_pending_inputs`).
+    (a PackedLayout) and reaches the device in one non-blocking copy. A decode whose
+    input is a PENDING_TOKEN (sampled by the step in flight) is listed in the pending
+    parts; the runner fills its input id on the device (`ForwardBatch.fill_pending_inputs`).
     """
-    block_size = kv.block_size
-    block_tables = kv.block_tables
-    get_row = kv.get_row
-    requests = out.requests
-    num_scheduled = out.num_scheduled_tokens
-
+    requests, num_scheduled = out.requests, out.num_scheduled_tokens
     # A one-token step is a decode row, but for a prompt position whose logprobs are asked.
     decodes = [r for r, n in zip(requests, num_scheduled) if n == 1 and not wants_rows(r)]
-    num_decodes = len(decodes)
     chunks = ([(r, n) for r, n in zip(requests, num_scheduled) if n != 1 or wants_rows(r)]
-              if num_decodes != len(requests) else [])
-    num_seqs = num_decodes + len(chunks)
-
+              if len(decodes) != len(requests) else [])
     d = decode_rows(decodes, kv)
-    pending_rows, pending_sources = d.pending_rows, d.pending_sources
-    decode_max_seq_len = int(d.positions.max()) + 1 if num_decodes else 0
-    chunk_rows = np.fromiter((get_row(r.request_id) for r, _ in chunks), np.int64, len(chunks))
-    chunk_ends = np.fromiter((r.num_computed_tokens + n for r, n in chunks), np.int64, len(chunks))
-    max_seq_len = max(decode_max_seq_len, int(chunk_ends.max()) if len(chunks) else 0)
-    max_blocks = cdiv(max_seq_len, block_size)
-    tables = block_tables[np.concatenate([d.table_rows, chunk_rows]), :max_blocks]  # [B, MB]
+    rows = _StepRows.gather(d, decodes, chunks, kv)
+    num_seqs, num_pending = len(decodes) + len(chunks), len(d.pending_rows)
+    layout = PackedLayout({
+        "input_ids": rows.num_tokens, "positions": rows.num_tokens, "slots": rows.num_tokens,
+        "query_start": num_seqs + 1, "seq_lens": num_seqs, "block_tables": rows.tables.size,
+        "samples": len(rows.sample_indices), "pending_rows": num_pending, "pending_sources": num_pending,
+    })
+    host = layout.host_buffer(device)
+    rows.pack(layout.views(host.numpy()), d)
+    on_device = layout.views(host.to(device, non_blocking=True))
+    return ForwardBatch(
+        input_ids=on_device["input_ids"],
+        positions=on_device["positions"],
+        attn=rows.attention_batch(on_device, chunks, len(decodes), kv.block_size),
+        sample_indices=on_device["samples"],
+        sample_requests=rows.sample_requests,
+        num_prefill_tokens=rows.num_tokens - len(decodes),
+        pending_rows=on_device["pending_rows"] if num_pending else None,
+        pending_sources=on_device["pending_sources"] if num_pending else None,
+        prompt_rows=rows.prompt_rows,
+    )
 
-    # Prefill chunks, one contiguous range each.
-    ids_parts = [d.token_ids]
-    pos_parts = [d.positions]
-    slot_parts = [d.slots]
-    sample_idx = d.sample_rows
-    sample_requests = list(decodes) if len(sample_idx) == num_decodes else [decodes[i] for i in sample_idx]
-    query_start = list(range(num_decodes + 1))
-    token_start = num_decodes
-    prompt_logprob_rows: list[PromptRows] = []
-    for index, (request, num_new) in enumerate(chunks):
+
+@dataclass
+class _StepRows:
+    """A step's rows on the host: the decodes' (DecodeRows) and the prefill chunks', each
+    chunk one contiguous range after the decodes."""
+
+    tables: np.ndarray  # [B, MB]: every sequence's block-table row, cut to the step's longest
+    chunk_ends: np.ndarray  # [C]: each chunk's context once computed
+    max_seq_len: int
+    decode_max_seq_len: int
+    ids: list[np.ndarray]  # per part (the decodes, then each chunk), concatenated when packed
+    positions: list[np.ndarray]
+    slots: list[np.ndarray]
+    query_start: list[int]  # [B + 1]
+    sample_indices: list[int]  # rows of the hidden states to sample from
+    sample_requests: list[Request]
+    prompt_rows: tuple[PromptRows, ...]
+    num_tokens: int
+
+    @classmethod
+    def gather(cls, d: DecodeRows, decodes: list[Request], chunks: list[tuple[Request, int]],
+               kv: KVCacheManager) -> _StepRows:
+        block_size, num_decodes = kv.block_size, len(decodes)
+        decode_max_seq_len = int(d.positions.max()) + 1 if num_decodes else 0
+        chunk_rows = np.fromiter((kv.get_row(r.request_id) for r, _ in chunks), np.int64, len(chunks))
+        chunk_ends = np.fromiter((r.num_computed_tokens + n for r, n in chunks), np.int64, len(chunks))
+        max_seq_len = max(decode_max_seq_len, int(chunk_ends.max()) if len(chunks) else 0)
+        tables = kv.block_tables[np.concatenate([d.table_rows, chunk_rows]), :cdiv(max_seq_len, block_size)]
+        sample_indices = d.sample_rows
+        rows = cls(tables, chunk_ends, max_seq_len, decode_max_seq_len, [d.token_ids], [d.positions], [d.slots],
+                   list(range(num_decodes + 1)), sample_indices,
+                   list(decodes) if len(sample_indices) == num_decodes else [decodes[i] for i in sample_indices],
+                   (), num_decodes)
+        prompt_logprob_rows = []
+        for index, (request, num_new) in enumerate(chunks):
+            if (found := rows._add_chunk(request, num_new, tables[num_decodes + index], block_size)) is not None:
+                prompt_logprob_rows.append(found)
+        rows.prompt_rows = tuple(prompt_logprob_rows)
+        return rows
+
+    def _add_chunk(self, request: Request, num_new: int, table: np.ndarray, block_size: int) -> PromptRows | None:
+        """One prefill chunk's rows; the prompt-logprob rows it gives, if it asks for them."""
         start = request.num_computed_tokens
         end = start + num_new
         positions = np.arange(start, end, dtype=np.int64)
@@ -105,77 +170,55 @@ def prepare_forward_batch(
         chunk_ids = np.asarray(request.all_token_ids[start:end], dtype=np.int64)
         # NOTE: a request is never readmitted before the token it last sampled is known.
         assert chunk_ids.min() >= 0, f"{request} has a pending token inside a prefill chunk"
-        ids_parts.append(chunk_ids)
-        pos_parts.append(positions)
-        slot_parts.append(tables[num_decodes + index, block_idx] * block_size + (positions - block_idx * block_size))
-        token_start += num_new
-        query_start.append(token_start)
-        if request.prompt_logprobs is not None:
-            rows = prompt_rows(request, token_start - num_new, start, end)
-            if rows is not None:
-                prompt_logprob_rows.append(rows)
+        self.ids.append(chunk_ids)
+        self.positions.append(positions)
+        self.slots.append(table[block_idx] * block_size + (positions - block_idx * block_size))
+        first_row = self.num_tokens
+        self.num_tokens += num_new
+        self.query_start.append(self.num_tokens)
         if end == len(request.all_token_ids):
-            sample_requests.append(request)
-            sample_idx.append(token_start - 1)
-    num_tokens = token_start
+            self.sample_requests.append(request)
+            self.sample_indices.append(self.num_tokens - 1)
+        return prompt_rows(request, first_row, start, end) if request.prompt_logprobs is not None else None
 
-    # The one host buffer, then its views on the device. Each part starts 16-byte
-    # aligned (an even number of int64s in): Triton specializes kernels on pointer
-    # alignment, and parts at varying alignment would compile variants mid-run.
-    num_pending = len(pending_rows)
-    sizes = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * max_blocks, len(sample_idx),
-             num_pending, num_pending)
-    padded = [size + size % 2 for size in sizes]
-    pinned = torch.device(device).type == "cuda"
-    host = torch.empty(sum(padded), dtype=torch.int64, pin_memory=pinned)
-    host_parts = [part[:size] for part, size in zip(np.split(host.numpy(), np.cumsum(padded)[:-1]), sizes)]
-    np.concatenate(ids_parts, out=host_parts[0])
-    np.concatenate(pos_parts, out=host_parts[1])
-    np.concatenate(slot_parts, out=host_parts[2])
-    host_parts[3][:] = query_start
-    host_parts[4][:num_decodes] = d.positions + 1
-    host_parts[4][num_decodes:] = chunk_ends
-    host_parts[5][:] = tables.reshape(-1)
-    host_parts[6][:] = sample_idx
-    host_parts[7][:] = pending_rows
-    host_parts[8][:] = pending_sources
-    buffer = host.to(device, non_blocking=True)
-    input_ids, positions, slots, starts, seq_lens, flat_tables, samples, rows, sources = (
-        part[:size] for part, size in zip(torch.split(buffer, padded), sizes)
-    )
-    device_tables = flat_tables.view(num_seqs, max_blocks)
+    def pack(self, parts: dict[str, np.ndarray], d: DecodeRows) -> None:
+        """Write the rows into the host buffer's parts (PackedLayout.views)."""
+        num_decodes = len(d.positions)
+        np.concatenate(self.ids, out=parts["input_ids"])
+        np.concatenate(self.positions, out=parts["positions"])
+        np.concatenate(self.slots, out=parts["slots"])
+        parts["query_start"][:] = self.query_start
+        parts["seq_lens"][:num_decodes] = d.positions + 1
+        parts["seq_lens"][num_decodes:] = self.chunk_ends
+        parts["block_tables"][:] = self.tables.reshape(-1)
+        parts["samples"][:] = self.sample_indices
+        parts["pending_rows"][:] = d.pending_rows
+        parts["pending_sources"][:] = d.pending_sources
 
-    prefills = tuple(
-        PrefillChunk(
-            token_start=query_start[num_decodes + index],
-            num_tokens=num_new,
-            context_len=int(chunk_ends[index]),
-            block_ids=device_tables[num_decodes + index, : cdiv(int(chunk_ends[index]), block_size)],
+    def attention_batch(self, on_device: dict[str, torch.Tensor], chunks: list[tuple[Request, int]],
+                        num_decodes: int, block_size: int) -> AttentionBatch:
+        """The attention layout over the device copy's parts."""
+        tables = on_device["block_tables"].view(self.tables.shape)
+        prefills = tuple(
+            PrefillChunk(
+                token_start=self.query_start[num_decodes + index],
+                num_tokens=num_new,
+                context_len=int(self.chunk_ends[index]),
+                block_ids=tables[num_decodes + index, : cdiv(int(self.chunk_ends[index]), block_size)],
+            )
+            for index, (_, num_new) in enumerate(chunks)
         )
-        for index, (_, num_new) in enumerate(chunks)
-    )
-    attn = AttentionBatch(
-        slot_mapping=slots,
-        query_start=starts,
-        seq_lens=seq_lens,
-        block_tables=device_tables,
-        num_decode_tokens=num_decodes,
-        max_query_len=max((n for _, n in chunks), default=1 if num_decodes else 0),
-        max_seq_len=max_seq_len,
-        decode_max_seq_len=decode_max_seq_len,
-        prefills=prefills,
-    )
-    return ForwardBatch(
-        input_ids=input_ids,
-        positions=positions,
-        attn=attn,
-        sample_indices=samples,
-        sample_requests=sample_requests,
-        num_prefill_tokens=num_tokens - num_decodes,
-        pending_rows=rows if num_pending else None,
-        pending_sources=sources if num_pending else None,
-        prompt_rows=tuple(prompt_logprob_rows),
-    )
+        return AttentionBatch(
+            slot_mapping=on_device["slots"],
+            query_start=on_device["query_start"],
+            seq_lens=on_device["seq_lens"],
+            block_tables=tables,
+            num_decode_tokens=num_decodes,
+            max_query_len=max((n for _, n in chunks), default=1 if num_decodes else 0),
+            max_seq_len=self.max_seq_len,
+            decode_max_seq_len=self.decode_max_seq_len,
+            prefills=prefills,
+        )
 
 
 @dataclass(frozen=True, slots=True)
