@@ -305,16 +305,15 @@ class KVCacheManager:
         return True
 
     def allocate_admission(self, request_id: str, prefix: PrefixHit, num_tokens: int, *,
-                           num_queried_tokens: int, received: bool = False) -> int | None:
+                           num_queried_tokens: int, received: bool = False) -> bool:
         """The table of a request being admitted: the cached blocks of `prefix` (shared),
-        then new blocks up to `num_tokens` tokens (none if the prefix covers them); the
-        number of new blocks, or None (and no change) if the free blocks are short. Counts
-        the lookup in prefix_stats: `num_queried_tokens` looked up, a `received` prompt's
-        (whose KV arrives from elsewhere) by blocks."""
+        then new blocks up to `num_tokens` tokens (none if the prefix covers them); False
+        (and no change) if the free blocks are short. Counts the lookup in prefix_stats:
+        `num_queried_tokens` looked up, a `received` prompt's (whose KV arrives from
+        elsewhere) by blocks."""
         assert request_id not in self._tables, "admission starts a new table"
-        num_new = max(0, cdiv(num_tokens, self.block_size) - len(prefix.block_ids))
         if not self.allocate_slots(request_id, max(num_tokens, prefix.num_tokens(self.block_size)), prefix):
-            return None
+            return False
         stats = self.prefix_stats
         if received:
             stats.num_received_blocks_queried += cdiv(num_queried_tokens, self.block_size)
@@ -322,7 +321,7 @@ class KVCacheManager:
         elif self.enable_prefix_caching:
             stats.num_queried_tokens += num_queried_tokens
             stats.num_hit_tokens += prefix.num_tokens(self.block_size)
-        return num_new
+        return True
 
     # ---------------------------------------------------------- prefix cache
     def match_prefix(self, hashes: Sequence[BlockHash]) -> PrefixHit:

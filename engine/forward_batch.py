@@ -118,7 +118,7 @@ def prepare_forward_batch(
         num_prefill_tokens=rows.num_tokens - len(decodes),
         pending_rows=on_device["pending_rows"] if num_pending else None,
         pending_sources=on_device["pending_sources"] if num_pending else None,
-        prompt_rows=rows.prompt_rows,
+        prompt_rows=tuple(rows.prompt_rows),
     )
 
 
@@ -137,7 +137,7 @@ class _StepRows:
     query_start: list[int]  # [B + 1]
     sample_indices: list[int]  # rows of the hidden states to sample from
     sample_requests: list[Request]
-    prompt_rows: tuple[PromptRows, ...]
+    prompt_rows: list[PromptRows]  # of the chunks that ask for prompt logprobs
     num_tokens: int
 
     @classmethod
@@ -153,16 +153,13 @@ class _StepRows:
         rows = cls(tables, chunk_ends, max_seq_len, decode_max_seq_len, [d.token_ids], [d.positions], [d.slots],
                    list(range(num_decodes + 1)), sample_indices,
                    list(decodes) if len(sample_indices) == num_decodes else [decodes[i] for i in sample_indices],
-                   (), num_decodes)
-        prompt_logprob_rows = []
+                   [], num_decodes)
         for index, (request, num_new) in enumerate(chunks):
-            if (found := rows._add_chunk(request, num_new, tables[num_decodes + index], block_size)) is not None:
-                prompt_logprob_rows.append(found)
-        rows.prompt_rows = tuple(prompt_logprob_rows)
+            rows._add_chunk(request, num_new, tables[num_decodes + index], block_size)
         return rows
 
-    def _add_chunk(self, request: Request, num_new: int, table: np.ndarray, block_size: int) -> PromptRows | None:
-        """One prefill chunk's rows; the prompt-logprob rows it gives, if it asks for them."""
+    def _add_chunk(self, request: Request, num_new: int, table: np.ndarray, block_size: int) -> None:
+        """One prefill chunk's rows (and the prompt-logprob rows it gives, if it asks)."""
         start = request.num_computed_tokens
         end = start + num_new
         positions = np.arange(start, end, dtype=np.int64)
@@ -179,7 +176,8 @@ class _StepRows:
         if end == len(request.all_token_ids):
             self.sample_requests.append(request)
             self.sample_indices.append(self.num_tokens - 1)
-        return prompt_rows(request, first_row, start, end) if request.prompt_logprobs is not None else None
+        if request.prompt_logprobs is not None and (found := prompt_rows(request, first_row, start, end)) is not None:
+            self.prompt_rows.append(found)
 
     def pack(self, parts: dict[str, np.ndarray], d: DecodeRows) -> None:
         """Write the rows into the host buffer's parts (PackedLayout.views)."""

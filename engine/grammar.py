@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.errors import first_line
 from engine.structured_output import StructuredOutput, StructuredOutputError
 
 # Whitespace a pretty JSON output may put between two tokens: a newline and an indent of
@@ -101,11 +102,11 @@ class GrammarCompiler:
         except StructuredOutputError:
             raise
         except (ValueError, TypeError, RuntimeError) as error:
-            raise StructuredOutputError(spec.kind, f"{spec.kind}: {_short(error)}") from None
+            raise StructuredOutputError(spec.kind, f"{spec.kind}: {first_line(error, 300)}") from None
         limits = _limits()
         error = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=limits)
         if error:
-            raise StructuredOutputError(spec.kind, f"{spec.kind} cannot be used: {_short(error)}")
+            raise StructuredOutputError(spec.kind, f"{spec.kind} cannot be used: {first_line(error, 300)}")
         template = llguidance.LLMatcher(tokenizer, text, limits=limits, log_level=0)
         if not template.is_error():
             # The first mask here, not in a step: it builds the lexer states every copy then
@@ -114,7 +115,7 @@ class GrammarCompiler:
 
             fill_next_token_bitmask(template, torch.empty(1, bitmask_words(self.vocab_size), dtype=torch.int32), 0)
         if template.is_error():
-            raise StructuredOutputError(spec.kind, f"{spec.kind} cannot be used: {_short(template.get_error())}")
+            raise StructuredOutputError(spec.kind, f"{spec.kind} cannot be used: {first_line(template.get_error(), 300)}")
         with self._lock:
             self._templates[key] = template
             while len(self._templates) > MAX_CACHED_GRAMMARS:
@@ -130,10 +131,6 @@ class GrammarCompiler:
                 raise StructuredOutputError("structured_output",
                                             f"the tokens generated so far do not match the {spec.kind}")
         return state
-
-
-def _short(error: object) -> str:
-    return str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
 
 
 class GrammarState:

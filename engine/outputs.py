@@ -1,4 +1,5 @@
-"""Records the engine hands back: per-step progress and whole completions."""
+"""Records the engine hands back: per-step progress, whole completions, and how its
+model's weights were loaded."""
 
 from __future__ import annotations
 
@@ -83,3 +84,31 @@ class CompletionOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     index: int = 0  # its choice, of a prompt asked n > 1
     prompt_logprobs: list[TokenLogprobs] | None = None  # as RequestOutput's
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What loading the weights read and how long it took."""
+
+    format: str  # "safetensors", "gguf", "transformers" (other formats through it) or "dummy"
+    source: str  # the directory or file read ("" for dummy models)
+    num_files: int = 0
+    num_tensors: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.num_bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def describe(self) -> str:
+        return (f"{format_bytes(self.num_bytes)} in {self.num_tensors} tensors from {self.num_files} {self.format} "
+                f"file(s) in {self.seconds:.2f} s ({format_bytes(self.bytes_per_second)}/s)")
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Bytes in decimal units, e.g. "1.25 GB", "310.0 MB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{num_bytes:.0f} B"

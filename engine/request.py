@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.timeline import FirstDecodeStep
+
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
     from engine.sampling_params import SamplingParams
@@ -281,8 +283,6 @@ class Request:
         elif self.first_decode_time is None:
             self.first_decode_time = now
             if self.events is not None:
-                from engine.timeline import FirstDecodeStep
-
                 self.record(FirstDecodeStep(batch=batch))
 
     def record(self, event: TimelineEvent) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.dummy_models import DummyModel, dummy_model
+from engine.errors import first_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -96,9 +97,8 @@ def _hub_snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> st
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         raise FileNotFoundError(f"model {repo_id!r} (revision {revision or 'main'}) is not in {where}, "
-                                f"and the hub did not give it: {reason}") from None
+                                f"and the hub did not give it: {first_line(error, 300)}") from None
 
 
 def load_tokenizer(model: str, revision: str | None = None) -> PreTrainedTokenizerBase | None:

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from engine.errors import first_line
 from engine.kv_cache import KVCache
 from kvtransfer.group import StoreServer, StoreUnreachableError, abort_group, join_group
-from kvtransfer.transport import KvTransferError, KvTransport, TransferStats, first_line
+from kvtransfer.transport import KvTransferError, KvTransport, TransferStats
 from kvtransfer.wire import (
     HEADER_CAPACITY,
     HEADER_LEN,

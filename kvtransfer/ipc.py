@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.errors import first_line
 from engine.kv_cache import KVCache
 from kvtransfer.ipc_frames import (
     ABORT,
@@ -70,7 +71,7 @@ from kvtransfer.ipc_memory import (compile_copy_rows, copies_in_one_launch, copy
                                    index_on, map_cache)
 from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.proof import channel_proof, check_secret, is_proof
-from kvtransfer.transport import KvTransferError, KvTransport, TransferStats, first_line
+from kvtransfer.transport import KvTransferError, KvTransport, TransferStats
 from kvtransfer.wire import HEADER_LEN, TransferHeader, prepare_transfer, transfer_scope, wide_rows
 
 logger = logging.getLogger(__name__)

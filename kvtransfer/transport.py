@@ -115,9 +115,3 @@ class KvTransport(ABC):
         into its blocks any more (the sender stopped or is gone); whether it has. A
         transport whose bytes land only in receives it posted is always settled."""
         return True
-
-
-def first_line(error: BaseException) -> str:
-    """An error's message, first line only (its type's name if it has none)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

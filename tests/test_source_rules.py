@@ -32,7 +32,7 @@ MODEL_CODE = ("engine.model", "engine.attention", "engine.kernels", "engine.mode
 # All the gateway may load of the libraries: records, the tokenizer and the detokenizer
 # (and the dummy models' table, for their tokenizer's vocabulary).
 GATEWAY_LIBRARY = {
-    "engine", "engine.lazy", "engine.config", "engine.sampling_params", "engine.structured_output", "engine.outputs",
+    "engine", "engine.lazy", "engine.errors", "engine.config", "engine.sampling_params", "engine.structured_output", "engine.outputs",
     "engine.tokenizer",
     "engine.dummy_models", "engine.prefix_hash",  # the gateway hashes prompt blocks as workers do (prefix affinity)
     "engine.detokenizer", "engine.scheduler", "engine.scheduler.stats", "engine.preemption", "engine.timeline",

@@ -17,7 +17,7 @@ from baton.runtime.metrics import TransferTally, WorkerMetrics, engine_snapshot,
 from baton.runtime.server import GrpcServer, install_uvloop
 from baton.runtime.settings import WorkerSettings
 from baton.wire import convert, stats_convert, status
-from baton.wire.records import ErrorDetails, FieldError, ModelInfo, ModelLoad, WorkerStats
+from baton.wire.records import ErrorDetails, FieldError, ModelInfo, WorkerStats
 from engine.async_engine import IDLE_WAIT_S, AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -51,14 +51,13 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
 def model_info(engine: LLMEngine) -> ModelInfo:
     tokenizer = engine.tokenizer
-    load = engine.model_load
     return ModelInfo(
         model=engine.model_name,
         max_context_length=engine.max_model_len,
         vocab_size=engine.vocab_size,
         eos_token_ids=tuple(engine.eos_token_ids),
         has_chat_template=bool(tokenizer is not None and getattr(tokenizer, "chat_template", None)),
-        load=ModelLoad(load.format, load.source, load.num_files, load.num_tensors, load.num_bytes, load.seconds),
+        load=engine.model_load,
     )
 
 

@@ -21,14 +21,13 @@ from baton.wire.records import (
     FieldError,
     GenerateRequest,
     ModelInfo,
-    ModelLoad,
     PrefillResult,
     TextDelta,
     TokenEvent,
     WorkRequest,
 )
 from baton.wire.v1 import generation_pb2 as pb
-from engine.outputs import TokenLogprobs
+from engine.outputs import LoadReport, TokenLogprobs
 from engine.sampling_params import SamplingParamError, SamplingParams
 from engine.structured_output import KINDS as STRUCTURED_KINDS
 from engine.structured_output import StructuredOutput, StructuredOutputError
@@ -276,15 +275,15 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfo:
     return pb.ModelInfo(model=info.model, max_context_length=info.max_context_length, vocab_size=info.vocab_size,
                         eos_token_ids=list(info.eos_token_ids), has_chat_template=info.has_chat_template,
                         load=None if load is None else pb.ModelLoad(
-                            format=load.format, source=load.source, files=load.files, tensors=load.tensors,
-                            bytes=load.bytes, seconds=load.seconds, bytes_per_second=load.bytes_per_second))
+                            format=load.format, source=load.source, files=load.num_files, tensors=load.num_tensors,
+                            bytes=load.num_bytes, seconds=load.seconds, bytes_per_second=load.bytes_per_second))
 
 
 def model_info_from_pb(message: pb.ModelInfo) -> ModelInfo:
     load = message.load
     return ModelInfo(message.model, message.max_context_length, message.vocab_size, tuple(message.eos_token_ids),
                      message.has_chat_template,
-                     ModelLoad(load.format, load.source, load.files, load.tensors, load.bytes, load.seconds)
+                     LoadReport(load.format, load.source, load.files, load.tensors, load.bytes, load.seconds)
                      if message.HasField("load") else None)
 
 

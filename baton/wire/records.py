@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from engine.outputs import TokenLogprobs
+from engine.outputs import LoadReport, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler.stats import RecentStats
 from kvtransfer.endpoint import KvEndpoint
@@ -53,23 +53,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
-    load: ModelLoad | None = None  # how the worker read the weights
-
-
-@dataclass(frozen=True, slots=True)
-class ModelLoad:
-    """How a worker read its model's weights (engine/model/checkpoint.py's LoadReport)."""
-
-    format: str
-    source: str
-    files: int
-    tensors: int
-    bytes: int
-    seconds: float
-
-    @property
-    def bytes_per_second(self) -> float:
-        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+    load: LoadReport | None = None  # how the worker read the weights
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -27,7 +28,9 @@ from typing import Any
 
 import torch
 
+from engine.errors import first_line
 from engine.model.llama import ModelArch, parameter_shapes
+from engine.outputs import LoadReport, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -61,29 +64,17 @@ class Checkpoint:
     num_bytes: int  # of the tensors to read
 
 
-@dataclass(frozen=True)
-class LoadReport:
-    """What loading the weights read and how long it took."""
-
-    format: str  # "safetensors", "gguf", "transformers" (other formats through it) or "dummy"
-    source: str  # the directory or file read ("" for dummy models)
-    num_files: int = 0
-    num_tensors: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0
-
-    @property
-    def bytes_per_second(self) -> float:
-        return self.num_bytes / self.seconds if self.seconds > 0 else 0.0
-
-    def describe(self) -> str:
-        return (f"{_size(self.num_bytes)} in {self.num_tensors} tensors from {self.num_files} {self.format} "
-                f"file(s) in {self.seconds:.2f} s ({_size(self.bytes_per_second)}/s)")
-
-
 def has_safetensors(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, INDEX_FILE)) or any(
-        name.endswith(".safetensors") and not name.startswith("consolidated") for name in os.listdir(directory))
+    return os.path.isfile(os.path.join(directory, INDEX_FILE)) or bool(_unindexed_files(directory))
+
+
+def _unindexed_files(directory: str) -> list[str]:
+    """With no index: model.safetensors alone if it is there, else every other *.safetensors
+    file but Mistral's own format, which its repositories ship beside the transformers one."""
+    if os.path.isfile(os.path.join(directory, SINGLE_FILE)):
+        return [SINGLE_FILE]
+    return sorted(name for name in os.listdir(directory)
+                  if name.endswith(".safetensors") and not name.startswith("consolidated"))
 
 
 def placements(arch: ModelArch) -> dict[str, Placement]:
@@ -122,11 +113,7 @@ def checkpoint_files(directory: str) -> list[str]:
     """The safetensors files of `directory`, as its index names them (checked to be there)."""
     index_path = os.path.join(directory, INDEX_FILE)
     if not os.path.isfile(index_path):
-        if os.path.isfile(os.path.join(directory, SINGLE_FILE)):
-            return [os.path.join(directory, SINGLE_FILE)]
-        # Mistral's repositories ship their own format beside the transformers one.
-        names = sorted(name for name in os.listdir(directory)
-                       if name.endswith(".safetensors") and not name.startswith("consolidated"))
+        names = _unindexed_files(directory)
         if not names:
             raise CheckpointError(f"{directory}: no {SINGLE_FILE}, {INDEX_FILE} or other *.safetensors file")
         return [os.path.join(directory, name) for name in names]
@@ -136,7 +123,7 @@ def checkpoint_files(directory: str) -> list[str]:
         if not all(isinstance(name, str) for name in weight_map.values()):
             raise ValueError("a weight_map value is not a file name")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise CheckpointError(f"{index_path}: not a safetensors index ({_reason(error)})") from None
+        raise CheckpointError(f"{index_path}: not a safetensors index ({first_line(error, 300)})") from None
     files: dict[str, None] = {}
     for tensor, name in weight_map.items():
         path = os.path.join(directory, name)
@@ -180,11 +167,11 @@ def inspect_checkpoint(directory: str, arch: ModelArch) -> Checkpoint:
                                               f"needs {list(placement.shape)}")
                     found[name] = path
                     wanted.append(name)
-                    num_bytes += _numel(shape) * _FLOAT_DTYPES[dtype].itemsize
+                    num_bytes += math.prod(shape) * _FLOAT_DTYPES[dtype].itemsize
         except SafetensorError as error:
-            raise CheckpointError(f"{path}: not a complete safetensors file ({_reason(error)})") from None
+            raise CheckpointError(f"{path}: not a complete safetensors file ({first_line(error, 300)})") from None
         except OSError as error:
-            raise CheckpointError(f"{path}: cannot be read ({_reason(error)})") from None
+            raise CheckpointError(f"{path}: cannot be read ({first_line(error, 300)})") from None
         files[path] = tuple(wanted)
     missing = [name for name in plan if name not in found]
     if missing:
@@ -275,30 +262,10 @@ class _Progress:
         if self.bar is None:
             seconds = time.perf_counter() - self.file_start
             logger.info("loaded %s (%d/%d): %d tensors, %s in %.2f s", os.path.basename(path),
-                        self.file_index, self.num_files, self.file_tensors, _size(self.file_bytes), seconds)
+                        self.file_index, self.num_files, self.file_tensors, format_bytes(self.file_bytes), seconds)
         self.file_bytes = self.file_tensors = 0
         self.file_start = time.perf_counter()
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def _size(num_bytes: float) -> str:
-    """Bytes in decimal units, e.g. "1.25 GB", "310.0 MB"."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.{2 if unit == 'GB' else 1}f} {unit}"
-    return f"{num_bytes:.0f} B"
-
-
-def _reason(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else type(error).__name__

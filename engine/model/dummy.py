@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from engine.dummy_models import DUMMY_PREFIX, dummy_model
-from engine.model.checkpoint import LoadReport
 from engine.model.llama import ModelArch, parameter_shapes
+from engine.outputs import LoadReport
 
 # Standard deviation of the random weights (transformers' usual initializer range).
 WEIGHT_STD = 0.02

@@ -25,16 +25,12 @@ import torch
 
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.dummy_models import dummy_model
-from engine.model.checkpoint import (
-    CheckpointError,
-    LoadReport,
-    has_safetensors,
-    inspect_checkpoint,
-    load_checkpoint,
-)
+from engine.errors import first_line
+from engine.model.checkpoint import CheckpointError, has_safetensors, inspect_checkpoint, load_checkpoint
 from engine.model.dummy import dummy_weights
 from engine.model.llama import LlamaForCausalLM, ModelArch, RotaryEmbedding
 from engine.model.ops import select_ops
+from engine.outputs import LoadReport
 from engine.tokenizer import ModelSource, dummy_tokenizer, load_tokenizer, load_tokenizer_from_source, resolve_source
 
 if TYPE_CHECKING:
@@ -91,7 +87,7 @@ def load_model(
         loaded = assemble_model(config, state, tokens, name, eos_ids, dtype, max_model_len,
                                 attention_backend, device, report)
     else:
-        loaded = _load_through_transformers(source, config, tokens, name, dtype, max_model_len,
+        loaded = _load_through_transformers(source, config, arch, tokens, name, dtype, max_model_len,
                                             attention_backend, device)
     logger.info("loaded %s: %s", name, loaded.load.describe())
     return loaded
@@ -123,7 +119,7 @@ def read_config(source: ModelSource) -> tuple[Any, ModelArch]:
         config = AutoConfig.from_pretrained(source.directory, **kwargs)
         arch = ModelArch.from_hf_config(config)
     except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"{where}: {_first_line(error)}") from None
+        raise CheckpointError(f"{where}: {first_line(error, 300)}") from None
     quantization = getattr(config, "quantization_config", None)
     if quantization and source.gguf_file is None:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
@@ -133,7 +129,8 @@ def read_config(source: ModelSource) -> tuple[Any, ModelArch]:
 
 
 def _load_through_transformers(
-    source: ModelSource, config: Any, tokenizer: PreTrainedTokenizerBase | None, name: str, dtype: torch.dtype,
+    source: ModelSource, config: Any, arch: ModelArch, tokenizer: PreTrainedTokenizerBase | None, name: str,
+    dtype: torch.dtype,
     max_model_len: int | None, attention_backend: str | AttentionBackend, device: torch.device | str,
 ) -> LoadedModel:
     """A GGUF file (dequantized by transformers) or a directory without safetensors:
@@ -145,7 +142,7 @@ def _load_through_transformers(
         kwargs["gguf_file"] = source.gguf_file
     start = time.perf_counter()
     hf_model = AutoModelForCausalLM.from_pretrained(source.directory, config=config, dtype=dtype, **kwargs)
-    state = _state_dict_from_hf(hf_model, ModelArch.from_hf_config(config), dtype, device)
+    state = _state_dict_from_hf(hf_model, arch, dtype, device)
     eos_ids = _eos_token_ids(getattr(hf_model, "generation_config", None), config, tokenizer)
     del hf_model
     path = os.path.join(source.directory, source.gguf_file) if source.gguf_file else source.directory
@@ -310,8 +307,3 @@ def _model_files(path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]
     return [name for name in os.listdir(path) if name.endswith((".bin", ".pt", ".pth", ".safetensors"))]
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0][:300] if lines else type(error).__name__

@@ -310,10 +310,10 @@ class Scheduler:
         num_tokens = request.num_prompt_tokens if request.kv_remote else num_cached
         if reserve:
             num_tokens = self.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
-        allocated = self.kv.allocate_admission(
+        ok = self.kv.allocate_admission(
             request.request_id, hit, num_tokens, received=request.kv_remote,
             num_queried_tokens=request.num_prompt_tokens if request.kv_remote else request.num_tokens)
-        assert allocated is not None, "admission checked the free blocks"
+        assert ok, "admission checked the free blocks"
         if request.kv_remote:
             request.num_reused_blocks = len(hit.block_ids)
             self.handoffs.receive(request)
