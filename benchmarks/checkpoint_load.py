@@ -34,6 +34,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.load import rss_bytes
+
 # hidden 2048, 8 layers, 32k vocabulary, untied: 542M parameters, 2.17 GB in float32.
 CONFIG = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
@@ -74,14 +76,6 @@ def make_checkpoint(directory: str) -> None:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
 
 
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def measure(variant: str, directory: str, device: str) -> dict:
     """One measurement, in this (fresh) process."""
     import torch
@@ -90,7 +84,7 @@ def measure(variant: str, directory: str, device: str) -> dict:
     from engine.model import load_from_hf_model, load_model
 
     files = sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
-    baseline_kb = _rss_kb("VmRSS")
+    baseline = rss_bytes(os.getpid())
     start = time.perf_counter()
     if variant == "read":
         buffer = bytearray(16 << 20)
@@ -111,7 +105,7 @@ def measure(variant: str, directory: str, device: str) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {"variant": variant, "seconds": seconds,
-            "peak_above_baseline_bytes": (_rss_kb("VmHWM") - baseline_kb) * 1024,
+            "peak_above_baseline_bytes": rss_bytes(os.getpid(), "VmHWM") - baseline,
             "model_on_device": variant == "read" or next(loaded.model.parameters()).device.type == device.split(":")[0]}
 
 

@@ -223,11 +223,11 @@ class RssSampler:
                 for role, s in self.samples.items()}
 
 
-def rss_bytes(pid: int) -> int:
-    """A process's resident memory; 0 once it has exited (unreaped: no VmRSS line);
-    OSError once it is gone."""
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory (`field`: VmRSS now, VmHWM its peak); 0 once it has
+    exited (unreaped: no such line); OSError once it is gone."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 

@@ -156,21 +156,18 @@ def test_revision_tokenizer_and_served_name(tmp_path, hub_cache):
 
 
 PEAK_SCRIPT = """
-import json, sys, torch
+import json, os, sys, torch
+from benchmarks.load import rss_bytes
 from engine.model.checkpoint import inspect_checkpoint, load_checkpoint
-from engine.model.llama import ModelArch
 from engine.model.loader import read_config
 from engine.tokenizer import resolve_source
-
-def rss_kb(field):
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 directory, dtype = sys.argv[1], getattr(torch, sys.argv[2])
 _, arch = read_config(resolve_source(directory))
 checkpoint = inspect_checkpoint(directory, arch)
-baseline = rss_kb("VmRSS")
+baseline = rss_bytes(os.getpid())
 state, report = load_checkpoint(checkpoint, arch, dtype, "cpu")
-print(json.dumps({"peak": (rss_kb("VmHWM") - baseline) * 1024, "weights": sum(t.nbytes for t in state.values())}))
+print(json.dumps({"peak": rss_bytes(os.getpid(), "VmHWM") - baseline, "weights": sum(t.nbytes for t in state.values())}))
 """
 
 
