@@ -156,18 +156,20 @@ def test_revision_tokenizer_and_served_name(tmp_path, hub_cache):
 
 
 PEAK_SCRIPT = """
-import json, os, sys, torch
-from benchmarks.load import rss_bytes
+import json, sys, torch
 from engine.model.checkpoint import inspect_checkpoint, load_checkpoint
 from engine.model.loader import read_config
 from engine.tokenizer import resolve_source
 
+def rss_bytes(field):  # /proc read here: this process imports no more than the loader needs
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":")) * 1024
+
 directory, dtype = sys.argv[1], getattr(torch, sys.argv[2])
 _, arch = read_config(resolve_source(directory))
 checkpoint = inspect_checkpoint(directory, arch)
-baseline = rss_bytes(os.getpid())
+baseline = rss_bytes("VmRSS")
 state, report = load_checkpoint(checkpoint, arch, dtype, "cpu")
-print(json.dumps({"peak": rss_bytes(os.getpid(), "VmHWM") - baseline, "weights": sum(t.nbytes for t in state.values())}))
+print(json.dumps({"peak": rss_bytes("VmHWM") - baseline, "weights": sum(t.nbytes for t in state.values())}))
 """
 
 
