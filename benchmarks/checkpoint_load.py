@@ -15,8 +15,8 @@ Each measurement runs in a fresh process, repeated --rounds times in turn (A, B,
 Page cache: --cold drops it (writes /proc/sys/vm/drop_caches: root) before every process,
 so each reads the disk; otherwise the files stay cached after the first read.
 
-Peak host memory is the process's VmHWM less its RSS just before loading (torch and
-transformers imported), against the weights' size and the largest shard. Targets: direct
+Peak host memory is the process's VmHWM (reset just before loading, torch and
+transformers imported) less its RSS then, against the weights' size and the largest shard. Targets: direct
 load time >= 0.5x of reading the files (read seconds / load seconds), and peak above the
 baseline within the weights plus one shard on the CPU.
 
@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.load import rss_bytes
+from benchmarks.load import reset_peak_rss, rss_bytes
 
 # hidden 2048, 8 layers, 32k vocabulary, untied: 542M parameters, 2.17 GB in float32.
 CONFIG = {
@@ -84,6 +84,7 @@ def measure(variant: str, directory: str, device: str) -> dict:
     from engine.model import load_from_hf_model, load_model
 
     files = sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
+    reset_peak_rss(os.getpid())
     baseline = rss_bytes(os.getpid())
     start = time.perf_counter()
     if variant == "read":

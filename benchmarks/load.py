@@ -232,6 +232,12 @@ def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     return 0
 
 
+def reset_peak_rss(pid: int) -> None:
+    """Start a process's VmHWM afresh from its present RSS (Linux >= 4.0), so that a later
+    peak is not one reached before (while importing, say)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
 def rss_or_zero(pid: int) -> int:
     """rss_bytes, or 0 for a process that is gone."""
     try:

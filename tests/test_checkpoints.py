@@ -167,6 +167,7 @@ def rss_bytes(field):  # /proc read here: this process imports no more than the 
 directory, dtype = sys.argv[1], getattr(torch, sys.argv[2])
 _, arch = read_config(resolve_source(directory))
 checkpoint = inspect_checkpoint(directory, arch)
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here: not a peak reached while importing
 baseline = rss_bytes("VmRSS")
 state, report = load_checkpoint(checkpoint, arch, dtype, "cpu")
 print(json.dumps({"peak": rss_bytes("VmHWM") - baseline, "weights": sum(t.nbytes for t in state.values())}))
@@ -189,7 +190,11 @@ def test_loading_holds_the_weights_and_at_most_one_shard_more(tmp_path, dtype):
                             timeout=300, cwd=REPO_ROOT, check=True)
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["weights"] == sum(t.numel() for t in model_state) * getattr(torch, dtype).itemsize
-    slack = 8 << 20  # the interpreter's own allocations while loading
+    # The interpreter's and allocator's own memory while loading: under 1 MiB here, 8.05 MiB
+    # on the CI machine (two runs); a second mapped shard or a second copy of the weights,
+    # the faults this test is for, would add 42 MiB or 150 MiB.
+    slack = 16 << 20
+    assert slack < shard / 2
     assert measured["peak"] <= measured["weights"] + shard + slack, (measured, shard)
 
 
