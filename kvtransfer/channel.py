@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from engine.errors import first_line
 from engine.kv_cache import KVCache
-from kvtransfer.group import StoreServer, StoreUnreachableError, abort_group, join_group
+from kvtransfer.group import RendezvousCancelled, StoreServer, StoreUnreachableError, abort_group, join_group
 from kvtransfer.transport import KvTransferError, KvTransport, TransferStats
 from kvtransfer.wire import (
     HEADER_CAPACITY,
@@ -103,6 +103,7 @@ class KvChannel(KvTransport):
         secret: bytes,
         store: StoreServer | None = None,
         message_bytes: int | None = None,
+        cancelled: threading.Event | None = None,
     ) -> KvChannel:
         """Join the two-rank group at host:port; returns once the peer has joined too and
         proved it holds `secret` (both sides are given it; see group.py).
@@ -112,7 +113,8 @@ class KvChannel(KvTransport):
         connect (an old channel's rendezvous keys stay there). `message_bytes` (both
         sides must agree; None: DEFAULT_MESSAGE_BYTES for the backend) caps a message.
         `timeout_s` bounds the rendezvous and, later, every wait for a message. Gloo for a CPU device, NCCL
-        for CUDA. Raises KvTransferError if the peer does not join in time.
+        for CUDA. Raises KvTransferError if the peer does not join in time, or before it
+        came `cancelled` (another thread's) was set.
         """
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 (sender) or 1 (receiver), got {rank}")
@@ -126,7 +128,9 @@ class KvChannel(KvTransport):
         try:
             group, prefixed = join_group(channel_id, host, port, rank, device, timeout_s, secret,
                                          agree={"message_bytes": str(message_bytes),
-                                                "min_run_bytes": str(MIN_RUN_BYTES)})
+                                                "min_run_bytes": str(MIN_RUN_BYTES)}, cancelled=cancelled)
+        except RendezvousCancelled as error:
+            raise KvTransferError(f"channel {channel_id}: {error}") from error
         except ValueError as error:  # joined, but set up differently, or not the peer we were told of
             raise KvTransferError(f"channel {channel_id}: {error}") from error
         except StoreUnreachableError as error:  # the sender could not reach the receiver's store at all

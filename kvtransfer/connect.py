@@ -8,6 +8,7 @@ group (channel.py) whose TCP store the receiver hosts.
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,14 +46,17 @@ def listen(channel_id: str, transport: str, host: str, kv_cache: KVCache, timeou
         return ChannelOffer(Rendezvous(channel_id, "", 0, timeout_s, secret, IPC, name), accept, cancel)
     store = KvChannel.host_store(host, ports)
     rendezvous = Rendezvous(channel_id, host, store.port, timeout_s, secret, transport)
+    cancelled = threading.Event()
     return ChannelOffer(rendezvous, lambda: KvChannel.connect(
         channel_id=channel_id, host=host, port=store.port, rank=1, device=device, timeout_s=timeout_s,
-        secret=rendezvous.secret, store=store,
-    ))
+        secret=rendezvous.secret, store=store, cancelled=cancelled,
+    ), cancelled.set)
 
 
-def join(rendezvous: Rendezvous, kv_cache: KVCache) -> KvTransport:
-    """Sender side: join the channel `rendezvous` names, sending from `kv_cache`."""
+def join(rendezvous: Rendezvous, kv_cache: KVCache, cancelled: threading.Event | None = None) -> KvTransport:
+    """Sender side: join the channel `rendezvous` names, sending from `kv_cache`. Setting
+    `cancelled` (another thread) gives up a wait for a receiver that has not come (gloo,
+    nccl: an ipc join finds the receiver's socket at once or fails)."""
     device = kv_cache.blocks.device
     _check_device(rendezvous.transport, device.type)
     if rendezvous.transport == IPC:
@@ -60,7 +64,7 @@ def join(rendezvous: Rendezvous, kv_cache: KVCache) -> KvTransport:
                                rendezvous.secret)
     return KvChannel.connect(
         channel_id=rendezvous.channel_id, host=rendezvous.host, port=rendezvous.port, rank=0, device=device,
-        timeout_s=rendezvous.timeout_s, secret=rendezvous.secret,
+        timeout_s=rendezvous.timeout_s, secret=rendezvous.secret, cancelled=cancelled,
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import random
+import threading
 import time
 
 import torch
@@ -25,6 +26,15 @@ import torch.distributed as dist
 
 from kvtransfer.endpoint import source_address
 from kvtransfer.proof import PROOF_BYTES, channel_proof, check_secret, is_proof
+
+
+# The wait for the peer to reach the store looks every PEER_POLL_S[0] s at first, doubling
+# to PEER_POLL_S[1]: a cancelled rendezvous ends within that, not at its timeout.
+PEER_POLL_S = (0.002, 0.05)
+
+
+class RendezvousCancelled(Exception):
+    """The rendezvous was given up (its `cancelled` event set) before the peer came."""
 
 
 class StoreUnreachableError(OSError):
@@ -78,12 +88,15 @@ def join_group(
     timeout_s: float,
     secret: bytes,
     agree: dict[str, str],
+    cancelled: threading.Event | None = None,
 ) -> tuple[dist.ProcessGroup, dist.Store]:
     """Build this rank's half of the group and wait for the peer's; (group, prefixed store).
 
     `secret`: the channel's, which the peer must prove it holds (ValueError if it does
     not). `agree`: settings both sides must share; ValueError naming those that differ.
-    Raises RuntimeError / OSError on a store or rendezvous timeout or a refused connection.
+    `cancelled`: set from another thread, a wait for a peer that has not come yet ends
+    (RendezvousCancelled). Raises RuntimeError / OSError on a store or rendezvous timeout
+    or a refused connection.
     """
     check_secret(secret)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -94,6 +107,10 @@ def join_group(
     except (RuntimeError, OSError) as error:  # DistNetworkError, DistStoreError: nothing answered there
         raise StoreUnreachableError(f"no rendezvous store answered at {host}:{port}: {error}") from error
     store = dist.PrefixStore(f"{channel_id}/", client)
+    # Backends wait for the peer inside their constructors, where nothing can stop them:
+    # so first meet it here, where a cancel can.
+    store.set(f"present/{rank}", b"1")
+    _await_peer(store, f"present/{1 - rank}", timeout_s, cancelled)
     if device.type == "cuda":
         group = _nccl_group(store, rank, device, timeout_s)
     else:
@@ -118,6 +135,23 @@ def join_group(
         abort_group(group)
         raise ValueError("the peer that joined does not hold the channel's secret: refused")
     return group, store
+
+
+def _await_peer(store: dist.Store, key: str, timeout_s: float, cancelled: threading.Event | None) -> None:
+    """Return once `key` is in the store; TimeoutError after `timeout_s`, RendezvousCancelled
+    once `cancelled` is set. Looks (store.check: no wait on the store's side, which would log
+    a warning each time it ended empty) at growing intervals."""
+    deadline = time.monotonic() + timeout_s
+    pause = PEER_POLL_S[0]
+    while not store.check([key]):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the peer did not reach the rendezvous within {timeout_s:g} s")
+        if cancelled is None:
+            time.sleep(min(pause, left))
+        elif cancelled.wait(min(pause, left)):
+            raise RendezvousCancelled("the rendezvous was cancelled before the peer came")
+        pause = min(2 * pause, PEER_POLL_S[1])
 
 
 def _exchange_proofs(group: dist.ProcessGroup, channel_id: str, rank: int, device: torch.device,

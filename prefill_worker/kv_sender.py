@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -231,9 +232,12 @@ class KvSender:
             del self._channels[rendezvous.channel_id]
             old.close()
         executor = device_executor(self.kv_cache.blocks.device, f"kv-send-{rendezvous.channel_id}")
+        cancelled = threading.Event()  # the call ended first: its thread stops waiting for the receiver
         try:
-            transport = await asyncio.get_running_loop().run_in_executor(executor, join, rendezvous, self.kv_cache)
+            transport = await asyncio.get_running_loop().run_in_executor(executor, join, rendezvous, self.kv_cache,
+                                                                         cancelled)
         except BaseException:
+            cancelled.set()
             executor.shutdown(wait=False)
             raise
         self._channels[rendezvous.channel_id] = _Channel(transport, executor, request.decode_worker_id)

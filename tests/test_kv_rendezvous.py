@@ -85,3 +85,32 @@ def test_the_sender_given_the_offer_joins(transport):
 def test_an_ipc_receiver_whose_cache_is_not_shared_refuses_to_offer():
     with pytest.raises(KvTransferError, match="not in shared memory"):
         listen("private", "ipc", "", KVCache(LAYOUT, 8, 0), timeout_s=1)
+
+
+def test_a_rendezvous_given_up_stops_waiting_for_its_peer():
+    """A pull cancelled before its prefill worker joined (a silent peer, the call gone) left
+    the receiver's thread waiting out the rendezvous timeout, and a worker stopped meanwhile
+    lingered that long (30 s). Cancelled, the wait ends at once; so does a sender's, given up
+    while the receiver it was told of has not come."""
+    offer = listen("abandoned", "gloo", "127.0.0.1", _cache("gloo"), timeout_s=120)
+    thread, outcome = _accept_in_thread(offer)
+    offer.cancel()
+    thread.join(timeout=30)  # well short of the 120 s it would otherwise wait
+    assert not thread.is_alive() and isinstance(outcome.get("receiver"), KvTransferError), outcome
+    assert "cancelled" in str(outcome["receiver"])
+
+    unaccepted = listen("never-accepted", "gloo", "127.0.0.1", _cache("gloo"), timeout_s=120)
+    cancelled, joined = threading.Event(), {}
+
+    def sender() -> None:
+        try:
+            joined["sender"] = join(unaccepted.rendezvous, _cache("gloo"), cancelled)
+        except BaseException as error:
+            joined["sender"] = error
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    cancelled.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and isinstance(joined.get("sender"), KvTransferError), joined
+    assert "cancelled" in str(joined["sender"])
