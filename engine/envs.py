@@ -28,7 +28,7 @@ def configure_process(num_threads: int | None = None, cpus: Collection[int] = ()
     # Back torch's large CPU allocations (KV cache, weights) with transparent huge
     # pages where the kernel allows it on request: decode steps stream the weights
     # and hop between scattered KV blocks, and 2 MB pages cut their TLB misses
-    # (~3% end to end on the 2-core reference machine). torch reads the variable
+    # (the gain measured: docs/operations.md). torch reads the variable
     # at its first large allocation; set THP_MEM_ALLOC_ENABLE=0 to opt out.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     # A KV channel over NCCL whose peer dies, or aborts the group on its timeout, must

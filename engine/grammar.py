@@ -4,9 +4,9 @@ the sampler applies.
 
 llguidance (MIT, no dependencies, one abi3 wheel) rather than xgrammar: its compile is
 bounded by `LLParserLimits` fuel, so a hostile schema or regex fails in milliseconds
-with an error, where xgrammar compiled a 1 MB schema for 93 s and 1.7 GB with no way to
-stop it; and its compact JSON holds for any-JSON too. Masks are computed lazily per step
-(about 25 µs a row on average at a 50k vocabulary; up to ~0.4 ms on regex-heavy states).
+with an error, where xgrammar's compile of a large schema ran on with no way to stop it
+(docs/sampling.md gives what we measured); and its compact JSON holds for any-JSON too.
+Masks are computed lazily per step.
 
 Compiling happens off the engine's step: `GrammarCompiler.prepare` (thread-safe, cached
 by constraint) validates the grammar and builds a template matcher, called from a worker
@@ -74,7 +74,7 @@ class GrammarCompiler:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width: ids past the tokenizer's are masked
         self._lock = threading.Lock()
-        self._tokenizer = None  # llguidance's, built at first use (~0.3 s at a 50k vocabulary)
+        self._tokenizer = None  # llguidance's, built at first use (costly: docs/sampling.md)
         self._templates: OrderedDict[tuple, object] = OrderedDict()
 
     def _llg_tokenizer(self):

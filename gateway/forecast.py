@@ -33,9 +33,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 # The share of a request's time that its forecast last token may use: the rest absorbs
-# forecast error (steps slower than fitted, outputs longer than expected). At 0.9, a
-# burst of 400-token requests on SmolLM2 (2 shared CPU cores, benchmarks/overload.py)
-# had every admitted request miss by up to 12%: its forecast was that far off.
+# forecast error (steps slower than fitted, outputs longer than expected). At 0.9,
+# benchmarks/overload.py's burst had every admitted request miss its deadline: its
+# forecast was off by more than that margin (docs/admission.md).
 DEADLINE_SHARE = 0.8
 OUTPUT_WINDOW = 256
 SCALE_WINDOW = 64

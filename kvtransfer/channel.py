@@ -38,11 +38,11 @@ from kvtransfer.wire import (
 )
 
 # Largest message, per backend: a run of consecutive blocks longer than this goes as
-# several messages. Gloo: measured with kvtransfer/bench.py over loopback on 2 cores
-# (one run of 64 and 512 SmolLM2 blocks): 0.5-1 MB messages ran 1.5-1.9x a raw
-# send/recv of the same bytes, 2 MB 1.3-1.4x, 4 MB 1.1-1.4x; many messages in flight
-# overlap the receiver's reads with the sender's writes. NCCL: each send/recv is a
-# kernel launch, so fewer, larger messages; not yet measured (no GPU so far).
+# several messages. Gloo: chosen with kvtransfer/bench.py (figures in docs/kv-transfer.md):
+# messages of about a megabyte beat both larger ones and a raw send/recv of the same
+# bytes; many messages in flight overlap the receiver's reads with the sender's writes.
+# NCCL: each send/recv is a kernel launch, so fewer, larger messages; not yet measured
+# (no GPU so far).
 DEFAULT_MESSAGE_BYTES = {"gloo": 1 << 20, "nccl": 64 << 20}
 
 

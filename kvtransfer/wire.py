@@ -48,10 +48,10 @@ TAG_BITS = 16
 INDEX_BITS = 15
 MAX_DATA_MESSAGES = (1 << INDEX_BITS) - 1
 
-# Shortest run of blocks sent in place; shorter ones are staged. Measured with
-# kvtransfer/bench.py over loopback Gloo on 2 cores: messages of 256 KB and more go
-# at least as fast as one raw message of all the bytes, 128 KB ones at ~0.85x, and
-# one message per 46 KB block at ~0.6x.
+# Shortest run of blocks sent in place; shorter ones are staged. Chosen with
+# kvtransfer/bench.py over loopback Gloo (figures in docs/kv-transfer.md): from this
+# size on, messages go at least as fast as one raw message of all the bytes; smaller
+# ones go slower the smaller they are.
 MIN_RUN_BYTES = 256 << 10
 
 HEADER_LEN = 16  # int64 words sent

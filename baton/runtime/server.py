@@ -46,7 +46,7 @@ SERVER_OPTIONS = [
 ]
 # A peer that went away is dialled again at most RECONNECT_BACKOFF_MS after a failed
 # attempt: gRPC's default backoff grows to 120 s, so a worker back after a restart
-# rejoined only seconds to minutes later (5.7 s after 20 s down, in a test).
+# rejoined only seconds to minutes later (docs/operations.md, Keepalive).
 RECONNECT_BACKOFF_MS = 1_000
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS // 4),

@@ -25,7 +25,7 @@ Contexts are passed explicitly (a span in, metadata out), never through the
 current-context variable: the handlers are async generators that grpc may close
 from another task.
 
-Spans (names and attributes: docs/ARCHITECTURE.md, Tracing):
+Spans (names and attributes: docs/observability.md, Tracing):
 
     generate (gateway, SERVER)          GenAI request/response attributes
       tokenize

@@ -3,8 +3,8 @@
 `load_cpu_kernels()` builds `cpu_attention.cpp` (paged decode attention) and
 `cpu_ops.cpp` (RMSNorm, RoPE, SiLU-and-mul) once per source version (the build
 is cached under torch's extensions directory, TORCH_EXTENSIONS_DIR) and
-registers the ops under `torch.ops.baton`. A build takes about half a minute on
-two cores; `make setup` runs it so that tests and servers start warm.
+registers the ops under `torch.ops.baton`. A build is slow (docs/engine.md says how
+slow); `make setup` runs it so that tests and servers start warm.
 """
 
 from __future__ import annotations

@@ -251,10 +251,9 @@ def _launch_params(
 
 
 # Shorter contexts are never split: one program per (sequence, KV head) reads them quickly.
-# A split covers at least MIN_KEYS_PER_SPLIT keys. On an H200 (Llama-3.1-8B shapes, bf16,
-# batch 1, 512 keys) a layer's attention took 19 us unsplit, 8 us in 4 splits and 6 us in 8:
-# a single program walking its keys tile by tile is bound by latency, not bandwidth, long
-# before 1024 keys (the earlier threshold), and batch-1 decode went 5.13 -> 4.71 ms a token.
+# A split covers at least MIN_KEYS_PER_SPLIT keys. A single program walking its keys tile by
+# tile is bound by latency, not bandwidth, long before 1024 keys (the earlier threshold);
+# docs/gpu.md ("The first GPU runs") has the figures measured on an H200.
 MIN_SPLIT_SEQ_LEN = 128
 MIN_KEYS_PER_SPLIT = 64
 

@@ -1,9 +1,9 @@
 """Linear layers with weights prepacked for oneDNN, for CPU inference.
 
 A plain fp32 `F.linear` re-lays out the weight in every call; oneDNN can keep
-the weight in its blocked layout once, which on the 2-core reference machine
-makes the small-batch matmuls of decode steps ~10-35% faster and prefill
-steps ~10% faster (the same op torch.compile's CPU backend uses).
+the weight in its blocked layout once, which makes the small-batch matmuls of
+decode steps, and prefill steps, faster (the same op torch.compile's CPU backend
+uses; docs/engine.md gives the measured gain).
 float64 has no oneDNN kernel and keeps `nn.Linear`.
 """
 
