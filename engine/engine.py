@@ -8,13 +8,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
 from engine.block_pool import KVCacheManager, cdiv
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize
 from engine.kv_cache import KVCache, KVLayout
-from engine.memory import GraphReserve, check_share_is_free, kv_cache_budget, profile_memory, read_device_memory
+from engine.memory import (DeviceMemory, GraphReserve, check_share_is_free, kv_cache_budget, profile_memory,
+                           read_device_memory)
 from engine.model.loader import LoadedModel, load_model
 from engine.decode_graphs import GraphCapture, graph_batch_sizes, static_decode_bytes
 from engine.grammar import GrammarCompiler
@@ -28,7 +27,7 @@ from engine.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.step_time import StepTimeModel
-from engine.thread_device import use_device
+from engine.thread_device import engine_device
 from engine.timeline import PrefillChunk, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -43,19 +42,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device {config.device!r}: this machine has no CUDA device torch can use")
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            # Triton launches on the current device, whatever its tensors' device, and the
-            # current device is per thread: this (loading) thread's here, the engine and KV
-            # threads' as they start (engine/thread_device.py).
-            use_device(self.device)
+        self.device = engine_device(config.device)
         # This process's share of the GPU must be free before anything is loaded (engine/memory.py).
         memory_at_start = None
-        self.graph_reserve_bytes: int | None = None  # what sizing the KV cache kept for the graphs
         if self.device.type == "cuda" and not config.cache.is_sized:
             memory_at_start = read_device_memory(self.device)
             check_share_is_free(memory_at_start, config.cache.gpu_memory_utilization, self.device)
@@ -65,46 +54,25 @@ class LLMEngine:
                 self.device, config.seed, revision=config.revision, tokenizer=config.tokenizer,
                 served_model_name=config.served_model_name,
             )
-        self.model_name = loaded.name
-        self.model_load = loaded.load
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = loaded.eos_token_ids
-        self.max_model_len = loaded.max_model_len
+        self.model_name, self.model_load, self.tokenizer = loaded.name, loaded.load, loaded.tokenizer
+        self.eos_token_ids, self.max_model_len = loaded.eos_token_ids, loaded.max_model_len
         arch = loaded.arch
         self.vocab_size = arch.vocab_size
         # Structured output: compiled off the step (the async engine prepares each
         # constraint on a worker thread); None without a tokenizer.
         self.grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.vocab_size)
         block_size = config.cache.block_size
-        self.kv_layout = KVLayout(
-            num_layers=arch.num_layers,
-            block_size=block_size,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            dtype=config.dtype,
-        )
+        self.kv_layout = KVLayout(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, config.dtype)
         bytes_per_block = self.kv_layout.bytes_per_block
         # CUDA graphs of decode steps: on a GPU, unless enforce_eager or the backend cannot.
-        backend = loaded.model.attention_backend
         graph_sizes = ()
-        if self.device.type == "cuda" and not config.enforce_eager and backend.supports_static_batches:
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and loaded.model.attention_backend.supports_static_batches):
             graph_sizes = graph_batch_sizes(config.scheduler.max_num_seqs)
-        free_bytes = None
-        if memory_at_start is not None:
-            reserve = None if not graph_sizes else GraphReserve(graph_sizes[-1], static_decode_bytes(
-                backend, graph_sizes, self.max_model_len, block_size, arch.num_kv_heads, arch.hidden_size,
-                config.dtype))
-            profile = profile_memory(loaded.model, self.kv_layout, config, self.max_model_len, self.device,
-                                     memory_at_start, reserve)
-            free_bytes = kv_cache_budget(profile, config.cache.gpu_memory_utilization, bytes_per_block)
-            self.graph_reserve_bytes = profile.graph_reserve_bytes
-        num_blocks = config.cache.resolve_num_blocks(bytes_per_block, free_bytes)
+        num_blocks = self._size_kv_cache(loaded, memory_at_start, graph_sizes)
         num_swap_blocks = config.cache.resolve_num_swap_blocks(bytes_per_block)
         self.kv_manager = KVCacheManager(
-            num_blocks=num_blocks,
-            num_swap_blocks=num_swap_blocks,
-            block_size=block_size,
-            max_blocks_per_seq=cdiv(self.max_model_len, block_size),
+            num_blocks, num_swap_blocks, block_size, max_blocks_per_seq=cdiv(self.max_model_len, block_size),
             initial_rows=min(config.scheduler.max_num_seqs, 1024),
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
@@ -112,32 +80,43 @@ class LLMEngine:
                                 shareable=config.cache.shareable)
         self.cost_model = PreemptionCostModel(bytes_per_block)
         self.step_time = StepTimeModel(self.cost_model)
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv_manager, self.cost_model, self.max_model_len
-        )
-        self.runner = ModelRunner(
-            loaded.model,
-            self.kv_cache,
-            self.kv_manager,
-            num_heads=arch.num_heads,
-            seed=config.seed,
-        )
-        self.graph_capture: GraphCapture | None = None
-        if graph_sizes:
-            self.graph_capture = self.runner.use_static_decode(
-                config.scheduler.max_num_seqs, self.max_model_len, capture=True
-            )
-            kept = self.graph_reserve_bytes
-            if kept is not None and self.graph_capture.memory_bytes > kept:
-                logger.warning("the CUDA graphs took %.0f MiB, more than the %.0f MiB kept for them when the KV "
-                               "cache was sized: lower gpu_memory_utilization if the GPU runs out of memory",
-                               self.graph_capture.memory_bytes / 2**20, kept / 2**20)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.cost_model, self.max_model_len)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.kv_manager, num_heads=arch.num_heads,
+                                  seed=config.seed)
+        self.graph_capture = self._capture_graphs() if graph_sizes else None
         # Overlapped scheduling: the step launched last, its tokens not yet reported.
         overlap = config.overlap_scheduling
         self.overlap = overlap if overlap is not None else self.device.type == "cuda"
         self._in_flight: _InFlightStep | None = None
         self._request_counter = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
+
+    def _capture_graphs(self) -> GraphCapture:
+        """Capture the decode steps' CUDA graphs; warn if they took more memory than sizing kept."""
+        capture = self.runner.use_static_decode(self.config.scheduler.max_num_seqs, self.max_model_len, capture=True)
+        kept = self.graph_reserve_bytes
+        if kept is not None and capture.memory_bytes > kept:
+            logger.warning("the CUDA graphs took %.0f MiB, more than the %.0f MiB kept for them when the KV "
+                           "cache was sized: lower gpu_memory_utilization if the GPU runs out of memory",
+                           capture.memory_bytes / 2**20, kept / 2**20)
+        return capture
+
+    def _size_kv_cache(self, loaded: LoadedModel, memory_at_start: DeviceMemory | None,
+                       graph_sizes: Sequence[int]) -> int:
+        """The KV cache's blocks: as configured, or what the GPU's share holds once a
+        profiling forward and the CUDA graphs' reserve are counted (engine/memory.py)."""
+        config, arch = self.config, loaded.arch
+        self.graph_reserve_bytes: int | None = None  # what sizing the KV cache kept for the graphs
+        free_bytes = None
+        if memory_at_start is not None:
+            reserve = None if not graph_sizes else GraphReserve(graph_sizes[-1], static_decode_bytes(
+                loaded.model.attention_backend, graph_sizes, self.max_model_len, config.cache.block_size,
+                arch.num_kv_heads, arch.hidden_size, config.dtype))
+            profile = profile_memory(loaded.model, self.kv_layout, config, self.max_model_len, self.device,
+                                     memory_at_start, reserve)
+            free_bytes = kv_cache_budget(profile, config.cache.gpu_memory_utilization, self.kv_layout.bytes_per_block)
+            self.graph_reserve_bytes = profile.graph_reserve_bytes
+        return config.cache.resolve_num_blocks(self.kv_layout.bytes_per_block, free_bytes)
 
     # --------------------------------------------------------------- requests
     def tokenize(self, prompt: str) -> list[int]:

@@ -67,47 +67,14 @@ class LLM:
         cache; a seeded one's choice i draws from seed + i.
         """
         prompt_list = _as_prompt_list(prompts)
-        if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
-        elif isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"{len(params_list)} sampling params for {len(prompt_list)} prompts"
-                )
-        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
-        if len(priorities) != len(prompt_list):
-            raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
-
-        engine = self.engine
+        params_list = _per_prompt(sampling_params, SamplingParams(), len(prompt_list), "sampling params")
+        priorities = _per_prompt(priority, 0, len(prompt_list), "priorities")
         requests = []  # (prompt position, choice index, request)
-        followers = {}  # choice 0's request id: (prompt position, params, priority) of the others
         try:
-            for position, (prompt, params, prio) in enumerate(zip(prompt_list, params_list, priorities)):
-                request = engine.add_request(prompt, params.choice(0), priority=prio)
-                requests.append((position, 0, request))
-                if params.n > 1:
-                    followers[request.request_id] = (position, params, prio)
-            pending = {request.request_id for _, _, request in requests}
-            prompt_logprobs = {}
-            while pending:
-                for output in engine.step().outputs:
-                    if output.prompt_logprobs is not None:
-                        prompt_logprobs[output.request_id] = output.prompt_logprobs
-                    follow = followers.pop(output.request_id, None)
-                    if follow is not None:  # its first token: the prompt is in the prefix cache
-                        position, params, prio = follow
-                        for index in range(1, params.n):
-                            request = engine.add_request(prompt_list[position], params.choice(index), priority=prio)
-                            requests.append((position, index, request))
-                            pending.add(request.request_id)
-                    if output.finished:
-                        pending.discard(output.request_id)
+            prompt_logprobs = self._run(prompt_list, params_list, priorities, requests)
         except BaseException:
             for _, _, request in requests:
-                engine.abort_request(request.request_id)
+                self.engine.abort_request(request.request_id)
             raise
         requests.sort(key=lambda item: item[:2])
         return [
@@ -116,7 +83,7 @@ class LLM:
                 prompt=prompt_list[position] if isinstance(prompt_list[position], str) else None,
                 prompt_token_ids=request.prompt_token_ids,
                 token_ids=request.output_token_ids,
-                text=engine.output_text(request) or "",
+                text=self.engine.output_text(request) or "",
                 finish_reason=request.finish_reason,
                 logprobs=request.logprobs,
                 queue_time=request.queue_time,
@@ -128,9 +95,48 @@ class LLM:
             for position, index, request in requests
         ]
 
+    def _run(self, prompt_list: list[Prompt], params_list: list[SamplingParams], priorities: list[int],
+             requests: list) -> dict[str, list]:
+        """Step the engine until every request (appended to `requests` as it is added) has
+        finished; each one's prompt logprobs, by request id."""
+        engine = self.engine
+        followers = {}  # choice 0's request id: (prompt position, params, priority) of the others
+        for position, (prompt, params, prio) in enumerate(zip(prompt_list, params_list, priorities)):
+            request = engine.add_request(prompt, params.choice(0), priority=prio)
+            requests.append((position, 0, request))
+            if params.n > 1:
+                followers[request.request_id] = (position, params, prio)
+        pending = {request.request_id for _, _, request in requests}
+        prompt_logprobs = {}
+        while pending:
+            for output in engine.step().outputs:
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[output.request_id] = output.prompt_logprobs
+                follow = followers.pop(output.request_id, None)
+                if follow is not None:  # its first token: the prompt is in the prefix cache
+                    position, params, prio = follow
+                    for index in range(1, params.n):
+                        request = engine.add_request(prompt_list[position], params.choice(index), priority=prio)
+                        requests.append((position, index, request))
+                        pending.add(request.request_id)
+                if output.finished:
+                    pending.discard(output.request_id)
+        return prompt_logprobs
+
     def get_metrics(self) -> SchedulerStats:
         """Scheduler counters: queues, KV blocks, preemptions, tokens per step, queue times."""
         return self.engine.get_metrics()
+
+
+def _per_prompt(given, default, num_prompts: int, what: str) -> list:
+    """One value for each prompt: `default` for all if `given` is None, `given` for all if
+    it is one value (of default's type), else `given` (ValueError unless one per prompt)."""
+    if given is None or isinstance(given, type(default)):
+        return [default if given is None else given] * num_prompts
+    given = list(given)
+    if len(given) != num_prompts:
+        raise ValueError(f"{len(given)} {what} for {num_prompts} prompts")
+    return given
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

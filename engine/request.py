@@ -99,59 +99,62 @@ class Request:
     next token. Preemption by recompute sets it back to 0.
     """
 
-    __slots__ = (
-        "request_id",
-        "prompt_token_ids",
-        "all_token_ids",
-        "sampling_params",
-        "priority",
-        "deadline",
-        "arrival_time",
-        "arrival_step",
-        "arrival_index",
-        "status",
-        "num_computed_tokens",
-        "pending_sample_index",
-        "generator",
-        "detokenizer",
-        "eos_token_ids",
-        "sort_key",
-        "first_scheduled_time",
-        "first_token_time",
-        "num_preemptions",
-        "stop_reason",
-        "logprobs",
-        "prefill_only",
-        "kv_remote",
-        "abort_requested",
-        "kv_ready_time",
-        "prefill_start_time",
-        "first_decode_time",
-        "events",
-        "timings_taken",
-        "block_hashes",
-        "num_cached_tokens",
-        "num_reused_blocks",
-        "num_cached_estimate",
-        "output_start",
-        "bad_word_ids",
-        "grammar",
-        "prompt_logprobs",
-    )
+    # Each attribute, and what it holds.
+    __slots__ = {
+        "request_id": "",
+        "prompt_token_ids": "",
+        "all_token_ids": "The prompt, then each generated token (PENDING_TOKEN while it is on the device).",
+        "sampling_params": "",
+        "priority": "",
+        "deadline": "When its caller gives up on it (time.monotonic() seconds; None: never). Orders the "
+                    "queues within a priority level, earliest first; nothing here enforces it.",
+        "arrival_time": "",
+        "arrival_step": "",
+        "arrival_index": "Order of arrival at the scheduler, for ties.",
+        "status": "",
+        "num_computed_tokens": "",
+        "pending_sample_index": "While its last token is PENDING_TOKEN: that token's row among the sampled "
+                                "tokens of the step still in flight (the next step reads it there, on the device).",
+        "generator": "A seeded request's own generator, on the engine's device: the engine makes it "
+                     "(sampler.make_generator), so that it draws where the sampler does.",
+        "detokenizer": "",
+        "eos_token_ids": "",
+        "sort_key": "Running-queue order: (effective priority at admission, deadline (inf: none), admission "
+                    "sequence number); the last is preempted first.",
+        "first_scheduled_time": "",
+        "first_token_time": "",
+        "num_preemptions": "",
+        "stop_reason": "",
+        "logprobs": "",
+        "prefill_only": "Disaggregated serving: after the first sampled token the request stops and holds its "
+                        "KV (HELD) for a handoff instead of decoding.",
+        "kv_remote": "Disaggregated serving: the prompt's KV comes from another engine; admission allocates "
+                     "its blocks and waits (RECEIVING) instead of prefilling.",
+        "abort_requested": "Aborted while RECEIVING: it ends when the receive does.",
+        "kv_ready_time": "A received prompt's KV landed (monotonic).",
+        "prefill_start_time": "First admitted to prefill here (monotonic).",
+        "first_decode_time": "End of its first decode step (monotonic).",
+        "events": "Timeline events for tracing (None: not traced, nothing recorded); outputs carry them off "
+                  "as they come.",
+        "timings_taken": "take_timings() handed them out (its last output here).",
+        "block_hashes": "Prefix caching: the hash chain of its full blocks, as far as it was needed "
+                        "(engine/prefix_hash.py).",
+        "num_cached_tokens": "The prompt tokens its first prefill admission here found cached (None: never "
+                             "admitted to prefill here).",
+        "num_reused_blocks": "A kv_remote request's prompt blocks found cached here, which its handoff skips.",
+        "num_cached_estimate": "Its prompt tokens the cache held when last looked up (the queued-work estimate).",
+        "output_start": "Where its generated tokens start in all_token_ids: before the prompt's end when an "
+                        "earlier attempt generated its last tokens elsewhere (they count as output for the "
+                        "penalties, bad words and a grammar).",
+        "bad_word_ids": "Its bad words as token id sequences (the engine tokenizes them).",
+        "grammar": "Its structured output's matcher (engine.grammar.GrammarState); None: free text.",
+        "prompt_logprobs": "The prompt logprobs computed so far, until its first answer takes them "
+                           "(engine.prompt_logprobs); None: not asked, or taken.",
+    }
 
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        *,
-        priority: int = 0,
-        deadline: float | None = None,
-        eos_token_ids: tuple[int, ...] = (),
-        arrival_step: int = 0,
-        arrival_time: float | None = None,
-        prefill_only: bool = False,
-    ) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
+                 priority: int = 0, deadline: float | None = None, eos_token_ids: tuple[int, ...] = (),
+                 arrival_step: int = 0, arrival_time: float | None = None, prefill_only: bool = False) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids",
                                       f"request {request_id}: prompt must contain at least one token")
@@ -160,63 +163,37 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority
-        # When its caller gives up on it (time.monotonic() seconds; None: never). Orders
-        # the queues within a priority level, earliest first; nothing here enforces it.
         self.deadline = deadline
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_step = arrival_step
-        self.arrival_index = 0  # order of arrival at the scheduler, for ties
+        self.arrival_index = 0
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        # While its last token is PENDING_TOKEN: that token's row among the sampled
-        # tokens of the step still in flight (the next step reads it there, on the device).
         self.pending_sample_index = 0
-        # A seeded request's own generator, on the engine's device: the engine makes it
-        # (sampler.make_generator), so that it draws where the sampler does.
         self.generator: torch.Generator | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
         self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
-        # Running-queue order: (effective priority at admission, deadline (inf: none),
-        # admission sequence number); the last is preempted first.
         self.sort_key: tuple[int, float, int] = (priority, deadline_key(deadline), 0)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
-        # Disaggregated serving. `prefill_only`: after the first sampled token the
-        # request stops and holds its KV (HELD) for a handoff instead of decoding.
-        # `kv_remote`: the prompt's KV comes from another engine; admission
-        # allocates its blocks and waits (RECEIVING) instead of prefilling.
         self.prefill_only = prefill_only
         self.kv_remote = False
-        self.abort_requested = False  # aborted while RECEIVING: ends when the receive does
-        self.kv_ready_time: float | None = None  # a received prompt's KV landed (monotonic)
-        self.prefill_start_time: float | None = None  # first admitted to prefill here (monotonic)
-        self.first_decode_time: float | None = None  # end of its first decode step (monotonic)
-        # Timeline events for tracing (None: not traced, nothing recorded); outputs
-        # carry them off as they come.
+        self.abort_requested = False
+        self.kv_ready_time: float | None = None
+        self.prefill_start_time: float | None = None
+        self.first_decode_time: float | None = None
         self.events: list[TimelineEvent] | None = None
-        self.timings_taken = False  # take_timings() handed them out (its last output here)
-        # Prefix caching: the hash chain of its full blocks, as far as it was needed
-        # (engine/prefix_hash.py); the prompt tokens its first prefill admission here
-        # found cached (None: never admitted to prefill here); and, for a kv_remote
-        # request, the prompt blocks it found cached here, which its handoff skips.
+        self.timings_taken = False
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens: int | None = None
         self.num_reused_blocks = 0
-        # Its prompt tokens the cache held when last looked up (for the queued-work estimate).
         self.num_cached_estimate = 0
-        # Where its generated tokens start in all_token_ids: before the prompt's end when
-        # an earlier attempt generated its last tokens elsewhere (they count as output
-        # for the penalties, bad words and a grammar).
         self.output_start = len(self.prompt_token_ids)
-        # Its bad words as token id sequences (the engine tokenizes them).
         self.bad_word_ids: tuple[tuple[int, ...], ...] = ()
-        # Its structured output's matcher (engine.grammar.GrammarState); None: free text.
         self.grammar = None
-        # The prompt logprobs computed so far, until its first answer takes them
-        # (engine.prompt_logprobs); None: not asked, or taken.
         self.prompt_logprobs: list | None = [] if sampling_params.prompt_logprobs is not None else None
 
     @property

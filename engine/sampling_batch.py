@@ -136,78 +136,80 @@ class SamplingBatch:
         seeded: list[int] = []
         for row, (p, generator) in enumerate(zip(params, generators)):
             (greedy if p.is_greedy else unseeded if generator is None else seeded).append(row)
-        penalized = [row for row, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if penalized and token_histories is None:
-            raise ValueError("token_histories are required when a row has a repetition penalty")
-        if any(p.has_output_penalty for p in params) and output_histories is None:
-            raise ValueError("output_histories are required when a row has a presence or frequency penalty")
-        output_penalized = [row for row, p in enumerate(params) if p.has_output_penalty]
-        biased = [row for row, p in enumerate(params) if p.logit_bias]
-        allowed = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
-        banned = [row for row, ids in enumerate(banned_token_ids or ()) if ids]
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]
 
         buffer = _HostBuffer()
-        greedy_part = buffer.ints(greedy) if greedy and len(greedy) < num_rows else None
+        parts: dict[str, int] = {}  # a field of the batch -> its part of the buffer
+        if greedy and len(greedy) < num_rows:
+            parts["greedy_rows"] = buffer.ints(greedy)
         make_unseeded = _plan_rows(buffer, params, unseeded, None, num_rows) if unseeded else None
         make_seeded = _plan_rows(buffer, params, seeded, generators, num_rows) if seeded else None
-        penalty_parts, banned_parts = (None, None, None), (None, None)
-        if penalized:
-            penalty_parts = (
-                buffer.ints(penalized),
-                buffer.floats([params[row].repetition_penalty for row in penalized]),
-                buffer.id_lists([token_histories[row] for row in penalized]),
-            )
-        output_parts = bias_parts = allowed_parts = (None, None, None)
-        if output_penalized:
-            output_parts = (
-                buffer.ints(output_penalized),
-                buffer.floats([params[row].presence_penalty for row in output_penalized]
-                              + [params[row].frequency_penalty for row in output_penalized]),
-                buffer.id_lists([output_histories[row] for row in output_penalized]),
-            )
-        if biased:
-            bias_parts = (
-                buffer.ints(biased),
-                buffer.id_lists([[i for i, _ in params[row].logit_bias] for row in biased], pad_first=True),
-                buffer.float_lists([[b for _, b in params[row].logit_bias] for row in biased]),
-            )
-        if allowed:
-            allowed_parts = (buffer.ints(allowed),
-                             buffer.id_lists([params[row].allowed_token_ids for row in allowed], pad_first=True))
-        conditions_part = None
-        if banned:
-            banned_parts = (buffer.ints(banned),
-                            buffer.id_lists([banned_token_ids[row] for row in banned], pad_first=True))
-            if ban_conditions is not None and any(c >= 0 for row in banned for c in ban_conditions[row]):
-                conditions_part = buffer.id_lists([ban_conditions[row] for row in banned], pad_first=True)
-        logprob_part = buffer.ints(asked) if asked and len(asked) < num_rows else None
-        views = buffer.send(device)  # by part index; views.get(None): no such part
+        _plan_penalties(buffer, parts, params, token_histories, output_histories)
+        _plan_masks(buffer, parts, params, banned_token_ids or (), ban_conditions)
+        if asked and len(asked) < num_rows:
+            parts["logprob_rows"] = buffer.ints(asked)
+        views = buffer.send(device)
         return cls(
             num_rows=num_rows,
             all_greedy=len(greedy) == num_rows,
-            greedy_rows=views.get(greedy_part),
             unseeded=None if make_unseeded is None else make_unseeded(views),
             seeded=None if make_seeded is None else make_seeded(views),
-            penalty_rows=views.get(penalty_parts[0]),
-            repetition_penalty=views.get(penalty_parts[1]),
-            seen_token_ids=views.get(penalty_parts[2]),
-            output_penalty_rows=views.get(output_parts[0]),
-            presence_penalty=None if not output_penalized else views[output_parts[1]][: len(output_penalized)],
-            frequency_penalty=None if not output_penalized else views[output_parts[1]][len(output_penalized):],
-            output_token_ids=views.get(output_parts[2]),
-            bias_rows=views.get(bias_parts[0]),
-            bias_token_ids=views.get(bias_parts[1]),
-            bias_values=views.get(bias_parts[2]),
-            allowed_rows=views.get(allowed_parts[0]),
-            allowed_token_ids=views.get(allowed_parts[1]),
-            banned_rows=views.get(banned_parts[0]),
-            banned_token_ids=views.get(banned_parts[1]),
-            ban_conditions=views.get(conditions_part),
-            logprob_rows=views.get(logprob_part),
             num_logprobs=tuple(p.logprobs for p in params),
             max_num_logprobs=max((params[row].logprobs for row in asked), default=None),
+            **{name: views[parts[name]] if name in parts else None for name in _PARTS},
         )
+
+
+# The batch's tensors that are parts of the buffer, None where no row needs one.
+_PARTS = (
+    "greedy_rows", "penalty_rows", "repetition_penalty", "seen_token_ids", "output_penalty_rows", "presence_penalty",
+    "frequency_penalty", "output_token_ids", "bias_rows", "bias_token_ids", "bias_values", "allowed_rows",
+    "allowed_token_ids", "banned_rows", "banned_token_ids", "ban_conditions", "logprob_rows",
+)
+
+
+def _plan_penalties(buffer: _HostBuffer, parts: dict[str, int], params: Sequence[SamplingParams],
+                    token_histories: Sequence[Sequence[int]] | None,
+                    output_histories: Sequence[Sequence[int]] | None) -> None:
+    """The repetition penalty's rows, values and seen ids; the output penalties' likewise."""
+    penalized = [row for row, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if penalized and token_histories is None:
+        raise ValueError("token_histories are required when a row has a repetition penalty")
+    output_penalized = [row for row, p in enumerate(params) if p.has_output_penalty]
+    if output_penalized and output_histories is None:
+        raise ValueError("output_histories are required when a row has a presence or frequency penalty")
+    if penalized:
+        parts["penalty_rows"] = buffer.ints(penalized)
+        parts["repetition_penalty"] = buffer.floats([params[row].repetition_penalty for row in penalized])
+        parts["seen_token_ids"] = buffer.id_lists([token_histories[row] for row in penalized])
+    if output_penalized:
+        parts["output_penalty_rows"] = buffer.ints(output_penalized)
+        parts["presence_penalty"] = buffer.floats([params[row].presence_penalty for row in output_penalized])
+        parts["frequency_penalty"] = buffer.floats([params[row].frequency_penalty for row in output_penalized])
+        parts["output_token_ids"] = buffer.id_lists([output_histories[row] for row in output_penalized])
+
+
+def _plan_masks(buffer: _HostBuffer, parts: dict[str, int], params: Sequence[SamplingParams],
+                banned_token_ids: Sequence[Sequence[int]], ban_conditions: Sequence[Sequence[int]] | None) -> None:
+    """What each row's logits are shifted or masked by: its logit_bias, its allowed ids,
+    and its banned ids (with their conditions, where any has one)."""
+    biased = [row for row, p in enumerate(params) if p.logit_bias]
+    if biased:
+        parts["bias_rows"] = buffer.ints(biased)
+        parts["bias_token_ids"] = buffer.id_lists([[i for i, _ in params[row].logit_bias] for row in biased],
+                                                  pad_first=True)
+        parts["bias_values"] = buffer.float_lists([[b for _, b in params[row].logit_bias] for row in biased])
+    allowed = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if allowed:
+        parts["allowed_rows"] = buffer.ints(allowed)
+        parts["allowed_token_ids"] = buffer.id_lists([params[row].allowed_token_ids for row in allowed],
+                                                     pad_first=True)
+    banned = [row for row, ids in enumerate(banned_token_ids) if ids]
+    if banned:
+        parts["banned_rows"] = buffer.ints(banned)
+        parts["banned_token_ids"] = buffer.id_lists([banned_token_ids[row] for row in banned], pad_first=True)
+        if ban_conditions is not None and any(c >= 0 for row in banned for c in ban_conditions[row]):
+            parts["ban_conditions"] = buffer.id_lists([ban_conditions[row] for row in banned], pad_first=True)
 
 
 def _plan_rows(

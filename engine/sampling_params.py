@@ -104,6 +104,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise SamplingParamError("structured_output",
+                                     f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
+        self._normalize()
+
+    def _check_numbers(self) -> None:
+        """Each number's type and range; SamplingParamError naming the first that is wrong."""
         _check_real("temperature", self.temperature)
         if self.temperature < 0:
             raise SamplingParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
@@ -145,10 +153,9 @@ class SamplingParams:
             _check_real(name, getattr(self, name))
             if abs(getattr(self, name)) > MAX_ABS_PENALTY:
                 raise SamplingParamError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
-            raise SamplingParamError("structured_output",
-                                     f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
-        # Plain Python numbers from here on (numpy scalars are accepted above).
+
+    def _normalize(self) -> None:
+        """Plain Python numbers (numpy scalars are accepted), and lists in one form."""
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
         for name in ("max_tokens", "min_tokens", "seed", "logprobs", "n", "prompt_logprobs"):

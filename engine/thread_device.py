@@ -23,6 +23,20 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def engine_device(name: str) -> torch.device:
+    """The device an engine is configured on (`--device`), with its index (cuda: the
+    current one), made current for the calling (loading) thread. ValueError for CUDA
+    on a machine without it."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: this machine has no CUDA device torch can use")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        use_device(device)
+    return device
+
+
 def device_executor(device: torch.device, name: str) -> ThreadPoolExecutor:
     """A thread of its own (work submitted runs there in order) that makes `device`
     current as it starts."""

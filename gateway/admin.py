@@ -7,8 +7,8 @@ import asyncio
 
 import grpc
 
-from baton.wire import convert, stats_convert
-from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.wire import stats_convert
+from baton.wire.internal.v1 import admin_pb2, admin_pb2_grpc
 from baton.wire.records import DeploymentStatus, WorkerStatus
 from gateway.admission import GatewayAdmission
 from gateway.workers import Worker, WorkerPool
@@ -16,13 +16,13 @@ from gateway.workers import Worker, WorkerPool
 STATS_TIMEOUT_S = 5.0
 
 
-class GatewayAdminService(worker_pb2_grpc.GatewayAdminServicer):
+class GatewayAdminService(admin_pb2_grpc.GatewayAdminServicer):
     def __init__(self, pool: WorkerPool, admission: GatewayAdmission | None = None) -> None:
         self.pool = pool
         self.admission = admission
         self.model = ""  # set once the workers are known
 
-    async def GetDeploymentStatus(self, request, context) -> worker_pb2.DeploymentStatus:
+    async def GetDeploymentStatus(self, request, context) -> admin_pb2.DeploymentStatus:
         """Every configured worker's stats, asked for now, all at once, and admission's."""
         statuses = await asyncio.gather(*(self._status(worker) for worker in self.pool.workers))
         admission = self.admission.status() if self.admission is not None else None

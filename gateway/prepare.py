@@ -182,16 +182,22 @@ def _check_request(request: GenerateRequest, request_id: str, vocab_size: int) -
     if kind is None:
         raise FieldError("prompt", "set one of text, token_ids or messages")
     if kind == "messages":
-        messages = request.prompt
-        if not messages:
-            raise FieldError("messages.messages", "messages is empty")
-        if len(messages) > MAX_NUM_MESSAGES:
-            raise FieldError("messages.messages", f"more than {MAX_NUM_MESSAGES} messages")
-        for index, message in enumerate(messages):
-            if message.role not in CHAT_ROLES:
-                raise FieldError(f"messages.messages[{index}].role",
-                                 f"unknown chat role {message.role[:32]!r}; use {', '.join(CHAT_ROLES)}")
-    params = request.params
+        _check_messages(request.prompt)
+    _check_sampling(request.params, vocab_size)
+
+
+def _check_messages(messages) -> None:
+    if not messages:
+        raise FieldError("messages.messages", "messages is empty")
+    if len(messages) > MAX_NUM_MESSAGES:
+        raise FieldError("messages.messages", f"more than {MAX_NUM_MESSAGES} messages")
+    for index, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise FieldError(f"messages.messages[{index}].role",
+                             f"unknown chat role {message.role[:32]!r}; use {', '.join(CHAT_ROLES)}")
+
+
+def _check_sampling(params: SamplingParams, vocab_size: int) -> None:
     if len(params.stop) > MAX_NUM_STOP:
         raise FieldError("sampling.stop", f"more than {MAX_NUM_STOP} stop strings")
     for index, stop in enumerate(params.stop):

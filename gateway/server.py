@@ -16,7 +16,7 @@ from baton.runtime.security import ApiKeyInterceptor
 from baton.runtime.server import GrpcServer, install_uvloop
 from baton.runtime.settings import GatewaySettings
 from baton.runtime.tracing import configure_tracing, shutdown_tracing
-from baton.wire.internal.v1 import worker_pb2
+from baton.wire.internal.v1 import admin_pb2
 from baton.wire.v1 import generation_pb2
 from engine.tokenizer import load_tokenizer
 from gateway.admin import GatewayAdminService
@@ -29,14 +29,13 @@ logger = logging.getLogger(__name__)
 
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = GENERATION.full_name
-ADMIN = worker_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"]
+ADMIN = admin_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"]
 ADMIN_SERVICE_NAME = ADMIN.full_name
 
 
 async def run_gateway(settings: GatewaySettings) -> None:
-    tls = settings.tls
     pool = WorkerPool(list(settings.prefill_workers), list(settings.decode_workers),
-                      RoutingPolicy.from_settings(settings), tls, settings.stall_timeout_s,
+                      RoutingPolicy.from_settings(settings), settings.tls, settings.stall_timeout_s,
                       settings.discovery_interval_s)
     admission = GatewayAdmission(pool, GatewayLimits.from_settings(settings))
     service = GenerationService(pool, max_migrations=settings.max_migrations, admission=admission)
@@ -45,27 +44,10 @@ async def run_gateway(settings: GatewaySettings) -> None:
     server.add_service(service, GENERATION)
     admin_server.add_service(admin, ADMIN)
     http = _http_server(settings, service, pool)
-    await server.start()
-    if http is not None:
-        await http.start()
-        logger.info("gateway OpenAI HTTP API on %s:%d%s", server.address.rsplit(":", 1)[0], http.port,
-                    " (TLS)" if tls is not None else "")
-    if admin_server is not server:
-        await admin_server.start()
-        logger.info("gateway admin on %s", admin_server.address)
-    logger.info("gateway listening on %s%s%s; waiting for workers", server.address,
-                " (TLS)" if tls is not None else "", " (API key)" if settings.bearer_key else "")
+    await _start_listening(settings, server, admin_server, http)
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.tokenizer or settings.model,
                                         None if settings.tokenizer else settings.revision)
-    # SERVING only once a decode worker is up; none within the timeout: exit with the error.
-    waiting_for = "any worker to answer GetModelInfo"
-    try:
-        async with asyncio.timeout(settings.startup_timeout_s):
-            info = await pool.model_info()
-            waiting_for = f"a decode worker to serve ({', '.join(settings.decode_workers)})"
-            await pool.start()
-    except TimeoutError:
-        raise TimeoutError(f"gave up after {settings.startup_timeout_s:.0f} s waiting for {waiting_for}") from None
+    info = await _wait_for_workers(settings, pool)
     if settings.metrics_port is not None:
         service.metrics = GatewayMetrics(info.model)
         port = serve_metrics(service.metrics.registry, settings.metrics_port, settings.listen)
@@ -86,6 +68,34 @@ async def run_gateway(settings: GatewaySettings) -> None:
             await http.stop()
         if admin_server is not server:
             await admin_server.server.stop(None)
+
+
+async def _start_listening(settings: GatewaySettings, server, admin_server, http) -> None:
+    """Open the gRPC port (and the admin and HTTP ports, with theirs), not serving yet."""
+    tls = " (TLS)" if settings.tls is not None else ""
+    await server.start()
+    if http is not None:
+        await http.start()
+        logger.info("gateway OpenAI HTTP API on %s:%d%s", server.address.rsplit(":", 1)[0], http.port, tls)
+    if admin_server is not server:
+        await admin_server.start()
+        logger.info("gateway admin on %s", admin_server.address)
+    logger.info("gateway listening on %s%s%s; waiting for workers", server.address, tls,
+                " (API key)" if settings.bearer_key else "")
+
+
+async def _wait_for_workers(settings: GatewaySettings, pool: WorkerPool):
+    """The served model's info, once a decode worker is up; TimeoutError (the process
+    exits with it) if none is within --startup-timeout-s."""
+    waiting_for = "any worker to answer GetModelInfo"
+    try:
+        async with asyncio.timeout(settings.startup_timeout_s):
+            info = await pool.model_info()
+            waiting_for = f"a decode worker to serve ({', '.join(settings.decode_workers)})"
+            await pool.start()
+    except TimeoutError:
+        raise TimeoutError(f"gave up after {settings.startup_timeout_s:.0f} s waiting for {waiting_for}") from None
+    return info
 
 
 def _http_server(settings: GatewaySettings, service: GenerationService, pool: WorkerPool):

@@ -232,52 +232,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                              index: int = 0) -> AsyncIterator[TextDelta]:
         """Token events turned into text deltas (valid UTF-8, stop strings applied) of one
         choice, `index`."""
-        params = prepared.params
-        tokenizer = self.preparer.tokenizer
-        detokenizer = None
-        if tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(
-                tokenizer,
-                prepared.prompt_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-        num_prompt = len(prepared.prompt_token_ids)
-        num_output = 0
-        num_cached = 0  # as the worker that prefilled the prompt (last) reported it
-        token_times: list[float] = []
+        choice = _ChoiceText(prepared, self.preparer.tokenizer, index)
         outcome = "error"  # until it finishes or is cancelled
         events = self.dispatcher.run(prepared, time_remaining)
         try:
             async for event in events:
-                if not num_output:
+                if not choice.num_output:
                     self.admission.started(prepared.request_id)  # its prompt is no longer queued
                 if index == 0:  # the output-length model learns one choice's length, not n summed
                     self.admission.generated(prepared.request_id, len(event.token_ids))
-                num_output += len(event.token_ids)
-                if event.num_cached_tokens is not None:
-                    num_cached = event.num_cached_tokens
-                token_times.extend([time.monotonic()] * len(event.token_ids))
-                text, finish_reason, stop_string = "", event.finish_reason, None
-                if detokenizer is not None:
-                    text = detokenizer.append(event.token_ids)
-                    if detokenizer.stop_matched is not None:
-                        finish_reason, stop_string = "stop", detokenizer.stop_matched
-                    elif finish_reason is not None:
-                        text += detokenizer.flush()
-                if finish_reason is not None:
-                    outcome = finish_reason
-                    yield TextDelta(
-                        prepared.request_id, event.token_ids, text, event.logprobs, finish_reason,
-                        stop_string=stop_string,
-                        stop_token_id=event.stop_token_id if stop_string is None else None,
-                        num_prompt_tokens=num_prompt, num_completion_tokens=num_output,
-                        num_cached_tokens=num_cached, index=index, prompt_logprobs=event.prompt_logprobs,
-                    )
+                delta = choice.delta(event)
+                if delta.finish_reason is not None:
+                    outcome = delta.finish_reason
+                    yield delta
                     return  # a stop string ends it here: closing `events` aborts the workers
-                yield TextDelta(prepared.request_id, event.token_ids, text, event.logprobs, index=index,
-                                prompt_logprobs=event.prompt_logprobs)
+                yield delta
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "abort"
             raise
@@ -291,11 +260,56 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             at_deadline = prepared.deadline is not None and time.monotonic() >= prepared.deadline - DEADLINE_SLACK_S
             prepared.outcome = "deadline" if outcome == "abort" and at_deadline else outcome
             await events.aclose()
-            if self.metrics is not None:
-                self.metrics.record_request(
-                    arrival=prepared.arrival, token_times=token_times, finished_at=time.monotonic(),
-                    num_prompt_tokens=num_prompt, finish_reason=outcome,
-                )
-            if tracing.recording(prepared.span):
-                tracing.set_response(prepared.span, self.info.model, outcome, num_output,
-                                     token_times[0] - prepared.arrival if token_times else None)
+            self._record(choice, outcome)
+
+    def _record(self, choice: _ChoiceText, outcome: str) -> None:
+        """A choice's end in the metrics and on the request's span."""
+        prepared = choice.prepared
+        if self.metrics is not None:
+            self.metrics.record_request(
+                arrival=prepared.arrival, token_times=choice.token_times, finished_at=time.monotonic(),
+                num_prompt_tokens=len(prepared.prompt_token_ids), finish_reason=outcome,
+            )
+        if tracing.recording(prepared.span):
+            tracing.set_response(prepared.span, self.info.model, outcome, choice.num_output,
+                                 choice.token_times[0] - prepared.arrival if choice.token_times else None)
+
+
+class _ChoiceText:
+    """One choice's text and counts as its token events arrive."""
+
+    def __init__(self, prepared: PreparedRequest, tokenizer, index: int) -> None:
+        self.prepared = prepared
+        self.index = index
+        params = prepared.params
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, prepared.prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self.num_output = 0
+        self.num_cached = 0  # as the worker that prefilled the prompt (last) reported it
+        self.token_times: list[float] = []
+
+    def delta(self, event) -> TextDelta:
+        """The event's text delta, with a finish_reason where the event or a stop string ends the choice."""
+        prepared = self.prepared
+        self.num_output += len(event.token_ids)
+        if event.num_cached_tokens is not None:
+            self.num_cached = event.num_cached_tokens
+        self.token_times.extend([time.monotonic()] * len(event.token_ids))
+        text, finish_reason, stop_string = "", event.finish_reason, None
+        if self.detokenizer is not None:
+            text = self.detokenizer.append(event.token_ids)
+            if self.detokenizer.stop_matched is not None:
+                finish_reason, stop_string = "stop", self.detokenizer.stop_matched
+            elif finish_reason is not None:
+                text += self.detokenizer.flush()
+        if finish_reason is None:
+            return TextDelta(prepared.request_id, event.token_ids, text, event.logprobs, index=self.index,
+                             prompt_logprobs=event.prompt_logprobs)
+        return TextDelta(
+            prepared.request_id, event.token_ids, text, event.logprobs, finish_reason, stop_string=stop_string,
+            stop_token_id=event.stop_token_id if stop_string is None else None,
+            num_prompt_tokens=len(prepared.prompt_token_ids), num_completion_tokens=self.num_output,
+            num_cached_tokens=self.num_cached, index=self.index, prompt_logprobs=event.prompt_logprobs,
+        )

@@ -24,7 +24,6 @@ every transfer runs on its channel's own thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 import time
@@ -43,6 +42,7 @@ from kvtransfer import (
     KvLeaseTable,
     KvTransferError,
     KvTransport,
+    LeaseState,
     TransportRefusedError,
     block_checksums,
     check_transport,
@@ -114,13 +114,10 @@ class KvSender:
         self.endpoint = endpoint  # our side, which a decode worker's transport choice must fit
         self.lease_s = lease_s
         self.tally = tally
+        # Each request from its Prefill (claimed by its kv_token) until its KV is freed.
         self.leases = KvLeaseTable()
-        # Each request's kv_token, from its Prefill until its KV is freed (disown).
-        self._owners: dict[str, str] = {}
         self._channels: dict[str, _Channel] = {}
         self._sweeper: asyncio.Task | None = None
-        # Held requests whose deadline, not lease_s, ends their lease (until disowned).
-        self._ends_at_deadline: set[str] = set()
         # Counters (WorkerStats). Leases ended by their request's deadline are not counted:
         # nobody could have pulled them, however many decode workers there were.
         self.num_leases_expired = 0
@@ -142,20 +139,16 @@ class KvSender:
 
     # ------------------------------------------------------------------ owners
     def claim(self, request_id: str, kv_token: str) -> None:
-        """A Prefill starts: `kv_token` owns the request until disown(). AlreadyClaimed if
-        the id is being prefilled or held already."""
-        if request_id in self._owners:
-            raise AlreadyClaimed(f"request {request_id!r} is being prefilled or held here already")
-        self._owners[request_id] = kv_token
+        """A Prefill starts: `kv_token` owns the request until its lease ends, or disown().
+        AlreadyClaimed if the id is being prefilled or held already."""
+        try:
+            self.leases.claim(request_id, kv_token)
+        except ValueError as error:
+            raise AlreadyClaimed(str(error)) from None
 
     def disown(self, request_id: str) -> None:
-        """The request holds nothing here any more (its prefill ended unheld, its lease ended)."""
-        self._owners.pop(request_id, None)
-        self._ends_at_deadline.discard(request_id)
-
-    def _is_owner(self, request_id: str, kv_token: str) -> bool:
-        owner = self._owners.get(request_id)
-        return owner is not None and hmac.compare_digest(owner.encode(), kv_token.encode())
+        """The request's Prefill ended holding nothing."""
+        self.leases.disown(request_id)
 
     # ------------------------------------------------------------------ leases
     def hold(self, request_id: str, block_ids: list[int], num_tokens: int, deadline: float | None = None) -> float:
@@ -163,10 +156,10 @@ class KvSender:
         to be pulled, for lease_s seconds or until the request's `deadline` (monotonic)
         if that comes first. The lease's length."""
         lease_s = self.lease_s
-        if deadline is not None and deadline - time.monotonic() < lease_s:
+        ends_at_deadline = deadline is not None and deadline - time.monotonic() < lease_s
+        if ends_at_deadline:
             lease_s = max(MIN_LEASE_S, deadline - time.monotonic())
-            self._ends_at_deadline.add(request_id)
-        self.leases.hold(request_id, block_ids, num_tokens, lease_s)
+        self.leases.hold(request_id, block_ids, num_tokens, lease_s, ends_at_deadline)
         return lease_s
 
     async def release(self, request: ReleaseKv) -> bool:
@@ -174,12 +167,11 @@ class KvSender:
         still be prefilling: it is aborted there. Whether anything was released; False
         as well for a caller without the request's kv_token, and nothing is touched."""
         request_id = request.request_id
-        if not self._is_owner(request_id, request.kv_token):
+        if not self.leases.owns(request_id, request.kv_token):
             return False
-        if request_id not in self.leases:
+        if self.leases.get(request_id).state is LeaseState.CLAIMED:
             return await self.engine.abort(request_id)  # its Prefill call then disowns it
         if self.leases.release(request_id):
-            self.disown(request_id)
             await self.engine.call(lambda llm: llm.release_kv(request_id))
         return True  # or it is being sent: the send frees it when done
 
@@ -197,13 +189,11 @@ class KvSender:
             expired = self.leases.expired(time.monotonic())
             if not expired:
                 continue
-            lapsed = [request_id for request_id in expired if request_id not in self._ends_at_deadline]
-            for request_id in expired:
-                self.disown(request_id)
+            lapsed = [lease.request_id for lease in expired if not lease.ends_at_deadline]
             if lapsed:
                 self.num_leases_expired += len(lapsed)
                 logger.warning("KV lease expired for %d request(s): %s", len(lapsed), lapsed[:5])
-            await self.engine.call(lambda llm: [llm.release_kv(request_id) for request_id in expired])
+            await self.engine.call(lambda llm: [llm.release_kv(lease.request_id) for lease in expired])
 
     # ------------------------------------------------------------------ channels
     async def open_channel(self, request: OpenKvChannel) -> KvChannelOpened:
@@ -260,7 +250,8 @@ class KvSender:
             raise NoChannel(f"no open KV channel {request.channel_id!r}")
         request_id = request.request_id
         lease = self.leases.get(request_id)
-        if lease is None or not self._is_owner(request_id, request.kv_token):
+        if (lease is None or lease.state is LeaseState.CLAIMED
+                or not self.leases.owns(request_id, request.kv_token)):
             raise NotHeld(f"no KV held for {request_id!r} (released, sent or lease expired)")
         # Checked before the lease is pinned: a malformed send must not consume it.
         num_held = len(lease.block_ids)
@@ -296,5 +287,4 @@ class KvSender:
             yield SendKvDone(checksums, stats.num_bytes, stats.seconds)
         finally:
             self.leases.end_send(request_id)
-            self.disown(request_id)
             await self.engine.call(lambda llm: llm.release_kv(request_id))

@@ -61,7 +61,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         return self.sender.counters()
 
     def num_in_flight(self) -> int:
-        return super().num_in_flight() + (len(self.sender.leases) if self.sender is not None else 0)
+        return super().num_in_flight() + (self.sender.leases.num_held if self.sender is not None else 0)
 
     # ----------------------------------------------------------------- prefill
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:

@@ -216,7 +216,7 @@ def test_the_senders_threads_make_the_caches_device_current(devices, monkeypatch
     """A channel's thread: its join, sends, checksums and close."""
     transport = _Transport(devices)
 
-    def join(rendezvous, kv_cache):
+    def join(rendezvous, kv_cache, cancelled):
         devices.saw("join")
         return transport
 

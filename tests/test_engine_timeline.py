@@ -164,7 +164,7 @@ def test_recent_window_after_an_idle_spell_covers_only_the_new_steps(tiny):
     recent = scheduler.recent_stats()
     assert recent.num_steps == scheduler.step_index - steps_before
     assert recent.num_queued == 1
-    assert 0 <= recent.seconds <= recent.window_s
+    assert 0 <= recent.seconds <= recent.window_seconds
     assert recent.seconds_since_last_step < 60
 
 

@@ -1,4 +1,4 @@
-"""kvtransfer: layout check, checksums, leases, the wire plan, and block transfers between
+"""kvtransfer: layout check, checksums, the wire plan, and block transfers between
 two real processes over a Gloo channel (spawned children, joined with timeouts)."""
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from kvtransfer import (
     KvChannel,
     KvLayoutMismatchError,
     KvLayoutSpec,
-    KvLeaseTable,
     KvTransferError,
-    LeaseState,
     block_checksums,
 )
 from kvtransfer.wire import MAX_DATA_MESSAGES, TransferHeader, plan_digest, plan_messages, wire_tag
@@ -112,60 +110,6 @@ def test_checksum_sees_swapped_blocks_and_positions():
     first = block_checksums(cache64, [0])
     cache64.layers[0][0][0, 0, 0] = torch.tensor([2.0, 0.0], dtype=torch.float64)
     assert block_checksums(cache64, [0]) != first
-
-
-# ---------------------------------------------------------------- leases
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_lease_hold_release_and_expiry():
-    clock = FakeClock()
-    table = KvLeaseTable(clock)
-    table.hold("a", [1, 2, 3], num_tokens=40, lease_s=10)
-    table.hold("b", [4], num_tokens=3, lease_s=20)
-    assert len(table) == 2 and "a" in table and table.num_blocks_held == 4
-    with pytest.raises(ValueError):
-        table.hold("a", [9], num_tokens=1, lease_s=10)
-    assert table.release("b") is True  # HELD: the caller frees now
-    assert "b" not in table and table.release("b") is False
-    clock.now = 109.0
-    assert table.expired(clock.now) == []
-    clock.now = 110.0
-    with pytest.raises(KeyError):
-        table.begin_send("a")  # past its deadline, even before the sweep
-    assert table.expired(clock.now) == ["a"]
-    assert len(table) == 0 and table.num_blocks_held == 0
-
-
-def test_lease_send_and_release_while_sending():
-    clock = FakeClock()
-    table = KvLeaseTable(clock)
-    table.hold("a", [1, 2], num_tokens=20, lease_s=5)
-    lease = table.begin_send("a")
-    assert lease.state is LeaseState.SENDING and lease.block_ids == [1, 2]
-    with pytest.raises(ValueError):
-        table.begin_send("a")
-    with pytest.raises(KeyError):
-        table.begin_send("missing")
-    assert table.release("a") is False  # SENDING: the sender frees after end_send
-    assert lease.release_requested
-    clock.now += 60
-    assert table.expired(clock.now) == []  # a send never expires; its timeout covers it
-    assert table.num_blocks_held == 2
-    table.end_send("a")
-    assert "a" not in table
-    with pytest.raises(KeyError):
-        table.end_send("a")
-    table.hold("b", [3], num_tokens=1, lease_s=5)
-    with pytest.raises(ValueError):
-        table.end_send("b")  # no send began
 
 
 # ---------------------------------------------------------------- wire

@@ -27,7 +27,7 @@ from baton.runtime.settings import (
     add_flags,
     from_args,
 )
-from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
+from baton.wire.internal.v1 import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
@@ -110,8 +110,8 @@ def release_someone_elses_lease(channel):
 
 
 def deployment_status(channel):
-    return worker_pb2_grpc.GatewayAdminStub(channel).GetDeploymentStatus(
-        worker_pb2.GetDeploymentStatusRequest(), timeout=10, metadata=bearer_metadata(API_KEY))
+    return admin_pb2_grpc.GatewayAdminStub(channel).GetDeploymentStatus(
+        admin_pb2.GetDeploymentStatusRequest(), timeout=10, metadata=bearer_metadata(API_KEY))
 
 
 def test_health_alone_is_served_in_plaintext_on_the_health_port(system):
@@ -231,16 +231,16 @@ def test_gateway_admin_on_the_public_port_is_behind_the_key(pki):
                             credentials=tls.server_credentials(internal=False),
                             interceptors=[ApiKeyInterceptor(API_KEY)])
         admin = GatewayAdminService(WorkerPool([], [], RoutingPolicy(0, 0)))
-        worker_pb2_grpc.add_GatewayAdminServicer_to_server(admin, server.server)
+        admin_pb2_grpc.add_GatewayAdminServicer_to_server(admin, server.server)
         await server.start()
         await server.set_serving(True)
         codes = {}
         async with grpc.aio.secure_channel(server.address, client_tls(pki).channel_credentials()) as channel:
-            stub = worker_pb2_grpc.GatewayAdminStub(channel)
+            stub = admin_pb2_grpc.GatewayAdminStub(channel)
             keys = {"none": (), "wrong": bearer_metadata("nope"), "right": bearer_metadata(API_KEY)}
             for name, metadata in keys.items():
                 try:
-                    await stub.GetDeploymentStatus(worker_pb2.GetDeploymentStatusRequest(), timeout=5,
+                    await stub.GetDeploymentStatus(admin_pb2.GetDeploymentStatusRequest(), timeout=5,
                                                    metadata=metadata)
                     codes[name] = grpc.StatusCode.OK
                 except grpc.aio.AioRpcError as error:

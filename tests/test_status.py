@@ -20,7 +20,7 @@ from baton.wire import stats_convert
 from baton.wire.records import AdmissionStatus, DeploymentStatus, WorkerStats, WorkerStatus
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
-from engine.scheduler.stats import RecentStats
+from engine.statistics import RecentStats
 from engine.tokenizer import load_tokenizer
 from tests.tiny_models import make_tiny_model
 
@@ -37,9 +37,9 @@ def stats(**fields) -> WorkerStats:
     base = dict(worker_id="w", role="decode", serving=True, max_num_seqs=256, max_num_batched_tokens=2048,
                 kv_block_bytes=2**20, num_kv_blocks_total=100)
     window = {name: 0 for name in RecentStats.__dataclass_fields__}
-    window.update({"window_s": 60, "seconds": 10, "seconds_since_last_step": 0.1, "num_steps": 100,
+    window.update({"window_seconds": 60, "seconds": 10, "seconds_since_last_step": 0.1, "num_steps": 100,
                    "mean_batch_size": 50, "mean_kv_usage": 0.5, "num_admissions": 100, "num_queued": 100,
-                   "mean_queue_time": 0.01, **recent})
+                   "mean_queue_seconds": 0.01, **recent})
     return WorkerStats(**{**base, **fields}, recent=RecentStats(**window))
 
 
@@ -95,8 +95,8 @@ def test_diagnose_each_finding():
     assert "25% of entries" in finding.detail and "2.5 blocks (2.50 MiB)" in finding.detail
     assert problems(stats(recent={"num_admissions": 40, "num_preemptions_recompute": 4})) == []  # 10%: not high
 
-    assert problems(stats(recent={"mean_queue_time": 2.5})) == ["queue time above the SLO"]
-    assert problems(stats(recent={"mean_queue_time": 2.5}), slo_s=3.0) == []
+    assert problems(stats(recent={"mean_queue_seconds": 2.5})) == ["queue time above the SLO"]
+    assert problems(stats(recent={"mean_queue_seconds": 2.5}), slo_s=3.0) == []
     # Requests stuck in the queue count too, before any of them is admitted.
     assert problems(stats(oldest_queued_seconds=4.0, recent={"num_queued": 0})) == ["queue time above the SLO"]
     assert problems(stats(num_transfers=9, num_transfer_failures=1, num_leases_expired=2)) == [

@@ -161,11 +161,11 @@ def _scheduling(name: str, stats: WorkerStats, queue_slo_s: float) -> list[Findi
             "each preemption recomputes or moves KV: give the KV cache more memory, lower --max-num-seqs so "
             "fewer sequences compete for blocks, or shorten --max-model-len",
         ))
-    admitted_late = recent.num_queued and recent.mean_queue_time > queue_slo_s
+    admitted_late = recent.num_queued and recent.mean_queue_seconds > queue_slo_s
     if admitted_late or stats.oldest_queued_seconds > queue_slo_s:
         findings.append(Finding(
             name, "queue time above the SLO",
-            f"requests admitted recently waited {recent.mean_queue_time * 1e3:.0f} ms on average from arrival "
+            f"requests admitted recently waited {recent.mean_queue_seconds * 1e3:.0f} ms on average from arrival "
             f"to admission ({recent.num_queued} requests), and the oldest still waiting has waited "
             f"{stats.oldest_queued_seconds * 1e3:.0f} ms (SLO {queue_slo_s * 1e3:.0f} ms)",
             "add workers for this load, or lower --max-num-batched-tokens / --max-num-seqs to trade "
@@ -270,11 +270,11 @@ def _render_worker(worker: WorkerStatus) -> list[str]:
             f"{recent.mean_tokens_per_step:.0f} tokens per step, {recent.mean_num_waiting:.1f} waiting",
             f"  preemption  {rate:.0%} of {recent.num_admissions} entries into the batch "
             f"({recent.num_preemptions_recompute} recompute, {recent.num_preemptions_swap} swap)",
-            f"  queue time  {recent.mean_queue_time * 1e3:.0f} ms mean over {recent.num_queued} requests, "
+            f"  queue time  {recent.mean_queue_seconds * 1e3:.0f} ms mean over {recent.num_queued} requests, "
             f"oldest waiting {stats.oldest_queued_seconds * 1e3:.0f} ms",
         ]
     else:
-        window = f" in the last {recent.window_s:.0f} s" if recent is not None else ""
+        window = f" in the last {recent.window_seconds:.0f} s" if recent is not None else ""
         lines.append(f"  recent      idle: no steps{window}")
     lines.append(_prefix_cache_line(stats))
     for transport in stats.kv_transports:

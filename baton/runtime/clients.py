@@ -16,7 +16,7 @@ import grpc
 from baton.runtime.security import TlsConfig, bearer_metadata
 from baton.runtime.server import open_channel
 from baton.wire import convert, kv_convert, stats_convert
-from baton.wire.internal.v1 import worker_pb2_grpc
+from baton.wire.internal.v1 import admin_pb2_grpc, worker_pb2_grpc
 from baton.wire.v1 import generation_pb2_grpc
 from baton.wire.records import (
     DecodeRequest,
@@ -147,7 +147,7 @@ class GatewayAdminClient:
     """`baton status`'s view: blocking, one call; `api_key` goes with it."""
 
     def __init__(self, channel: grpc.Channel, api_key: str | None = None) -> None:
-        self._stub = worker_pb2_grpc.GatewayAdminStub(channel)
+        self._stub = admin_pb2_grpc.GatewayAdminStub(channel)
         self._metadata = bearer_metadata(api_key)
 
     def get_deployment_status(self, timeout: float) -> DeploymentStatus:

@@ -7,8 +7,10 @@ measures is what it sees:
 - gateway: the client's view of a request: time to first token, time per output
   token, inter-token latency, end-to-end latency; prompt and generation tokens;
   finished requests by finish reason, and requests refused for overload.
-- workers: the engine's state, read at scrape time (requests running, waiting and
-  swapped, KV blocks used and total, preemptions by kind, steps); each request's
+- workers: the engine's state, read at scrape time: every statistic
+  engine/statistics.py declares with a metric name (requests running, waiting and
+  swapped, KV blocks, preemptions by kind, steps, prefix caching, the step-time
+  model), plus the KV cache's usage and the prefix cache's recent hit ratio; each request's
   queue time and prefill time, from the timings on its last output; and, on the
   transfer path, KV bytes, transfer time and failures, each with a `transport`
   label (ipc, gloo, nccl), and channels refused for want of a transport.
@@ -30,6 +32,8 @@ from prometheus_client.registry import Collector
 
 from baton.runtime.server import listen_host
 from baton.wire.records import KvTransportStats
+from engine import statistics
+from engine.statistics import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -204,55 +208,26 @@ class _EngineCollector(Collector):
         except Exception as error:  # engine stopped or busy past the timeout: report nothing
             logger.debug("no engine snapshot for a scrape: %r", error)
             return
-        model = [self.model]
-
-        def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, documentation, labels=["model"])
-            family.add_metric(model, value)
-            return family
-
-        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, documentation, labels=["model"])
-            family.add_metric(model, value)
-            return family
-
-        yield gauge("baton_num_requests_running", "Requests in the running batch", stats.num_running)
-        yield gauge("baton_num_requests_waiting", "Requests queued, not yet admitted", stats.num_waiting)
-        yield gauge("baton_num_requests_swapped", "Requests preempted to the CPU swap pool", stats.num_swapped)
-        yield gauge("baton_num_requests_kv_handoff",
-                    "Requests whose KV is held for a handoff or arriving", stats.num_held + stats.num_receiving)
-        yield gauge("baton_kv_cache_blocks_used", "KV cache blocks in use", stats.num_kv_blocks_used)
-        yield gauge("baton_kv_cache_blocks_total", "KV cache blocks in all", stats.num_kv_blocks_total)
-        yield gauge("baton_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
-                    stats.num_kv_blocks_used / stats.num_kv_blocks_total if stats.num_kv_blocks_total else 0.0)
-        yield gauge("baton_num_queued_prefill_tokens", "Prompt tokens not yet prefilled",
-                    stats.num_queued_prefill_tokens)
-        preemptions = CounterMetricFamily("baton_preemptions", "Preemptions by kind", labels=["model", "kind"])
-        preemptions.add_metric([self.model, "recompute"], stats.num_preemptions_recompute)
-        preemptions.add_metric([self.model, "swap"], stats.num_preemptions_swap)
-        yield preemptions
-        steps = CounterMetricFamily("baton_engine_steps", "Engine steps run", labels=["model"])
-        steps.add_metric(model, stats.num_steps)
-        yield steps
-        tokens = CounterMetricFamily("baton_scheduled_tokens", "Tokens run through the model",
-                                     labels=["model"])
-        tokens.add_metric(model, stats.num_tokens_scheduled_total)
-        yield tokens
-        # Prefix caching (vLLM names the first two alike: their ratio over a window is the hit rate).
-        yield counter("baton_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admissions "
-                      "to prefill", stats.prefix_cache_queried_tokens)
-        yield counter("baton_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
-                      stats.prefix_cache_hit_tokens)
-        yield gauge("baton_prefix_cache_hit_ratio", "Prefix cache hits per query over the last minute of steps",
-                    stats.recent.prefix_cache_hit_rate)
-        yield counter("baton_prefix_cache_received_blocks", "Prompt blocks of handed-off requests (decode)",
-                      stats.prefix_cache_received_blocks)
-        yield counter("baton_prefix_cache_reused_blocks", "Prompt blocks of handed-off requests already held "
-                      "here: not transferred", stats.prefix_cache_reused_blocks)
-        yield gauge("baton_kv_cache_blocks_cached", "KV cache blocks in the prefix cache (held or not)",
-                    stats.num_kv_blocks_cached)
-        yield counter("baton_prefix_cache_evictions", "Cached KV blocks evicted for space",
-                      stats.num_kv_blocks_evicted)
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for name, spec in statistics.declared(EngineStats):
+            if spec.metric is None:
+                continue
+            family = families.get(spec.metric)
+            if family is None:
+                kind = GaugeMetricFamily if spec.kind == statistics.GAUGE else CounterMetricFamily
+                labels = ["model"] + ([spec.label[0]] if spec.label else [])
+                family = families[spec.metric] = kind(spec.metric, spec.help.rstrip("."), labels=labels)
+            family.add_metric([self.model] + ([spec.label[1]] if spec.label else []), getattr(stats, name))
+        yield from families.values()
+        # Ratios of the declared statistics, for dashboards that want them ready-made.
+        usage = GaugeMetricFamily("baton_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", labels=["model"])
+        usage.add_metric([self.model], stats.num_kv_blocks_used / stats.num_kv_blocks_total
+                         if stats.num_kv_blocks_total else 0.0)
+        yield usage
+        hits = GaugeMetricFamily("baton_prefix_cache_hit_ratio", "Prefix cache hits per query over the last minute "
+                                 "of steps", labels=["model"])
+        hits.add_metric([self.model], stats.recent.prefix_cache_hit_rate)
+        yield hits
 
 
 def engine_snapshot(engine, loop: asyncio.AbstractEventLoop, timeout_s: float = 2.0) -> Callable[[], object]:

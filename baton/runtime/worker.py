@@ -25,7 +25,9 @@ from engine.envs import configure_process
 from engine.outputs import KvReceive, RequestOutput
 from engine.request import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
+from engine import statistics
 from engine.scheduler import SchedulerStats
+from engine.statistics import EngineStats
 from engine.calibration import calibrate_step_time
 from kvtransfer import KvEndpoint, KvLayoutSpec
 from kvtransfer.endpoint import gpu_uuid, local_endpoint
@@ -62,36 +64,9 @@ def model_info(engine: LLMEngine) -> ModelInfo:
 
 
 def worker_stats(stats: SchedulerStats, **fields) -> WorkerStats:
-    """A worker's stats: the scheduler's counters plus the worker's own `fields`."""
-    return WorkerStats(
-        num_running=stats.num_running,
-        num_waiting=stats.num_waiting,
-        num_swapped=stats.num_swapped,
-        num_kv_blocks_total=stats.num_kv_blocks_total,
-        num_kv_blocks_used=stats.num_kv_blocks_used,
-        num_kv_blocks_free=stats.num_kv_blocks_free,
-        num_kv_blocks_fenced=stats.num_kv_blocks_fenced,
-        num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
-        num_kv_handoffs_pending=stats.num_held + stats.num_receiving,
-        num_preemptions_recompute=stats.num_preemptions_recompute,
-        num_preemptions_swap=stats.num_preemptions_swap,
-        num_steps=stats.num_steps,
-        mean_seqs_per_step=stats.mean_seqs_per_step,
-        num_finished=stats.num_finished,
-        recent=stats.recent,
-        oldest_queued_seconds=stats.oldest_queued_time,
-        prefix_caching=stats.prefix_caching,
-        num_kv_blocks_cached=stats.num_kv_blocks_cached,
-        num_kv_blocks_evictable=stats.num_kv_blocks_evictable,
-        prefix_cache_queried_tokens=stats.prefix_cache_queried_tokens,
-        prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
-        prefix_cache_received_blocks=stats.prefix_cache_received_blocks,
-        prefix_cache_reused_blocks=stats.prefix_cache_reused_blocks,
-        decode_step_base_s=stats.decode_step_base_s,
-        decode_step_per_seq_s=stats.decode_step_per_seq_s,
-        prefill_s_per_token=stats.prefill_s_per_token,
-        **fields,
-    )
+    """A worker's stats: its engine's, as engine/statistics.py declares them, plus the
+    worker's own `fields`."""
+    return WorkerStats(**statistics.values(stats, EngineStats), recent=stats.recent, **fields)
 
 
 # A worker's prompt tokens waiting, by default: this many times what its KV cache holds.

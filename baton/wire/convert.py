@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from baton.wire.internal.v1 import worker_pb2
+from baton.wire.internal.v1 import admin_pb2, worker_pb2
 from baton.wire.kv_convert import check_kv_token, kv_handle_from_pb, kv_handle_to_pb
 from baton.wire.records import (
     ChatMessage,
@@ -38,7 +38,7 @@ _FINISH_NAMES = {value: name for name, value in _FINISH_REASONS.items()}
 # Empty requests, shared (a message is only read by grpc).
 GET_STATS = worker_pb2.GetStatsRequest()
 GET_MODEL_INFO = pb.GetModelInfoRequest()
-GET_DEPLOYMENT_STATUS = worker_pb2.GetDeploymentStatusRequest()
+GET_DEPLOYMENT_STATUS = admin_pb2.GetDeploymentStatusRequest()
 
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.outputs import LoadReport, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler.stats import RecentStats
+from engine.statistics import EngineStats, RecentStats
 from kvtransfer.endpoint import KvEndpoint
 from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.transport import Rendezvous
@@ -245,9 +245,10 @@ class SendKvDone:
 
 
 # ------------------------------------------------------------------ load and status
-@dataclass(frozen=True, slots=True)
-class WorkerStats:
-    """A worker's identity, limits, load and counters (what routing and `baton status` read)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerStats(EngineStats):
+    """A worker's identity, limits, load and counters (what routing and `baton status` read):
+    its engine's statistics (engine/statistics.py declares them) and the worker's own."""
 
     worker_id: str
     role: str  # "prefill" | "decode"
@@ -258,22 +259,7 @@ class WorkerStats:
     kv_block_bytes: int = 0  # one block, all layers, K and V
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
-    # Load now.
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    num_kv_blocks_total: int = 0
-    num_kv_blocks_used: int = 0
-    num_kv_blocks_free: int = 0
-    num_queued_prefill_tokens: int = 0
-    num_kv_handoffs_pending: int = 0  # held for a handoff (prefill) or arriving (decode)
-    oldest_queued_seconds: float = 0.0
-    # Since start.
-    num_steps: int = 0
-    num_finished: int = 0
-    mean_seqs_per_step: float = 0.0
-    num_preemptions_recompute: int = 0
-    num_preemptions_swap: int = 0
+    # KV transfers since start.
     num_transfers: int = 0
     num_transfer_failures: int = 0
     num_transfers_verified: int = 0
@@ -282,31 +268,8 @@ class WorkerStats:
     num_leases_expired: int = 0
     kv_transports: tuple[KvTransportStats, ...] = ()  # the transfers above, by transport
     kv_channel_refusal: str = ""  # why the last channel this worker tried to open was refused
-    num_kv_blocks_fenced: int = 0  # kept out of use: a sender stopped answering mid-copy
     kv_endpoint: KvEndpoint | None = None  # where its KV cache lives (routing pairs same-host workers)
-    # Prefix caching: on or off; blocks cached (held or not) and of them held by nobody.
-    prefix_caching: bool = False
-    num_kv_blocks_cached: int = 0
-    num_kv_blocks_evictable: int = 0
-    # Since start: prompt tokens looked up at admissions to prefill, and those found cached;
-    # prompt blocks of handed-off requests (decode), and those already held here.
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    prefix_cache_received_blocks: int = 0
-    prefix_cache_reused_blocks: int = 0
     recent: RecentStats | None = None  # the scheduler's last minute of steps
-    # The worker's step-time model (engine/step_time.py), measured at start and refitted as
-    # it serves: a decode step of n sequences takes decode_step_base_s +
-    # decode_step_per_seq_s * n seconds, a prefill prefill_s_per_token a prompt token.
-    # 0.0: not known (a worker of an older release, or nothing measured yet).
-    decode_step_base_s: float = 0.0
-    decode_step_per_seq_s: float = 0.0
-    prefill_s_per_token: float = 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        queried = self.prefix_cache_queried_tokens
-        return self.prefix_cache_hit_tokens / queried if queried else 0.0
 
     def decode_step_s(self, num_seqs: int) -> float | None:
         """Predicted seconds of a decode step of `num_seqs` sequences (None: no model)."""

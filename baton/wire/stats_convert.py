@@ -7,22 +7,19 @@ from dataclasses import fields
 
 from google.protobuf import json_format
 
-from baton.wire.internal.v1 import worker_pb2
+from baton.wire.internal.v1 import admin_pb2, worker_pb2
 from baton.wire.kv_convert import kv_endpoint_from_pb, kv_endpoint_to_pb
 from baton.wire.records import AdmissionStatus, DeploymentStatus, KvTransportStats, WorkerStats, WorkerStatus
-from engine.scheduler.stats import RecentStats
-
-_RECENT_RENAMED = {"window_s": "window_seconds", "mean_queue_time": "mean_queue_seconds"}
-
+from engine.statistics import RecentStats
 
 def recent_stats_to_pb(recent: RecentStats) -> worker_pb2.RecentStats:
-    values = {_RECENT_RENAMED.get(f.name, f.name): getattr(recent, f.name) for f in fields(RecentStats)}
+    values = {f.name: getattr(recent, f.name) for f in fields(RecentStats)}
     values["seconds_since_last_step"] = min(values["seconds_since_last_step"], 1e12)  # inf: no step yet
     return worker_pb2.RecentStats(**values)
 
 
 def recent_stats_from_pb(message: worker_pb2.RecentStats) -> RecentStats:
-    return RecentStats(**{f.name: getattr(message, _RECENT_RENAMED.get(f.name, f.name)) for f in fields(RecentStats)})
+    return RecentStats(**{f.name: getattr(message, f.name) for f in fields(RecentStats)})
 
 
 _NESTED = ("recent", "kv_transports", "kv_endpoint")
@@ -56,17 +53,17 @@ def worker_stats_from_pb(message: worker_pb2.WorkerStats) -> WorkerStats:
     return WorkerStats(**values, kv_transports=transports, recent=recent, kv_endpoint=endpoint)
 
 
-def deployment_status_to_pb(status: DeploymentStatus) -> worker_pb2.DeploymentStatus:
+def deployment_status_to_pb(status: DeploymentStatus) -> admin_pb2.DeploymentStatus:
     workers = []
     for worker in status.workers:
-        message = worker_pb2.WorkerStatus(address=worker.address, role=worker.role, reachable=worker.reachable,
+        message = admin_pb2.WorkerStatus(address=worker.address, role=worker.role, reachable=worker.reachable,
                                           error=worker.error, in_rotation=worker.in_rotation)
         if worker.stats is not None:
             message.stats.CopyFrom(worker_stats_to_pb(worker.stats))
         workers.append(message)
-    message = worker_pb2.DeploymentStatus(model=status.model, workers=workers)
+    message = admin_pb2.DeploymentStatus(model=status.model, workers=workers)
     if status.admission is not None:
-        message.admission.CopyFrom(worker_pb2.AdmissionStatus(
+        message.admission.CopyFrom(admin_pb2.AdmissionStatus(
             **{f.name: getattr(status.admission, f.name) for f in fields(AdmissionStatus)}))
     return message
 
@@ -77,7 +74,7 @@ def deployment_status_to_json(status: DeploymentStatus) -> dict:
     return json_format.MessageToDict(deployment_status_to_pb(status), preserving_proto_field_name=True)
 
 
-def deployment_status_from_pb(message: worker_pb2.DeploymentStatus) -> DeploymentStatus:
+def deployment_status_from_pb(message: admin_pb2.DeploymentStatus) -> DeploymentStatus:
     admission = None
     if message.HasField("admission"):
         admission = AdmissionStatus(**{f.name: getattr(message.admission, f.name) for f in fields(AdmissionStatus)})

@@ -24,14 +24,15 @@ from engine.lazy import lazy_attributes
 if TYPE_CHECKING:  # for type checkers only: never run
     from engine.scheduler.output import SchedulerOutput
     from engine.scheduler.scheduler import ADMISSION_POLICIES, Scheduler
-    from engine.scheduler.stats import RECENT_WINDOW_S, RecentStats, SchedulerStats
+    from engine.scheduler.stats import RECENT_WINDOW_S, SchedulerStats
+    from engine.statistics import RecentStats
 
 _LOCATIONS = {
     "ADMISSION_POLICIES": "engine.scheduler.scheduler",
     "Scheduler": "engine.scheduler.scheduler",
     "SchedulerOutput": "engine.scheduler.output",
     "RECENT_WINDOW_S": "engine.scheduler.stats",
-    "RecentStats": "engine.scheduler.stats",
+    "RecentStats": "engine.statistics",
     "SchedulerStats": "engine.scheduler.stats",
 }
 __all__ = sorted(_LOCATIONS)

@@ -39,7 +39,8 @@ from engine.scheduler.policy import AdmissionPolicy
 from engine.scheduler.prefix import PrefixMatcher
 from engine.scheduler.static import StaticAdmission
 from engine.scheduler.stopping import ends_by_length, stop_status
-from engine.scheduler.stats import RecentStats, SchedulerCounters, SchedulerStats, snapshot_stats
+from engine.scheduler.stats import SchedulerCounters, SchedulerStats, snapshot_stats
+from engine.statistics import RecentStats
 from engine.timeline import Admitted, Preempted, SwappedIn
 
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from engine.preemption import PreemptionKind
+from engine.statistics import EngineStats, RecentStats
 
 if TYPE_CHECKING:
     from engine.block_pool import KVCacheManager, PrefixCacheStats
@@ -57,102 +58,21 @@ _TOTALS = ("steps", "seqs", "tokens", "kv_used", "waiting", "admissions", "preem
            "prefix_queried", "prefix_hit")
 
 
-@dataclass(frozen=True, slots=True)
-class RecentStats:
-    """What the scheduler did over its recent steps: the last `window_s` seconds, or
-    fewer steps if it has been idle (steps happen only while there is work)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerStats(EngineStats):
+    """A snapshot of the scheduler (see Scheduler.stats): the statistics every worker
+    exports (engine/statistics.py declares them) and the engine's own."""
 
-    window_s: float
-    seconds: float  # from the window's first step to its last
-    seconds_since_last_step: float  # inf: no step yet
-    num_steps: int
-    mean_batch_size: float  # sequences per step
-    mean_tokens_per_step: float
-    mean_kv_usage: float  # fraction of KV blocks in use after each step
-    mean_num_waiting: float  # requests left waiting after each step
-    num_admissions: int  # entries into the running batch: admissions, readmissions, swap-ins
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    num_swapped_blocks_out: int
-    num_queued: int  # requests admitted for the first time
-    mean_queue_time: float  # their mean arrival-to-admission time
-    # Steps that ended with requests waiting because KV blocks were short (admission
-    # refused for lack of free blocks, or held back by a preemption or swapped requests),
-    # and because max_num_seqs sequences were already running.
-    num_steps_kv_blocked: int
-    num_steps_seq_capped: int
-    # Prompt tokens looked up in the prefix cache at admissions to prefill, and those found.
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Share of the prompt tokens admitted to prefill whose KV was cached."""
-        queried = self.prefix_cache_queried_tokens
-        return self.prefix_cache_hit_tokens / queried if queried else 0.0
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.num_preemptions_recompute + self.num_preemptions_swap
-
-    @property
-    def preemption_rate(self) -> float:
-        """Preemptions per entry into the running batch."""
-        return self.num_preemptions / self.num_admissions if self.num_admissions else 0.0
-
-    @property
-    def mean_swap_blocks(self) -> float:
-        """Blocks moved out per swap preemption."""
-        return self.num_swapped_blocks_out / self.num_preemptions_swap if self.num_preemptions_swap else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """A snapshot of the scheduler's counters (see Scheduler.stats)."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
     num_held: int  # KV held for a handoff (prefill side)
     num_receiving: int  # blocks allocated, KV arriving (decode side)
-    num_queued_prefill_tokens: int  # prompt tokens admitted or waiting, not yet computed
-    num_kv_blocks_total: int
-    num_kv_blocks_used: int
-    num_kv_blocks_free: int
-    num_kv_blocks_fenced: int  # used, but by no request: kept from a transfer in doubt (KVCacheManager.fence)
     num_swap_blocks_used: int
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
     num_swapped_blocks_out: int
-    num_steps: int
     num_tokens_last_step: int
-    num_tokens_scheduled_total: int
     mean_tokens_per_step: float
-    mean_seqs_per_step: float
     kv_memory_efficiency: float
-    num_finished: int
     mean_queue_time: float
     queue_times: tuple[float, ...]  # the latest MAX_QUEUE_TIMES requests' (with_queue_times)
     recent: RecentStats
-    oldest_queued_time: float  # seconds the longest-waiting never-admitted request has waited (0: none)
-    # Prefix caching (off: all zero). Blocks in the cache, held or not; of them, held by
-    # nobody (free, kept until the space is needed).
-    prefix_caching: bool = False
-    num_kv_blocks_cached: int = 0
-    num_kv_blocks_evictable: int = 0
-    num_kv_blocks_evicted: int = 0
-    # Prompt tokens looked up at admissions to prefill here, and those found cached.
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    # Prompt blocks of requests whose KV arrived from elsewhere, and those found here (not moved).
-    prefix_cache_received_blocks: int = 0
-    prefix_cache_reused_blocks: int = 0
-    # The step-time model (engine/step_time.py; LLMEngine.get_metrics fills it in): a decode
-    # step of n sequences takes decode_step_base_s + decode_step_per_seq_s * n seconds, a
-    # prefill prefill_s_per_token a prompt token. 0.0: not measured yet.
-    decode_step_base_s: float = 0.0
-    decode_step_per_seq_s: float = 0.0
-    prefill_s_per_token: float = 0.0
 
 
 class SchedulerCounters:
@@ -259,7 +179,7 @@ class SchedulerCounters:
         steps = delta["steps"]
         per_step = 1 / steps if steps else 0.0
         return RecentStats(
-            window_s=RECENT_WINDOW_S,
+            window_seconds=RECENT_WINDOW_S,
             seconds=last_time - max(first_time, now - RECENT_WINDOW_S) if steps else 0.0,
             seconds_since_last_step=now - last_time if self.num_steps else float("inf"),
             num_steps=steps,
@@ -272,7 +192,7 @@ class SchedulerCounters:
             num_preemptions_swap=delta["preempt_swap"],
             num_swapped_blocks_out=delta["swap_blocks"],
             num_queued=delta["queued"],
-            mean_queue_time=delta["queue_time"] / delta["queued"] if delta["queued"] else 0.0,
+            mean_queue_seconds=delta["queue_time"] / delta["queued"] if delta["queued"] else 0.0,
             num_steps_kv_blocked=delta["kv_blocked"],
             num_steps_seq_capped=delta["seq_capped"],
             prefix_cache_queried_tokens=delta["prefix_queried"],
@@ -295,6 +215,7 @@ def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> Schedul
         num_swapped=len(scheduler.swapped),
         num_held=len(scheduler.handoffs.held),
         num_receiving=len(scheduler.handoffs.receiving),
+        num_kv_handoffs_pending=len(scheduler.handoffs.held) + len(scheduler.handoffs.receiving),
         num_queued_prefill_tokens=_num_queued_prefill_tokens(scheduler, waiting),
         num_kv_blocks_total=kv.pool.num_blocks,
         num_kv_blocks_used=kv.num_used_blocks,
@@ -314,7 +235,7 @@ def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> Schedul
         mean_queue_time=counters.queue_time_total / max(counters.num_queued, 1),
         queue_times=tuple(counters.queue_times) if with_queue_times else (),
         recent=scheduler.recent_stats(),
-        oldest_queued_time=time.monotonic() - min(arrivals) if arrivals else 0.0,
+        oldest_queued_seconds=time.monotonic() - min(arrivals) if arrivals else 0.0,
         prefix_caching=kv.enable_prefix_caching,
         num_kv_blocks_cached=kv.num_cached_blocks,
         num_kv_blocks_evictable=kv.num_evictable_blocks,

@@ -56,102 +56,120 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
     # gateway's, as for a gRPC call, not a child of a server span and its operation spans.
     app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None, max_body_size=MAX_REQUEST_BYTES,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
-    ids = itertools.count()
-    prefix = uuid.uuid4().hex[:12]
+    app.add_exception_handler(RequestValidationError, _invalid_body)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    routes = _Routes(service, served_model_name, api_key, ready)
+    app.get("/health")(routes.health)
+    app.get("/ready")(routes.is_ready)
+    app.get("/v1/models")(routes.models)
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat_completions)
+    return _BodyLimit(app)
 
-    def model_name() -> str:
-        return served_model_name or service.info.model
 
-    def authorized(request: Request) -> bool:
-        if api_key is None:
+async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+    """A body FastAPI could not read into the route's model: 400, naming the first field at fault."""
+    first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":  # its loc is a position in the text, not a field
+        loc = []
+    param = loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:]) if loc else None
+    chat = request.url.path.endswith("/chat/completions")
+    message = f"{param or 'the body'}: {first.get('msg')}"
+    return _error_response(translate.invalid(param or "body", message), chat=chat)
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own refusals (413, an unknown route, a wrong method) in OpenAI's shape."""
+    body = api.ErrorResponse(error=api.ErrorInfo(message=str(error.detail), type="invalid_request_error",
+                                                 code=error.status_code))
+    return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
+
+
+class _Routes:
+    """The API's routes, over one GenerationService."""
+
+    def __init__(self, service: GenerationService, served_model_name: str | None, api_key: str | None,
+                 ready: Callable[[], bool]) -> None:
+        self.service = service
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.ready = ready
+        self.ids = itertools.count()
+        self.prefix = uuid.uuid4().hex[:12]
+
+    def model_name(self) -> str:
+        return self.served_model_name or self.service.info.model
+
+    def authorized(self, request: Request) -> bool:
+        if self.api_key is None:
             return True
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
-    def refusal(request: Request, model: str | None, *, chat: bool) -> JSONResponse | None:
+    def refusal(self, request: Request, model: str | None, *, chat: bool) -> JSONResponse | None:
         """The answer to a request refused before it is read: no key, not started, another model."""
-        if not authorized(request):
+        if not self.authorized(request):
             return _error_response(RequestError(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed: "
                                                 "Authorization: Bearer <key>"), chat=chat)
-        if service.info is None:
+        if self.service.info is None:
             return _error_response(RequestError(grpc.StatusCode.UNAVAILABLE,
                                                 "gateway is starting: no worker is serving yet"), chat=chat)
-        if model is not None and model != model_name():
+        if model is not None and model != self.model_name():
             return _error_response(RequestError(grpc.StatusCode.NOT_FOUND, f"the model {model!r} does not exist: "
-                                                f"this server serves {model_name()!r}", field="model"), chat=chat)
+                                                f"this server serves {self.model_name()!r}", field="model"),
+                                   chat=chat)
         return None
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        if first.get("type") == "json_invalid":  # its loc is a position in the text, not a field
-            loc = []
-        param = loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:]) if loc else None
-        chat = request.url.path.endswith("/chat/completions")
-        message = f"{param or 'the body'}: {first.get('msg')}"
-        return _error_response(translate.invalid(param or "body", message), chat=chat)
+    def received(self) -> None:
+        if self.service.metrics is not None:
+            self.service.metrics.received("http")
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        """Starlette's own refusals (413, an unknown route, a wrong method) in OpenAI's shape."""
-        body = api.ErrorResponse(error=api.ErrorInfo(message=str(error.detail), type="invalid_request_error",
-                                                     code=error.status_code))
-        return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
+    def call(self, request: Request, path: str, kind: str, *, chat: bool) -> _Call:
+        return _Call(self.service, request, path, f"{kind}-{self.prefix}{next(self.ids)}", self.model_name(),
+                     chat=chat)
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(self) -> Response:
         return Response(status_code=200)
 
-    @app.get("/ready")
-    async def is_ready() -> Response:
-        return Response(status_code=200 if service.info is not None and ready() else 503)
+    async def is_ready(self) -> Response:
+        return Response(status_code=200 if self.service.info is not None and self.ready() else 503)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        refused = refusal(request, None, chat=False)
+    async def models(self, request: Request):
+        refused = self.refusal(request, None, chat=False)
         if refused is not None:
             return refused
-        card = api.ModelCard(id=model_name(), max_model_len=service.info.max_context_length)
+        card = api.ModelCard(id=self.model_name(), max_model_len=self.service.info.max_context_length)
         return api.ModelList(data=[card])
 
-    def received() -> None:
-        if service.metrics is not None:
-            service.metrics.received("http")
-
-    @app.post("/v1/completions")
-    async def completions(body: api.CompletionRequest, request: Request):
-        received()
-        refused = refusal(request, body.model, chat=False)
+    async def completions(self, body: api.CompletionRequest, request: Request):
+        self.received()
+        refused = self.refusal(request, body.model, chat=False)
         if refused is not None:
             return refused
         try:
             requests = translate.completion_requests(body)
         except RequestError as error:
             return _error_response(error, chat=False)
-        call = _Call(service, request, "/v1/completions", f"cmpl-{prefix}{next(ids)}", model_name(), chat=False)
+        call = self.call(request, "/v1/completions", "cmpl", chat=False)
         if body.stream:
             return await call.stream(call.completion_chunks(requests, body.include_usage))
         return await call.answer(call.completion(requests))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: api.ChatCompletionRequest, request: Request):
-        received()
-        refused = refusal(request, body.model, chat=True)
+    async def chat_completions(self, body: api.ChatCompletionRequest, request: Request):
+        self.received()
+        refused = self.refusal(request, body.model, chat=True)
         if refused is not None:
             return refused
         try:
-            generate = translate.chat_request(body, service.info.max_context_length)
+            generate = translate.chat_request(body, self.service.info.max_context_length)
         except RequestError as error:
             return _error_response(error, chat=True)
-        call = _Call(service, request, "/v1/chat/completions", f"chatcmpl-{prefix}{next(ids)}", model_name(),
-                     chat=True)
+        call = self.call(request, "/v1/chat/completions", "chatcmpl", chat=True)
         if body.stream:
             return await call.stream(call.chat_chunks(generate, body.include_usage))
         return await call.answer(call.chat(generate))
-
-    return _BodyLimit(app)
 
 
 class _BodyLimit:

@@ -220,43 +220,45 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_swapped", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_queued_prefill_tokens", "num_kv_handoffs_pending", "num_preemptions_recompute", "num_preemptions_swap", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "num_steps", "mean_seqs_per_step", "num_finished", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "recent", "oldest_queued_seconds", "block_size", "kv_transports", "kv_channel_refusal", "num_kv_blocks_fenced", "kv_endpoint", "prefix_caching", "num_kv_blocks_cached", "num_kv_blocks_evictable", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_received_blocks", "prefix_cache_reused_blocks", "decode_step_base_s", "decode_step_per_seq_s", "prefill_s_per_token")
+    __slots__ = ("worker_id", "role", "model", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "block_size", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "kv_transports", "kv_channel_refusal", "kv_endpoint", "recent", "num_running", "num_waiting", "num_swapped", "num_kv_handoffs_pending", "num_queued_prefill_tokens", "oldest_queued_seconds", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_kv_blocks_fenced", "num_steps", "num_tokens_scheduled_total", "mean_seqs_per_step", "num_finished", "num_preemptions_recompute", "num_preemptions_swap", "prefix_caching", "num_kv_blocks_cached", "num_kv_blocks_evictable", "num_kv_blocks_evicted", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_received_blocks", "prefix_cache_reused_blocks", "decode_step_base_s", "decode_step_per_seq_s", "prefill_s_per_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
-    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
-    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
-    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
-    NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
-    NUM_KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
-    NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_KV_HANDOFFS_PENDING_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREEMPTIONS_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREEMPTIONS_SWAP_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERS_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERRED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
-    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
-    MEAN_SEQS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
-    NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
-    SERVING_FIELD_NUMBER: _ClassVar[int]
-    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
-    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
-    RECENT_FIELD_NUMBER: _ClassVar[int]
-    OLDEST_QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     KV_CHANNEL_REFUSAL_FIELD_NUMBER: _ClassVar[int]
-    NUM_KV_BLOCKS_FENCED_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HANDOFFS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FENCED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_SCHEDULED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MEAN_SEQS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_SWAP_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_EVICTABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_RECEIVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -267,39 +269,41 @@ class WorkerStats(_message.Message):
     worker_id: str
     role: str
     model: str
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_kv_blocks_total: int
-    num_kv_blocks_used: int
-    num_kv_blocks_free: int
-    num_queued_prefill_tokens: int
-    num_kv_handoffs_pending: int
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
+    serving: bool
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_block_bytes: int
+    block_size: int
     num_transfers: int
     num_transfer_failures: int
     num_transfers_verified: int
     num_transferred_bytes: int
     transfer_seconds: float
     num_leases_expired: int
-    num_steps: int
-    mean_seqs_per_step: float
-    num_finished: int
-    serving: bool
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    kv_block_bytes: int
-    recent: RecentStats
-    oldest_queued_seconds: float
-    block_size: int
     kv_transports: _containers.RepeatedCompositeFieldContainer[KvTransportStats]
     kv_channel_refusal: str
-    num_kv_blocks_fenced: int
     kv_endpoint: KvEndpoint
+    recent: RecentStats
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_kv_handoffs_pending: int
+    num_queued_prefill_tokens: int
+    oldest_queued_seconds: float
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_kv_blocks_fenced: int
+    num_steps: int
+    num_tokens_scheduled_total: int
+    mean_seqs_per_step: float
+    num_finished: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
     prefix_caching: bool
     num_kv_blocks_cached: int
     num_kv_blocks_evictable: int
+    num_kv_blocks_evicted: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     prefix_cache_received_blocks: int
@@ -307,7 +311,7 @@ class WorkerStats(_message.Message):
     decode_step_base_s: float
     decode_step_per_seq_s: float
     prefill_s_per_token: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., num_finished: _Optional[int] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., oldest_queued_seconds: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_transports: _Optional[_Iterable[_Union[KvTransportStats, _Mapping]]] = ..., kv_channel_refusal: _Optional[str] = ..., num_kv_blocks_fenced: _Optional[int] = ..., kv_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ..., prefix_caching: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_kv_blocks_evictable: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_received_blocks: _Optional[int] = ..., prefix_cache_reused_blocks: _Optional[int] = ..., decode_step_base_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., kv_transports: _Optional[_Iterable[_Union[KvTransportStats, _Mapping]]] = ..., kv_channel_refusal: _Optional[str] = ..., kv_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., oldest_queued_seconds: _Optional[float] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_kv_blocks_fenced: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_tokens_scheduled_total: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., num_finished: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_kv_blocks_evictable: _Optional[int] = ..., num_kv_blocks_evicted: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_received_blocks: _Optional[int] = ..., prefix_cache_reused_blocks: _Optional[int] = ..., decode_step_base_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ...) -> None: ...
 
 class KvTransportStats(_message.Message):
     __slots__ = ("transport", "num_transfers", "num_failures", "num_transferred_bytes", "transfer_seconds")
@@ -362,69 +366,3 @@ class RecentStats(_message.Message):
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     def __init__(self, window_seconds: _Optional[float] = ..., seconds: _Optional[float] = ..., seconds_since_last_step: _Optional[float] = ..., num_steps: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., mean_tokens_per_step: _Optional[float] = ..., mean_kv_usage: _Optional[float] = ..., mean_num_waiting: _Optional[float] = ..., num_admissions: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_swapped_blocks_out: _Optional[int] = ..., num_queued: _Optional[int] = ..., mean_queue_seconds: _Optional[float] = ..., num_steps_kv_blocked: _Optional[int] = ..., num_steps_seq_capped: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...
-
-class GetDeploymentStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "reachable", "error", "stats", "in_rotation")
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    ROLE_FIELD_NUMBER: _ClassVar[int]
-    REACHABLE_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    STATS_FIELD_NUMBER: _ClassVar[int]
-    IN_ROTATION_FIELD_NUMBER: _ClassVar[int]
-    address: str
-    role: str
-    reachable: bool
-    error: str
-    stats: WorkerStats
-    in_rotation: bool
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ..., in_rotation: _Optional[bool] = ...) -> None: ...
-
-class DeploymentStatus(_message.Message):
-    __slots__ = ("model", "workers", "admission")
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    WORKERS_FIELD_NUMBER: _ClassVar[int]
-    ADMISSION_FIELD_NUMBER: _ClassVar[int]
-    model: str
-    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    admission: AdmissionStatus
-    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., admission: _Optional[_Union[AdmissionStatus, _Mapping]] = ...) -> None: ...
-
-class AdmissionStatus(_message.Message):
-    __slots__ = ("max_concurrent_requests", "max_queue_wait_s", "num_in_flight", "num_admitted", "num_refused_concurrency", "num_refused_queue_wait", "num_refused_deadline", "num_deadline_misses", "num_met_deadlines", "forecast_known", "forecast_queue_wait_s", "mean_forecast_ttft_s", "mean_observed_ttft_s", "decode_scale", "decode_step_base_s", "decode_step_per_seq_s")
-    MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    MAX_QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
-    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
-    NUM_ADMITTED_FIELD_NUMBER: _ClassVar[int]
-    NUM_REFUSED_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
-    NUM_REFUSED_QUEUE_WAIT_FIELD_NUMBER: _ClassVar[int]
-    NUM_REFUSED_DEADLINE_FIELD_NUMBER: _ClassVar[int]
-    NUM_DEADLINE_MISSES_FIELD_NUMBER: _ClassVar[int]
-    NUM_MET_DEADLINES_FIELD_NUMBER: _ClassVar[int]
-    FORECAST_KNOWN_FIELD_NUMBER: _ClassVar[int]
-    FORECAST_QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
-    MEAN_FORECAST_TTFT_S_FIELD_NUMBER: _ClassVar[int]
-    MEAN_OBSERVED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
-    DECODE_SCALE_FIELD_NUMBER: _ClassVar[int]
-    DECODE_STEP_BASE_S_FIELD_NUMBER: _ClassVar[int]
-    DECODE_STEP_PER_SEQ_S_FIELD_NUMBER: _ClassVar[int]
-    max_concurrent_requests: int
-    max_queue_wait_s: float
-    num_in_flight: int
-    num_admitted: int
-    num_refused_concurrency: int
-    num_refused_queue_wait: int
-    num_refused_deadline: int
-    num_deadline_misses: int
-    num_met_deadlines: int
-    forecast_known: bool
-    forecast_queue_wait_s: float
-    mean_forecast_ttft_s: float
-    mean_observed_ttft_s: float
-    decode_scale: float
-    decode_step_base_s: float
-    decode_step_per_seq_s: float
-    def __init__(self, max_concurrent_requests: _Optional[int] = ..., max_queue_wait_s: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., num_admitted: _Optional[int] = ..., num_refused_concurrency: _Optional[int] = ..., num_refused_queue_wait: _Optional[int] = ..., num_refused_deadline: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., num_met_deadlines: _Optional[int] = ..., forecast_known: _Optional[bool] = ..., forecast_queue_wait_s: _Optional[float] = ..., mean_forecast_ttft_s: _Optional[float] = ..., mean_observed_ttft_s: _Optional[float] = ..., decode_scale: _Optional[float] = ..., decode_step_base_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ...) -> None: ...
