@@ -23,13 +23,12 @@ def stop_status(request: Request, token_id: int, num_tokens: int, max_model_len:
     # has ended only runs on in a step it was already scheduled for).
     if grammar is not None and not grammar.is_done:
         grammar.accept(token_id)  # False only after the matcher failed: is_done then
-    if num_tokens - len(request.prompt_token_ids) >= params.min_tokens and (
-        token_id in request.eos_token_ids or token_id in params.stop_token_ids
-    ):
+    num_output = num_tokens - len(request.prompt_token_ids)
+    if num_output >= params.min_tokens and (token_id in request.eos_token_ids or token_id in params.stop_token_ids):
         request.stop_reason = token_id
         return RequestStatus.FINISHED_STOPPED
     if grammar is not None and grammar.is_done:
         return RequestStatus.FINISHED_STOPPED  # the output is complete: nothing may follow
-    if ends_by_length(request, num_tokens, max_model_len):
+    if num_tokens >= max_model_len or num_output >= params.max_tokens:  # ends_by_length, here once per token
         return RequestStatus.FINISHED_LENGTH
     return None
