@@ -49,7 +49,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         await super().load(address)
         self.receiver = KvReceiver(
             self.worker_id,
-            self.llm.kv_cache,
+            self.llm_engine.kv_cache,
             self.layout,
             self.kv_endpoint,
             host=self.settings.transfer_host or split_address(address)[0],

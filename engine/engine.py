@@ -87,7 +87,7 @@ class LLMEngine:
         # Overlapped scheduling: the step launched last, its tokens not yet reported.
         overlap = config.overlap_scheduling
         self.overlap = overlap if overlap is not None else self.device.type == "cuda"
-        self._in_flight: _InFlightStep | None = None
+        self._in_flight: _UnresolvedStep | None = None
         self._request_counter = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
 
@@ -312,7 +312,7 @@ class LLMEngine:
             self._aborted_outputs = []
         return step_output
 
-    def _launch(self) -> _InFlightStep:
+    def _launch(self) -> _UnresolvedStep:
         scheduler = self.scheduler
         sched_out = scheduler.schedule()
         # Traced requests scheduled this step: where their work starts, how many tokens they had.
@@ -340,9 +340,9 @@ class LLMEngine:
                       request.num_reused_blocks)
             for request in sched_out.kv_receives
         ]
-        return _InFlightStep(sched_out, launched, positions, batch, kv_receives)
+        return _UnresolvedStep(sched_out, launched, positions, batch, kv_receives)
 
-    def _complete(self, step: _InFlightStep, started: float) -> StepOutput:
+    def _complete(self, step: _UnresolvedStep, started: float) -> StepOutput:
         """Wait for a launched step's tokens and turn them into outputs (in the `step` call
         that began at perf_counter `started`)."""
         runner_out = step.launched.result()
@@ -448,8 +448,8 @@ class LLMEngine:
 
 
 @dataclass(frozen=True, slots=True)
-class _InFlightStep:
-    """A launched step, until its tokens are reported."""
+class _UnresolvedStep:
+    """A launched step, until its sampled tokens are back and resolved (Scheduler.resolve)."""
 
     scheduled: SchedulerOutput
     launched: LaunchedStep

@@ -48,7 +48,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def load(self, address: str) -> None:
         await super().load(address)
-        self.sender = KvSender(self.worker_id, self.engine, self.llm.kv_cache, self.layout, self.kv_endpoint,
+        self.sender = KvSender(self.worker_id, self.engine, self.llm_engine.kv_cache, self.layout, self.kv_endpoint,
                                self.settings.lease_s, self.transfers)
         self.sender.start()
 

@@ -70,7 +70,7 @@ def fake_step(scheduler: Scheduler, check: bool = True) -> tuple[SchedulerOutput
         for request, num_new in zip(out.requests, out.num_scheduled_tokens)
         if request.num_computed_tokens + num_new == request.num_tokens
     ]
-    finished = scheduler.update_from_output(out, sampled, [next_token(r) for r in sampled])
+    finished = scheduler.complete_step(out, sampled, [next_token(r) for r in sampled])
     if check:
         scheduler.check_integrity()
     return out, finished

@@ -25,6 +25,8 @@ from baton.cli.main import ROLES
 from baton.runtime.addresses import parse_target, split_address
 from baton.runtime.server import LIVENESS_SERVICE
 from baton.runtime.settings import add_flags, env_name, from_args
+from engine import statistics
+from engine.statistics import EngineStats
 from tests.tls import make_pki
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -166,6 +168,7 @@ def test_the_kv_port_range_is_the_pods_and_the_policys(rendered, mounted_files):
 def test_autoscalers_scale_deployments_on_metrics_baton_exports(rendered):
     overlay, docs = rendered
     exported = set(re.findall(r'"(baton_[a-z_]+)"', METRICS_SOURCE.read_text()))
+    exported |= {spec.metric for _, spec in statistics.declared(EngineStats) if spec.metric}  # the engine's
     autoscalers = objects(docs, "HorizontalPodAutoscaler")
     assert autoscalers
     for autoscaler in autoscalers.values():

@@ -106,7 +106,7 @@ def test_scheduler_counts_a_cached_prefix_as_computed_but_computes_the_last_toke
     shared = list(range(10, 22))  # three full blocks
     s.add_request(prompt_request("a", shared + [50, 51]))
     out = s.schedule()
-    s.update_from_output(out, [], [])
+    s.complete_step(out, [], [])
     assert out.num_scheduled_tokens == [14]
     s.add_request(prompt_request("b", shared + [60]))
     s.add_request(prompt_request("c", list(shared)))  # the whole prompt is cached
@@ -125,7 +125,7 @@ def test_prefix_caching_off_shares_nothing():
     s = make_scheduler(num_blocks=32, block_size=4)
     s.add_request(prompt_request("a", list(range(10, 30))))
     out = s.schedule()
-    s.update_from_output(out, [], [])
+    s.complete_step(out, [], [])
     s.add_request(prompt_request("b", list(range(10, 30))))
     out = s.schedule()
     assert out.num_scheduled_tokens[-1] == 20 and s.kv.num_cached_blocks == 0
@@ -135,7 +135,7 @@ def test_remote_kv_admission_reuses_whole_prompt_blocks():
     s = make_scheduler(num_blocks=32, block_size=4, enable_prefix_caching=True)
     prompt = list(range(10, 26))  # four full blocks
     s.add_request(prompt_request("local", prompt + [1, 2]))
-    s.update_from_output(s.schedule(), [], [])
+    s.complete_step(s.schedule(), [], [])
     remote = prompt_request("remote", prompt)
     remote.all_token_ids.append(99)  # its first token, sampled elsewhere
     remote.kv_remote = True
@@ -190,7 +190,7 @@ def shadow_step(s, shadow: ShadowCache, receive_fate: random.Random, fences: lis
         shadow.check_and_write(request, request.num_computed_tokens, request.num_computed_tokens + num_new)
         if request.num_computed_tokens + num_new == request.num_tokens:
             sampled.append(request)
-    s.update_from_output(out, sampled, [next_token(r) for r in sampled])
+    s.complete_step(out, sampled, [next_token(r) for r in sampled])
     for request in out.kv_receives:
         fate = receive_fate.choice(["ok", "ok", "fail", "fence"])
         if fate == "ok" and not request.is_finished:

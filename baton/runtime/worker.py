@@ -124,7 +124,7 @@ class WorkerBase:
         self.settings = settings
         self.worker_id = settings.worker_id
         self.address = settings.listen
-        self.llm: LLMEngine | None = None  # the engine thread's; read only what never changes
+        self.llm_engine: LLMEngine | None = None  # the engine thread's; read only what never changes
         self.engine: AsyncEngine | None = None
         self.model_info: ModelInfo | None = None
         self.layout: KvLayoutSpec | None = None
@@ -143,7 +143,7 @@ class WorkerBase:
         """Build and warm the engine off the event loop, then start its thread."""
         self.address = address
         llm = await asyncio.to_thread(build_engine, self.settings.engine)
-        self.llm = llm
+        self.llm_engine = llm
         self.model_info = model_info(llm)
         self.layout = KvLayoutSpec.from_kv_layout(llm.kv_layout)
         device = llm.kv_cache.blocks.device

@@ -1,7 +1,7 @@
 """AdmissionPolicy: which waiting requests join the running batch (continuous or static).
 
 A policy only chooses. It owns the WAITING requests and, once per step, yields the
-ones to admit, in order; the Scheduler admits each (Scheduler.admit schedules its
+ones to admit, in order; the Scheduler starts each running (Scheduler.start_running schedules its
 first chunk) before asking for the next, so a policy sees every admission's blocks
 and budget before it decides on the one after. What it reads of the scheduler is
 an AdmissionView, passed to each call and never changed by the policy.

@@ -279,12 +279,12 @@ class Scheduler:
         try:
             choice = next(choices)
             while True:
-                budget = self.admit(out, choice.request, budget, chunk_cap, now, choice.reserve, choice.hit)
+                budget = self.start_running(out, choice.request, budget, chunk_cap, now, choice.reserve, choice.hit)
                 choice = choices.send(budget)
         except StopIteration:
             return budget
 
-    def admit(
+    def start_running(
         self,
         out: SchedulerOutput,
         request: Request,
@@ -389,7 +389,7 @@ class Scheduler:
             self.policy.requeue(request)
 
     # ---------------------------------------------------------------- update
-    def update_from_output(
+    def complete_step(
         self,
         out: SchedulerOutput,
         sampled_requests: list[Request],
