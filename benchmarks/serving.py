@@ -32,7 +32,9 @@ sent, so no prefix cache serves one pass the prompts of another
 Reported per system: TTFT, TPOT, ITL and end-to-end latency (p50/p90/p99),
 output tokens/s and requests/s over the run, goodput beside them (requests completed
 within their deadline per second, and their output tokens per second), plus the KV
-handoff's observed bandwidth and, with tracing, the spans and traces received.
+handoff's observed bandwidth and, with tracing, the spans and traces received; and the
+gap from each request's first token to its second, with the gateway's phases of the
+pass's requests (p50/p90 of each: baton/runtime/latency.py, from its GatewayAdmin).
 `--deadline-s` sends each request with that deadline (gRPC's; over HTTP, X-Request-Timeout),
 which the gateway's admission takes as its SLO: a request may then be refused or cut
 off, and only those completed within it count as goodput (the in-process engine gets no
@@ -40,7 +42,9 @@ deadline; its requests that finished later count as missed). Without it (the def
 no deadline is sent, every request must complete, and goodput equals throughput. Then
 the KV transfer comparison between two processes (kvtransfer.bench: ipc, Gloo, a raw Gloo message
 and a plain copy of the same bytes). Targets: disaggregated output tokens/s >= 0.9x
-engine, and at least Gloo's (disaggregated / disaggregated+gloo >= 1.0);
+engine, and at least Gloo's (disaggregated / disaggregated+gloo >= 1.0); the handoff's
+cost to the second token: disaggregated's first-to-second token gap p50 minus colocated's
+inter-token latency p50 at most twice the copy's own time (its kv_copy p50) + 10 ms;
 disaggregated+tracing output tokens/s >= 0.97x disaggregated (tracing on / off);
 HTTP output tokens/s >= 0.95x gRPC's and HTTP TTFT p50 <= 1.1x gRPC's, on the same
 deployment (X+http against X; the i-th http:// target against the i-th grpc:// one);
@@ -173,6 +177,7 @@ def run_front_ends(names: list[str], args, workload: Workload,
                 extra = {"gateway_cpu_s": cpu_seconds(gateway) - gateway_cpu_s,
                          "client_cpu_s": time.process_time() - cpu_s}
                 after, held = _settled(deployment)
+                extra.update(pass_phases(deployment, len(requests)))
                 results[system] = timings, {**pass_extra(before, after, len(requests), disaggregated, held), **extra}
         finally:
             deployment.stop()
@@ -180,6 +185,19 @@ def run_front_ends(names: list[str], args, workload: Workload,
             spans = sink.spans()  # all of them: the processes flush their spans as they exit
             results[names[0]][1].update(spans_exported=len(spans), traces_exported=len({s.trace_id for s in spans}))
     return results
+
+
+def pass_phases(deployment, num_requests: int) -> dict:
+    """The gateway's phases of the pass's requests, its latest (baton/runtime/latency.py):
+    p50 and p90 of each, in ms, and the phase that took most of the time from the first
+    token to the second."""
+    with deployment.channel(deployment.admin) as channel:
+        status = deployment.admin_client(channel).get_deployment_status(timeout=10,
+                                                                        latest_requests=num_requests).latency
+    if status is None or not status.num_requests:
+        return {}
+    return {"phases_ms": {p.phase: {"p50": p.p50_s * 1e3, "p90": p.p90_s * 1e3} for p in status.phases},
+            "largest_second_token_phase": status.largest}
 
 
 def pass_extra(before: dict, after: dict, num_requests: int, disaggregated: bool, blocks_left_held: int) -> dict:

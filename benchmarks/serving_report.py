@@ -40,6 +40,7 @@ class SystemResult:
     itl: dict
     e2e: dict
     extra: dict = field(default_factory=dict)
+    second_token_gap: dict = field(default_factory=dict)  # first token to second, per request
     num_sent: int = 0  # num_requests completed; the others failed (only with a deadline)
     statuses: dict = field(default_factory=dict)  # how many ended with each status
     num_good_requests: int = 0  # completed within their deadline
@@ -86,9 +87,9 @@ class Check(NamedTuple):
 
 
 def latency_samples(timings: list[RequestTiming]) -> dict[str, list[float]]:
-    """The completed requests' TTFT, TPOT and end-to-end seconds (one each), and every
-    inter-token gap (ITL)."""
-    samples = {"ttft": [], "tpot": [], "itl": [], "e2e": []}
+    """The completed requests' TTFT, TPOT, end-to-end seconds and the gap from their first
+    token to their second (one each), and every inter-token gap (ITL)."""
+    samples = {"ttft": [], "tpot": [], "itl": [], "e2e": [], "second_token_gap": []}
     for t in timings:
         if t.status != "OK":
             continue
@@ -97,6 +98,7 @@ def latency_samples(timings: list[RequestTiming]) -> dict[str, list[float]]:
         if len(t.token_times) > 1:
             samples["tpot"].append((t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1))
             samples["itl"].extend(np.diff(t.token_times).tolist())
+            samples["second_token_gap"].append(t.token_times[1] - t.token_times[0])
     return samples
 
 
@@ -126,6 +128,7 @@ def summarize(name: str, rounds: list[list[RequestTiming]], extras: list[dict] |
         percentiles(samples["itl"]),
         percentiles(samples["e2e"]),
         extra,
+        second_token_gap=percentiles(samples["second_token_gap"]),
         num_sent=len(sent),
         statuses={status: sum(1 for t in sent if t.status == status) for status in sorted({t.status for t in sent})},
         num_good_requests=len(good),
@@ -198,7 +201,10 @@ def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> lis
         for i in range(args.rounds if args.rounds > 1 else 0):
             rate = result.extra["round_output_tokens_per_s"][i]
             print(f"  {result.name} round {i + 1}: out tok/s={rate:.1f}, {fields(result.extra[f'round{i + 1}'])}")
+    print_phases(results)
     checks = []
+    if "disaggregated" in results and "colocated" in results:
+        checks.append(handoff_check(results["disaggregated"], results["colocated"]))
     if "disaggregated" in results and "engine" in results:
         ratio = results["disaggregated"].output_tokens_per_s / results["engine"].output_tokens_per_s
         checks.append(Check("disaggregated / engine output tok/s", ratio, 0.9, ratio >= 0.9))
@@ -236,6 +242,30 @@ def print_report(results: dict[str, SystemResult], kv: dict | None, args) -> lis
         target_text = f"target {'<=' if check.at_most else '>='} {check.target}" if check.target else "reported"
         print(f"{check.name}: {check.value:.3f} ({target_text}) {verdict}".rstrip())
     return checks
+
+
+def print_phases(results: dict[str, SystemResult]) -> None:
+    """Each system's time to the second token, and the gateway's phases of its requests
+    (baton/runtime/latency.py; p50/p90 ms, one round's)."""
+    for result in results.values():
+        gap = result.second_token_gap
+        phases = result.extra.get("phases_ms") or result.extra.get("round1", {}).get("phases_ms")
+        if not gap or not phases:
+            continue
+        print(f"  {result.name}: first to second token p50/p90 {gap['p50'] * 1e3:.1f}/{gap['p90'] * 1e3:.1f} ms; "
+              "phases p50/p90 ms: " + ", ".join(f"{name} {p['p50']:.1f}/{p['p90']:.1f}" for name, p in phases.items()))
+
+
+def handoff_check(disaggregated: SystemResult, colocated: SystemResult) -> Check:
+    """What the handoff adds to the second token: the disaggregated system's first-to-second
+    token gap p50 over the colocated one's inter-token latency p50, at most twice the
+    copy's own time (its kv_copy phase p50) plus 10 ms."""
+    phases = disaggregated.extra.get("phases_ms") or disaggregated.extra.get("round1", {}).get("phases_ms") or {}
+    copy_ms = phases.get("kv_copy", {}).get("p50", float("nan"))
+    added_ms = (disaggregated.second_token_gap["p50"] - colocated.itl["p50"]) * 1e3
+    target = 2 * copy_ms + 10
+    return Check("second-token gap p50 (disaggregated) - ITL p50 (colocated), ms", added_ms, target,
+                 added_ms <= target, at_most=True)
 
 
 def plot_report(path: Path, runs: dict[str, list[list[RequestTiming]]], results: dict[str, SystemResult],

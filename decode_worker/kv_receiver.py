@@ -26,11 +26,12 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
 
+from baton.runtime import latency
 from baton.runtime.clients import Metadata, PrefillWorkerClient
 from baton.runtime.metrics import TransferTally
 from baton.runtime.security import TlsConfig
@@ -76,6 +77,9 @@ class ReceiveResult:
     num_bytes: int = 0
     seconds: float = 0.0
     error: str = ""  # why it failed (the caller then prefills the prompt itself)
+    # Its moments (baton/runtime/latency.py) as time.monotonic() readings: started, had a
+    # channel, had the blocks, ended (the checksums compared and the send confirmed).
+    moments: dict[str, float] = field(default_factory=dict)
     # Failed, and the sender may still be writing into the blocks: done once it no longer
     # can (it answered, or is gone). Until then the blocks must stay out of use.
     settled: asyncio.Future | None = None
@@ -174,7 +178,7 @@ class KvReceiver:
         `trace_metadata` goes with the calls to the prefill worker. Cancelling it gives up
         the pull at once, except during the receive itself, which it waits for (the blocks
         are being written)."""
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.monotonic()
         peer = self._peer(handle.prefill_address)
         try:
             if handle.prefill_endpoint is None:
@@ -214,7 +218,8 @@ class KvReceiver:
             raise
         finally:
             peer.idle.put_nowait(channel)
-        result = replace(pulled, transport=transport, seconds=time.perf_counter() - started)
+        moments = {latency.RECEIVE_STARTED: started_at, **pulled.moments, latency.KV_RECEIVED: time.monotonic()}
+        result = replace(pulled, transport=transport, seconds=time.perf_counter() - started, moments=moments)
         self.tally.done(transport, result.num_bytes, result.seconds, result.verified)
         return result
 
@@ -285,6 +290,7 @@ class KvReceiver:
         current = channel.transport
         if current is None or current.is_broken or current.backend != transport:
             await self._open(client, channel, transport, trace_metadata)
+        channel_ready_at = time.monotonic()
         loop = asyncio.get_running_loop()
         request = SendKv(channel.channel_id, handle.request_id, channel.next_tag(), first_block + len(block_ids),
                          block_ids, self.verify, handle.kv_token, first_block)
@@ -315,16 +321,17 @@ class KvReceiver:
                     raise failure from None
                 raise asyncio.CancelledError
             stats = receiving.result()
+            moments = {latency.CHANNEL_READY: channel_ready_at, latency.COPIED: time.monotonic()}
             done = await call.next_event()
             if not isinstance(done, SendKvDone):
                 raise ValueError("prefill worker did not confirm the send")
             if not self.verify:
-                return ReceiveResult(True, num_bytes=stats.num_bytes)
+                return ReceiveResult(True, num_bytes=stats.num_bytes, moments=moments)
             mine = await loop.run_in_executor(channel.executor, block_checksums, self.kv_cache, block_ids)
             if mine != done.block_checksums:
                 bad = sum(a != b for a, b in zip(mine, done.block_checksums))
                 raise KvTransferError(f"checksum mismatch in {bad} of {len(mine)} blocks")
-            return ReceiveResult(True, verified=True, num_bytes=stats.num_bytes)
+            return ReceiveResult(True, verified=True, num_bytes=stats.num_bytes, moments=moments)
         except BaseException as error:
             call.cancel()
             if isinstance(error, asyncio.CancelledError):

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import grpc
 
-from baton.runtime import tracing
+from baton.runtime import latency, tracing
 from baton.runtime.addresses import split_address
 from baton.runtime.settings import DecodeWorkerSettings
 from baton.runtime.tasks import BackgroundTasks
@@ -41,6 +41,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         # Requests admitted with a handle, until their Decode call ends.
         self._handles: dict[str, KvHandle] = {}
         self._spans: dict[str, object] = {}  # traced requests' decode spans, for their kv_transfer
+        self._pull_moments: dict[str, dict[str, int]] = {}  # a pull's moments, for its request's last event
         self._pulls: dict[str, asyncio.Task] = {}  # KV pulls under way, cancelled if their call ends
         self._fence_ids = itertools.count()
         self._background = BackgroundTasks()
@@ -136,7 +137,10 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                         tracing.set_finish(span, output.finish_reason, output.num_output_tokens)
                 if output.finish_reason == "abort":
                     await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
-                yield _token_event(output)
+                moments = {}
+                if output.finished:  # where its time went here: its pull's moments and its engine's
+                    moments = {**self._pull_moments.pop(request_id, {}), **latency.engine_moments(output.timings)}
+                yield _token_event(output, moments)
         except EngineDeadError:  # the gateway moves the request to another worker
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
         finally:
@@ -188,6 +192,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         self.admission.release(request_id)
         self._handles.pop(request_id, None)
         self._spans.pop(request_id, None)
+        self._pull_moments.pop(request_id, None)
 
     # -------------------------------------------------------------- KV receive
     def _on_kv_receive(self, receive: KvReceive) -> None:
@@ -211,6 +216,8 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 result = ReceiveResult(ok=False, error=f"{type(error).__name__}: {error}")
             finally:
                 self._end_pull(request_id)
+            if result.ok and request_id in self._handles:
+                self._pull_moments[request_id] = latency.stamp({}, **result.moments)
         # NOTE: the engine keeps the blocks of a request aborted meanwhile until this call,
         # so the receive above never writes into blocks that belong to someone else; blocks
         # a sender may still be writing into stay under a fence until it no longer can.
@@ -262,6 +269,9 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                     num_blocks=len(block_ids), num_bytes=result.num_bytes, seconds=result.seconds,
                     verified=result.verified, transport=result.transport,
                 ))
+                # Its waits and copy (kv_channel, kv_copy, kv_checksum: baton/runtime/latency.py).
+                span.set_attributes({f"baton.kv.{name}_s": seconds for name, seconds
+                                     in latency.phases(latency.stamp({}, **result.moments)).items()})
                 tracing.end_span(span)
             else:
                 if result.transport:
@@ -278,7 +288,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                         error.code().name)
 
 
-def _token_event(output: RequestOutput) -> TokenEvent:
+def _token_event(output: RequestOutput, moments: dict[str, int]) -> TokenEvent:
     return TokenEvent(
         token_ids=output.new_token_ids,
         logprobs=output.new_logprobs or [],
@@ -287,6 +297,7 @@ def _token_event(output: RequestOutput) -> TokenEvent:
         # With its usage, on the last event: set when the prompt was prefilled here.
         num_cached_tokens=output.num_cached_tokens if output.finished else None,
         prompt_logprobs=output.prompt_logprobs,  # on its first output, when asked
+        moments=moments,
     )
 
 

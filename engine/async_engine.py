@@ -115,6 +115,8 @@ class AsyncEngine:
     # --------------------------------------------------------------- lifecycle
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._on_kv_receive is not None:  # a pull starts as its step is scheduled, not after it ran
+            self.engine.on_kv_receives = self._receives_scheduled
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -326,6 +328,14 @@ class AsyncEngine:
         if self._on_kv_receive is not None:
             for receive in step.kv_receives:
                 self._on_kv_receive(receive)
+
+    def _receives_scheduled(self, receives: list[KvReceive]) -> None:
+        """On the engine thread: requests a step just admitted with remote KV."""
+        self._loop.call_soon_threadsafe(self._deliver_receives, receives)
+
+    def _deliver_receives(self, receives: list[KvReceive]) -> None:
+        for receive in receives:
+            self._on_kv_receive(receive)
 
     def _fail(self, error: BaseException) -> None:
         self._fail_streams(EngineDeadError(repr(error)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from engine.block_pool import KVCacheManager, cdiv
@@ -49,11 +49,9 @@ class LLMEngine:
             memory_at_start = read_device_memory(self.device)
             check_share_is_free(memory_at_start, config.cache.gpu_memory_utilization, self.device)
         if loaded is None:
-            loaded = load_model(
-                config.model, config.dtype, config.max_model_len, config.attention_backend,
-                self.device, config.seed, revision=config.revision, tokenizer=config.tokenizer,
-                served_model_name=config.served_model_name,
-            )
+            loaded = load_model(config.model, config.dtype, config.max_model_len, config.attention_backend,
+                                self.device, config.seed, revision=config.revision, tokenizer=config.tokenizer,
+                                served_model_name=config.served_model_name)
         self.model_name, self.model_load, self.tokenizer = loaded.name, loaded.load, loaded.tokenizer
         self.eos_token_ids, self.max_model_len = loaded.eos_token_ids, loaded.max_model_len
         arch = loaded.arch
@@ -85,9 +83,10 @@ class LLMEngine:
                                   seed=config.seed)
         self.graph_capture = self._capture_graphs() if graph_sizes else None
         # Overlapped scheduling: the step launched last, its tokens not yet reported.
-        overlap = config.overlap_scheduling
-        self.overlap = overlap if overlap is not None else self.device.type == "cuda"
+        self.overlap = self.device.type == "cuda" if config.overlap_scheduling is None else config.overlap_scheduling
         self._in_flight: _UnresolvedStep | None = None
+        # Set (AsyncEngine): given a step's admissions with remote KV as it is scheduled, not in its output.
+        self.on_kv_receives: Callable[[list[KvReceive]], None] | None = None
         self._request_counter = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
 
@@ -315,6 +314,14 @@ class LLMEngine:
     def _launch(self) -> _UnresolvedStep:
         scheduler = self.scheduler
         sched_out = scheduler.schedule()
+        kv_receives = [
+            KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)),
+                      request.num_reused_blocks)
+            for request in sched_out.kv_receives
+        ]
+        if kv_receives and self.on_kv_receives is not None:
+            self.on_kv_receives(kv_receives)  # their pulls start now, while this step runs
+            kv_receives = []
         # Traced requests scheduled this step: where their work starts, how many tokens they had.
         traced = [
             (request, request.num_computed_tokens, num_new, len(request.all_token_ids))
@@ -335,11 +342,6 @@ class LLMEngine:
             # Recorded at launch, in order with the next schedule's events (on CUDA the
             # chunk may still be running: its time is when it was launched).
             _record_chunks(traced, batch)
-        kv_receives = [
-            KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)),
-                      request.num_reused_blocks)
-            for request in sched_out.kv_receives
-        ]
         return _UnresolvedStep(sched_out, launched, positions, batch, kv_receives)
 
     def _complete(self, step: _UnresolvedStep, started: float) -> StepOutput:

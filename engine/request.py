@@ -78,6 +78,12 @@ class RequestTimings:
     # failed handoff: from the admission that started the local prefill).
     prefill_time: float | None
     num_preemptions: int
+    # When it was first admitted, had its first token, had its received KV back in the
+    # batch, and ended its first decode step (time.monotonic(); None: not here).
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    kv_ready_at: float | None = None
+    first_decode_at: float | None = None
 
 
 # The running order (`Request.sort_key`), as a key for sorted lists of requests.
@@ -293,6 +299,10 @@ class Request:
                 else None
             ),
             num_preemptions=self.num_preemptions,
+            admitted_at=self.first_scheduled_time,
+            first_token_at=self.first_token_time,
+            kv_ready_at=self.kv_ready_time,
+            first_decode_at=self.first_decode_time,
         )
 
     def __repr__(self) -> str:

@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 
+from baton.runtime.latency import RecentLatency
 from baton.wire import stats_convert
 from baton.wire.internal.v1 import admin_pb2, admin_pb2_grpc
 from baton.wire.records import DeploymentStatus, WorkerStatus
@@ -17,16 +18,20 @@ STATS_TIMEOUT_S = 5.0
 
 
 class GatewayAdminService(admin_pb2_grpc.GatewayAdminServicer):
-    def __init__(self, pool: WorkerPool, admission: GatewayAdmission | None = None) -> None:
+    def __init__(self, pool: WorkerPool, admission: GatewayAdmission | None = None,
+                 latency: RecentLatency | None = None) -> None:
         self.pool = pool
         self.admission = admission
+        self.latency = latency
         self.model = ""  # set once the workers are known
 
     async def GetDeploymentStatus(self, request, context) -> admin_pb2.DeploymentStatus:
-        """Every configured worker's stats, asked for now, all at once, and admission's."""
+        """Every configured worker's stats, asked for now, all at once; admission's; the
+        latest requests' latency."""
         statuses = await asyncio.gather(*(self._status(worker) for worker in self.pool.workers))
         admission = self.admission.status() if self.admission is not None else None
-        return stats_convert.deployment_status_to_pb(DeploymentStatus(self.model, tuple(statuses), admission))
+        latency = self.latency.status(request.latest_requests or None) if self.latency is not None else None
+        return stats_convert.deployment_status_to_pb(DeploymentStatus(self.model, tuple(statuses), admission, latency))
 
     @staticmethod
     async def _status(worker: Worker) -> WorkerStatus:

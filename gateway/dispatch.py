@@ -28,12 +28,13 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 import grpc
 
-from baton.runtime import tracing
+from baton.runtime import latency, tracing
 from baton.runtime.tasks import BackgroundTasks
 from baton.wire.records import DecodeRequest, PrefillResult, ReleaseKv, TokenEvent, WorkRequest
 from gateway.affinity import PromptBlocks
@@ -153,43 +154,61 @@ class Dispatcher:
         trace_metadata = tracing.metadata(span)
         if tracing.recording(span):
             tracing.set_route(span, decode.address, prefill.address if prefill is not None else None)
-        request = DecodeRequest(work)
+        first, request = None, DecodeRequest(work)
         if prefill is not None:
-            try:
-                result = await self._prefill(prefill, decode, work, time_remaining, trace_metadata)
-            except asyncio.CancelledError:
-                # The worker may have held the KV just as the call was cancelled, and its
-                # answer is lost: drop the lease now, not at expiry.
-                self._release_later(prefill, work, trace_metadata)
-                raise
-            if isinstance(result, PrefillSkipped):
-                if tracing.recording(span):
-                    tracing.set_route(span, decode.address, None)
-                if result is PrefillSkipped.LOST:
-                    request = DecodeRequest(replace(work, attempt=work.attempt + 1))
-            else:
-                first = TokenEvent(
-                    [result.first_token_id],
-                    [result.first_logprob] if result.first_logprob is not None else [],
-                    result.finish_reason,
-                    stop_token_id=result.first_token_id if result.finish_reason == "stop" else None,
-                    num_cached_tokens=result.num_cached_tokens,
-                    prompt_logprobs=result.prompt_logprobs,
-                )
-                try:
-                    yield first  # TTFT does not wait for the handoff
-                except BaseException:  # closed at the first token (client gone, stop string)
-                    if result.kv_handle is not None:
-                        self._release_later(prefill, work, trace_metadata)
-                    raise
-                if result.finish_reason is not None:
-                    return
-                request = DecodeRequest(work, result.first_token_id, result.kv_handle)
+            first, request = await self._prefill_first(decode, prefill, work, span, time_remaining, trace_metadata)
+        if first is not None and first.finish_reason is not None:
+            yield first  # the first token ended it: nothing is held
+            return
         holder = prefill if request.kv_handle is not None else None
         async with contextlib.aclosing(self._decode(decode, request, holder, time_remaining,
                                                     trace_metadata)) as events:
+            if first is not None:
+                # The Decode call starts now, as the first token goes out: the first token
+                # does not wait for the handoff, nor the handoff for the client.
+                decoded = asyncio.ensure_future(anext(events))
+                try:
+                    yield first
+                except BaseException:  # closed at the first token (client gone, stop string)
+                    decoded.cancel()  # the Decode call ends, if it began
+                    with contextlib.suppress(BaseException):
+                        await decoded
+                    self._release_later(prefill, work, trace_metadata)  # idempotent: _decode's may come too
+                    raise
+                try:
+                    yield await decoded
+                except StopAsyncIteration:
+                    return
             async for event in events:
                 yield event
+
+    async def _prefill_first(self, decode: Worker, prefill: Worker, work: WorkRequest, span,
+                             time_remaining: Callable[[], float | None],
+                             trace_metadata) -> tuple[TokenEvent | None, DecodeRequest]:
+        """Prefill on `prefill`: its first token, and the Decode call that goes on from it;
+        no token, and a Decode call that prefills too, if the prefill worker was lost or refused."""
+        try:
+            result = await self._prefill(prefill, decode, work, time_remaining, trace_metadata)
+        except asyncio.CancelledError:
+            # The worker may have held the KV just as the call was cancelled, and its
+            # answer is lost: drop the lease now, not at expiry.
+            self._release_later(prefill, work, trace_metadata)
+            raise
+        if isinstance(result, PrefillSkipped):
+            if tracing.recording(span):
+                tracing.set_route(span, decode.address, None)
+            attempt = work.attempt + 1 if result is PrefillSkipped.LOST else work.attempt
+            return None, DecodeRequest(replace(work, attempt=attempt))
+        first = TokenEvent(
+            [result.first_token_id],
+            [result.first_logprob] if result.first_logprob is not None else [],
+            result.finish_reason,
+            stop_token_id=result.first_token_id if result.finish_reason == "stop" else None,
+            num_cached_tokens=result.num_cached_tokens,
+            prompt_logprobs=result.prompt_logprobs,
+            moments=result.moments,
+        )
+        return first, DecodeRequest(work, result.first_token_id, result.kv_handle)
 
     async def _prefill(self, worker: Worker, decode: Worker, work: WorkRequest,
                        time_remaining: Callable[[], float | None],
@@ -197,6 +216,7 @@ class Dispatcher:
         """Prefill on `worker`; PrefillSkipped if it is unreachable or lost meanwhile, or
         refuses the request (the caller then runs colocated)."""
         done_calling = worker.in_flight.take()
+        sent = time.time_ns()
         call = asyncio.ensure_future(worker.client.prefill(work, timeout=time_remaining(), metadata=trace_metadata))
         try:
             if not await self._until_done_or_lost(worker, call):
@@ -204,7 +224,8 @@ class Dispatcher:
                 logger.warning("prefill worker %s lost; running %s colocated", worker.address, work.request_id)
                 self.pool.prefill_moved(worker, decode, len(work.prompt_token_ids))
                 return PrefillSkipped.LOST
-            return call.result()
+            result = call.result()
+            return replace(result, moments={**result.moments, latency.PREFILL_SENT: sent})
         except grpc.aio.AioRpcError as error:
             if error.code() in (*_WORKER_LOST_CODES, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 # Lost, or its queue is full (then the decode worker refuses it in turn if
@@ -247,6 +268,8 @@ class Dispatcher:
                       time_remaining: Callable[[], float | None], trace_metadata) -> AsyncIterator[TokenEvent]:
         """Stream the decode worker's events; `holder` is the prefill worker holding the
         request's KV, if it was handed off. WorkerLost if the decode worker is lost."""
+        # Colocated, the call carries the prompt to the worker that prefills it.
+        sent = {latency.PREFILL_SENT: time.time_ns()} if request.kv_handle is None else {}
         events = aiter(worker.client.decode(request, timeout=time_remaining(), metadata=trace_metadata))
         done_calling = worker.in_flight.take()
         got_event = False
@@ -265,6 +288,8 @@ class Dispatcher:
                         next_event.cancel()  # the call ends: aborted on the worker, if it ever hears
                         with contextlib.suppress(BaseException):
                             await next_event  # done with `events` before it is closed below
+                if not got_event and sent:
+                    event = replace(event, moments={**event.moments, **sent})
                 got_event = True
                 yield event
         except grpc.aio.AioRpcError as error:

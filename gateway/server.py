@@ -39,7 +39,7 @@ async def run_gateway(settings: GatewaySettings) -> None:
                       settings.discovery_interval_s)
     admission = GatewayAdmission(pool, GatewayLimits.from_settings(settings))
     service = GenerationService(pool, max_migrations=settings.max_migrations, admission=admission)
-    admin = GatewayAdminService(pool, admission)
+    admin = GatewayAdminService(pool, admission, service.latency)
     server, admin_server = _servers(settings)
     server.add_service(service, GENERATION)
     admin_server.add_service(admin, ADMIN)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from baton.runtime import tracing
+from baton.runtime import latency, tracing
 from baton.runtime.metrics import GatewayMetrics
 from baton.wire import convert, status
 from baton.wire.records import GenerateRequest, ModelInfo, TextDelta
@@ -50,6 +50,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.dispatcher = Dispatcher(pool, max_migrations, self._count_migration)
         self.metrics = metrics  # None: not recorded
         self.admission = admission or GatewayAdmission(pool)
+        self.latency = latency.RecentLatency()  # the latest requests' phases, for `baton status`
         # Set by `load` (the gateway listens before its workers are up).
         self.preparer: RequestPreparer | None = None
         self._in_flight: set[str] = set()
@@ -263,16 +264,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._record(choice, outcome)
 
     def _record(self, choice: _ChoiceText, outcome: str) -> None:
-        """A choice's end in the metrics and on the request's span."""
+        """A choice's end in the metrics and on the request's span: its latency, phase by phase."""
         prepared = choice.prepared
+        phases = choice.phases()
+        times = choice.token_times
+        if len(times) > 1:
+            self.latency.add(times[0] - prepared.arrival, times[1] - prepared.arrival, phases)
         if self.metrics is not None:
             self.metrics.record_request(
                 arrival=prepared.arrival, token_times=choice.token_times, finished_at=time.monotonic(),
-                num_prompt_tokens=len(prepared.prompt_token_ids), finish_reason=outcome,
+                num_prompt_tokens=len(prepared.prompt_token_ids), finish_reason=outcome, phases=phases,
             )
         if tracing.recording(prepared.span):
             tracing.set_response(prepared.span, self.info.model, outcome, choice.num_output,
                                  choice.token_times[0] - prepared.arrival if choice.token_times else None)
+            tracing.set_phases(prepared.span, phases, choice.token_times[1] - prepared.arrival
+                               if len(choice.token_times) > 1 else None)
 
 
 class _ChoiceText:
@@ -289,6 +296,15 @@ class _ChoiceText:
         self.num_output = 0
         self.num_cached = 0  # as the worker that prefilled the prompt (last) reported it
         self.token_times: list[float] = []
+        self.moments: dict[str, int] = {}  # the workers' and the dispatch's (baton/runtime/latency.py)
+
+    def phases(self) -> dict[str, float]:
+        """Where its time went, by phase (baton/runtime/latency.py), as far as it got."""
+        times = self.token_times
+        moments = latency.stamp(dict(self.moments), **{latency.ARRIVAL: self.prepared.arrival})
+        latency.stamp(moments, **{latency.FIRST_TOKEN_OUT: times[0] if times else None,
+                                  latency.SECOND_TOKEN_OUT: times[1] if len(times) > 1 else None})
+        return latency.phases(moments)
 
     def delta(self, event) -> TextDelta:
         """The event's text delta, with a finish_reason where the event or a stop string ends the choice."""
@@ -297,6 +313,7 @@ class _ChoiceText:
         if event.num_cached_tokens is not None:
             self.num_cached = event.num_cached_tokens
         self.token_times.extend([time.monotonic()] * len(event.token_ids))
+        self.moments.update(event.moments)
         text, finish_reason, stop_string = "", event.finish_reason, None
         if self.detokenizer is not None:
             text = self.detokenizer.append(event.token_ids)

@@ -8,7 +8,7 @@ import logging
 
 import grpc
 
-from baton.runtime import tracing
+from baton.runtime import latency, tracing
 from baton.runtime.settings import PrefillWorkerSettings
 from baton.runtime.worker import WorkerBase, abort_invalid, abort_refused, call_deadline, serve_worker
 from baton.wire import convert, kv_convert
@@ -126,10 +126,11 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         first_logprob = output.new_logprobs[0] if output.new_logprobs else None
         if tracing.recording(span):
             tracing.set_prefill_result(span, output)
+        moments = latency.engine_moments(output.timings)
         if output.finished:  # the first token ended it: nothing is held
             return PrefillResult(output.new_token_ids[0], first_logprob, output.finish_reason,
                                  num_cached_tokens=output.num_cached_tokens or 0,
-                                 prompt_logprobs=output.prompt_logprobs)
+                                 prompt_logprobs=output.prompt_logprobs, moments=moments)
         # NOTE: the decode call shares the request's deadline: KV nobody pulled by then never will be.
         lease_s = self.sender.hold(work.request_id, output.kv_block_ids, output.num_prompt_tokens, deadline)
         handle = KvHandle(
@@ -144,7 +145,8 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             prefill_endpoint=self.kv_endpoint,
         )
         return PrefillResult(output.new_token_ids[0], first_logprob, kv_handle=handle,
-                             num_cached_tokens=output.num_cached_tokens or 0, prompt_logprobs=output.prompt_logprobs)
+                             num_cached_tokens=output.num_cached_tokens or 0, prompt_logprobs=output.prompt_logprobs,
+                             moments=moments)
 
     async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context) -> worker_pb2.ReleaseKvResponse:
         await self._require_engine(context)

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.cli.local import start_deployment
 from baton.devtools.otlp_sink import OtlpSink, SinkSpan
+from baton.runtime import latency
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
@@ -264,6 +265,18 @@ def test_kv_transfer_spans_on_both_sides_and_the_decode_timeline(traced):
             attributes["baton.kv.bytes"] / attributes["baton.kv.duration_s"] / 1e9)
     assert receive["baton.kv.direction"] == "receive" and send["baton.kv.direction"] == "send"
     assert receive["baton.kv.transport"] == send["baton.kv.transport"] == "ipc"  # one host
+    # The pull's waits and copy, within its duration.
+    parts = [receive[f"baton.kv.{name}_s"] for name in ("kv_channel", "kv_copy", "kv_checksum")]
+    assert all(part >= 0 for part in parts) and sum(parts) <= receive["baton.kv.duration_s"]
+    # The gateway's span: the request's time, phase by phase (baton/runtime/latency.py).
+    generate = one(spans, "generate").attributes
+    phases = {name: generate[f"baton.latency.{name}_s"] for name in latency.PHASE_NAMES}
+    assert all(seconds >= 0 for seconds in phases.values()), phases
+    assert sum(phases[name] for name in ("gateway_queue", "prefill_queue", "prefill_compute", "first_token_out")) \
+        == pytest.approx(generate["baton.time_to_first_token_s"], rel=0.05)
+    assert sum(phases[name] for name in ("gateway_queue", "prefill_queue", "prefill_compute",
+                                         *latency.HANDOFF_PHASES)) \
+        == pytest.approx(generate["baton.time_to_second_token_s"], rel=0.05)
 
     decode = one(spans, "decode")
     names = [event.name for event in decode.events]

@@ -18,6 +18,10 @@ What is diagnosed, per worker (thresholds below):
 - queue time (arrival to admission) above the given SLO: the mean of recently
   admitted requests, or the age of the oldest request still waiting;
 - failing KV transfers and expiring KV leases.
+
+And for the deployment: the gateway's admission, and its latest requests' times to
+first and second token by phase (baton/runtime/latency.py), naming the phase with the
+largest share of the time from the first token to the second, and what shortens it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from baton.cli.client import GatewayConnection
 from baton.runtime.clients import GatewayAdminClient
 from baton.runtime.settings import add_flags, from_args
 from baton.wire import stats_convert
-from baton.wire.records import AdmissionStatus, DeploymentStatus, WorkerStats, WorkerStatus
+from baton.wire.records import AdmissionStatus, DeploymentStatus, LatencyStatus, WorkerStats, WorkerStatus
 
 # Memory pressure: the mean share of KV blocks in use.
 KV_PRESSURE_USAGE = 0.9
@@ -45,6 +49,23 @@ HIGH_PREEMPTION_RATE = 0.1
 MIN_MEAN_WAITING = 0.5
 # "Not admitted" is about other limits than KV: blocks were short in at most this share of steps.
 RARELY = 0.1
+
+
+# What shortens each phase between the first token and the second, when it is the largest.
+PHASE_ADVICE = {
+    "handover": "the prefill worker's answer, the Decode call and the decode worker's admission: a decode "
+                "worker whose steps are long admits late (more decode workers, or a lower --max-num-batched-tokens "
+                "on them)",
+    "kv_channel": "pulls waited for a channel to their prefill worker: more prefill workers, so that fewer "
+                  "pulls share each",
+    "kv_copy": "the copy itself: a faster transport (ipc on one host, nccl between GPUs), or prompts whose "
+               "prefix the decode worker holds already (prefix caching)",
+    "kv_checksum": "--verify-kv checksums every block on both sides: leave it off where the transport is trusted",
+    "kv_ready_wait": "the received KV waited for the decode engine's step in progress: shorter steps (a lower "
+                     "--max-num-batched-tokens on the decode workers, prompts prefilled on prefill workers)",
+    "first_decode_step": "the decode worker's steps are long: more decode workers, or a lower --max-num-seqs",
+    "second_token_out": "the second token's way back to the gateway: a busy gateway (more of them) or the network",
+}
 
 
 @dataclass(frozen=True)
@@ -234,6 +255,9 @@ def render(status: DeploymentStatus, findings: list[Finding]) -> str:
     if status.admission is not None:
         lines += _render_admission(status.admission)
         lines.append("")
+    if status.latency is not None and status.latency.num_requests:
+        lines += _render_latency(status.latency)
+        lines.append("")
     for worker in status.workers:
         lines += _render_worker(worker)
         lines.append("")
@@ -303,9 +327,27 @@ def _prefix_cache_line(stats: WorkerStats) -> str:
     return line
 
 
+def _render_latency(latency: LatencyStatus) -> list[str]:
+    ms = 1e3
+    phases = ", ".join(f"{p.phase} {p.p50_s * ms:.0f}" for p in latency.phases)
+    lines = [f"latency     over the gateway's last {latency.num_requests} requests: first token p50 "
+             f"{latency.ttft_p50_s * ms:.0f} ms (p90 {latency.ttft_p90_s * ms:.0f}), second token p50 "
+             f"{latency.ttst_p50_s * ms:.0f} ms (p90 {latency.ttst_p90_s * ms:.0f})",
+             f"  phases    p50 ms: {phases}"]
+    if latency.largest:
+        lines.append(f"  largest   from the first token to the second: {latency.largest}; "
+                     f"{PHASE_ADVICE[latency.largest]}")
+    return lines
+
+
 def to_json(status: DeploymentStatus, findings: list[Finding]) -> str:
+    latency = status.latency
+    largest = None
+    if latency is not None and latency.largest:
+        largest = {"phase": latency.largest, "advice": PHASE_ADVICE[latency.largest]}
     return json.dumps({"status": stats_convert.deployment_status_to_json(status),
-                       "findings": [asdict(finding) for finding in findings]}, indent=2)
+                       "findings": [asdict(finding) for finding in findings],
+                       "largest_second_token_phase": largest}, indent=2)
 
 
 def add_status_flags(parser: argparse.ArgumentParser) -> None:

@@ -150,7 +150,8 @@ class GatewayAdminClient:
         self._stub = admin_pb2_grpc.GatewayAdminStub(channel)
         self._metadata = bearer_metadata(api_key)
 
-    def get_deployment_status(self, timeout: float) -> DeploymentStatus:
-        response = self._stub.GetDeploymentStatus(convert.GET_DEPLOYMENT_STATUS, timeout=timeout,
-                                                  metadata=self._metadata)
+    def get_deployment_status(self, timeout: float, latest_requests: int = 0) -> DeploymentStatus:
+        """The deployment now; its latency over the gateway's latest `latest_requests` (0: all it keeps)."""
+        response = self._stub.GetDeploymentStatus(stats_convert.deployment_status_request(latest_requests),
+                                                  timeout=timeout, metadata=self._metadata)
         return stats_convert.deployment_status_from_pb(response)

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from baton.runtime import latency
 from baton.runtime.server import listen_host
 from baton.wire.records import KvTransportStats
 from engine import statistics
@@ -89,6 +90,13 @@ class GatewayMetrics:
                                        "Admission's forecast of a request's first token, from arrival "
                                        "(baton_time_to_first_token_seconds is what happened)",
                                        labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
+        self.ttst = Histogram("baton_time_to_second_token_seconds", "Request arrival to its second token (the "
+                              "handoff's, when its prompt was prefilled on a prefill worker)",
+                              labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
+        phase = Histogram("baton_request_phase_seconds", "A request's time to its first and second tokens, by "
+                          "phase (baton/runtime/latency.py)", ["model", "phase"], registry=r,
+                          buckets=_LATENCY_BUCKETS)
+        self._phases = {name: phase.labels(model, name) for name in latency.PHASE_NAMES}
 
     def received(self, front: str) -> None:
         self._received[front].inc()
@@ -97,8 +105,10 @@ class GatewayMetrics:
         self._refused[reason if reason in self._refused else "worker"].inc()
 
     def record_request(self, *, arrival: float, token_times: list[float], finished_at: float,
-                       num_prompt_tokens: int, finish_reason: str) -> None:
-        """One finished request (times from time.monotonic())."""
+                       num_prompt_tokens: int, finish_reason: str, phases: dict[str, float] | None = None) -> None:
+        """One finished request (times from time.monotonic()), and its phases."""
+        for name, seconds in (phases or {}).items():
+            self._phases[name].observe(seconds)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(len(token_times))
         self.finished[finish_reason if finish_reason in self.finished else "error"].inc()
@@ -109,6 +119,7 @@ class GatewayMetrics:
         for previous, current in zip(token_times, token_times[1:]):
             self.itl.observe(current - previous)
         if len(token_times) > 1:
+            self.ttst.observe(token_times[1] - arrival)
             self.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
 
 

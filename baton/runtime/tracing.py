@@ -280,6 +280,13 @@ def set_response(span: Span, model: str, finish_reason: str, num_output_tokens: 
         span.set_attribute("baton.time_to_first_token_s", time_to_first_token)
 
 
+def set_phases(span: Span, phases: dict[str, float], time_to_second_token: float | None) -> None:
+    """Where the request's time went, by phase (baton/runtime/latency.py), onto its `generate` span."""
+    span.set_attributes({f"baton.latency.{name}_s": seconds for name, seconds in phases.items()})
+    if time_to_second_token is not None:
+        span.set_attribute("baton.time_to_second_token_s", time_to_second_token)
+
+
 def set_prefill_result(span: Span, output) -> None:
     """A prefill worker's span, once its first token is out (output: engine RequestOutput)."""
     span.set_attributes({

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from baton.wire.internal.v1 import admin_pb2, worker_pb2
+from baton.wire.internal.v1 import worker_pb2
 from baton.wire.kv_convert import check_kv_token, kv_handle_from_pb, kv_handle_to_pb
 from baton.wire.records import (
     ChatMessage,
@@ -38,7 +38,6 @@ _FINISH_NAMES = {value: name for name, value in _FINISH_REASONS.items()}
 # Empty requests, shared (a message is only read by grpc).
 GET_STATS = worker_pb2.GetStatsRequest()
 GET_MODEL_INFO = pb.GetModelInfoRequest()
-GET_DEPLOYMENT_STATUS = admin_pb2.GetDeploymentStatusRequest()
 
 
 
@@ -355,6 +354,7 @@ def prefill_result_to_pb(result: PrefillResult) -> worker_pb2.PrefillResponse:
     message = worker_pb2.PrefillResponse(
         first_token_id=result.first_token_id, finish_reason=finish_reason_to_pb(result.finish_reason),
         num_cached_tokens=result.num_cached_tokens, prompt_logprobs=logprobs_to_pb(result.prompt_logprobs),
+        moments_ns=result.moments,
     )
     if result.first_logprob is not None:
         message.first_logprob.CopyFrom(logprobs_to_pb([result.first_logprob])[0])
@@ -371,6 +371,7 @@ def prefill_result_from_pb(message: worker_pb2.PrefillResponse) -> PrefillResult
         kv_handle=kv_handle_from_pb(message.kv_handle) if message.HasField("kv_handle") else None,
         num_cached_tokens=message.num_cached_tokens,
         prompt_logprobs=logprobs_from_pb(message.prompt_logprobs) or None,
+        moments=dict(message.moments_ns),
     )
 
 
@@ -416,6 +417,7 @@ def token_event_to_pb(event: TokenEvent) -> worker_pb2.DecodeEvent:
         logprobs=logprobs_to_pb(event.logprobs),
         finish_reason=finish_reason_to_pb(event.finish_reason),
         prompt_logprobs=logprobs_to_pb(event.prompt_logprobs),
+        moments_ns=event.moments,
     )
     if event.stop_token_id is not None:
         message.stop_token_id = event.stop_token_id
@@ -432,4 +434,5 @@ def token_event_from_pb(message: worker_pb2.DecodeEvent) -> TokenEvent:
         stop_token_id=message.stop_token_id if message.HasField("stop_token_id") else None,
         num_cached_tokens=message.num_cached_tokens if message.HasField("num_cached_tokens") else None,
         prompt_logprobs=logprobs_from_pb(message.prompt_logprobs) or None,
+        moments=dict(message.moments_ns),
     )

@@ -162,6 +162,7 @@ class PrefillResult:
     kv_handle: KvHandle | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache held
     prompt_logprobs: list[TokenLogprobs] | None = None  # when asked: entry i is prompt token i + 1's
+    moments: dict[str, int] = field(default_factory=dict)  # on the worker (baton/runtime/latency.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +187,7 @@ class TokenEvent:
     # cache held there (None: not reported by this event).
     num_cached_tokens: int | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first event, when asked
+    moments: dict[str, int] = field(default_factory=dict)  # on the last event (baton/runtime/latency.py)
 
 
 # ------------------------------------------------------- the KV handoff's control
@@ -330,7 +332,34 @@ class AdmissionStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class PhaseLatency:
+    """One phase over recent requests (seconds)."""
+
+    phase: str
+    p50_s: float
+    p90_s: float
+    mean_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyStatus:
+    """The gateway's latest requests' times to first and second token, and their phases
+    (baton/runtime/latency.py), each over the requests that had it. `largest`: the phase
+    with the largest share of the time from the first token to the second ("" until a
+    request was handed off)."""
+
+    num_requests: int
+    phases: tuple[PhaseLatency, ...]
+    ttft_p50_s: float = 0.0
+    ttft_p90_s: float = 0.0
+    ttst_p50_s: float = 0.0
+    ttst_p90_s: float = 0.0
+    largest: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class DeploymentStatus:
     model: str
     workers: tuple[WorkerStatus, ...]
     admission: AdmissionStatus | None = None
+    latency: LatencyStatus | None = None

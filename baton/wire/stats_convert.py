@@ -9,7 +9,8 @@ from google.protobuf import json_format
 
 from baton.wire.internal.v1 import admin_pb2, worker_pb2
 from baton.wire.kv_convert import kv_endpoint_from_pb, kv_endpoint_to_pb
-from baton.wire.records import AdmissionStatus, DeploymentStatus, KvTransportStats, WorkerStats, WorkerStatus
+from baton.wire.records import (AdmissionStatus, DeploymentStatus, KvTransportStats, LatencyStatus, PhaseLatency,
+                                WorkerStats, WorkerStatus)
 from engine.statistics import RecentStats
 
 def recent_stats_to_pb(recent: RecentStats) -> worker_pb2.RecentStats:
@@ -53,6 +54,10 @@ def worker_stats_from_pb(message: worker_pb2.WorkerStats) -> WorkerStats:
     return WorkerStats(**values, kv_transports=transports, recent=recent, kv_endpoint=endpoint)
 
 
+def deployment_status_request(latest_requests: int = 0) -> admin_pb2.GetDeploymentStatusRequest:
+    return admin_pb2.GetDeploymentStatusRequest(latest_requests=latest_requests)
+
+
 def deployment_status_to_pb(status: DeploymentStatus) -> admin_pb2.DeploymentStatus:
     workers = []
     for worker in status.workers:
@@ -62,6 +67,12 @@ def deployment_status_to_pb(status: DeploymentStatus) -> admin_pb2.DeploymentSta
             message.stats.CopyFrom(worker_stats_to_pb(worker.stats))
         workers.append(message)
     message = admin_pb2.DeploymentStatus(model=status.model, workers=workers)
+    if status.latency is not None:
+        latency = status.latency
+        message.latency.CopyFrom(admin_pb2.LatencyStatus(
+            **{f.name: getattr(latency, f.name) for f in fields(LatencyStatus) if f.name != "phases"},
+            phases=[admin_pb2.PhaseLatency(**{f.name: getattr(p, f.name) for f in fields(PhaseLatency)})
+                    for p in latency.phases]))
     if status.admission is not None:
         message.admission.CopyFrom(admin_pb2.AdmissionStatus(
             **{f.name: getattr(status.admission, f.name) for f in fields(AdmissionStatus)}))
@@ -82,4 +93,10 @@ def deployment_status_from_pb(message: admin_pb2.DeploymentStatus) -> Deployment
         WorkerStatus(w.address, w.role, w.reachable, w.in_rotation, w.error,
                      worker_stats_from_pb(w.stats) if w.HasField("stats") else None)
         for w in message.workers
-    ), admission)
+    ), admission, _latency_from_pb(message.latency) if message.HasField("latency") else None)
+
+
+def _latency_from_pb(message: admin_pb2.LatencyStatus) -> LatencyStatus:
+    values = {f.name: getattr(message, f.name) for f in fields(LatencyStatus) if f.name != "phases"}
+    phases = tuple(PhaseLatency(**{f.name: getattr(p, f.name) for f in fields(PhaseLatency)}) for p in message.phases)
+    return LatencyStatus(**values, phases=phases)

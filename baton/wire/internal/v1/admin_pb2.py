@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.wire.internal.v1 import worker_pb2 as baton_dot_internal_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x62\x61ton/internal/v1/admin.proto\x12\x11\x62\x61ton.internal.v1\x1a\x1e\x62\x61ton/internal/v1/worker.proto\"\x1c\n\x1aGetDeploymentStatusRequest\"\x93\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x11\n\treachable\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12-\n\x05stats\x18\x05 \x01(\x0b\x32\x1e.baton.internal.v1.WorkerStats\x12\x13\n\x0bin_rotation\x18\x06 \x01(\x08\"\x8a\x01\n\x10\x44\x65ploymentStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x30\n\x07workers\x18\x02 \x03(\x0b\x32\x1f.baton.internal.v1.WorkerStatus\x12\x35\n\tadmission\x18\x03 \x01(\x0b\x32\".baton.internal.v1.AdmissionStatus\"\xd4\x03\n\x0f\x41\x64missionStatus\x12\x1f\n\x17max_concurrent_requests\x18\x01 \x01(\r\x12\x18\n\x10max_queue_wait_s\x18\x02 \x01(\x01\x12\x15\n\rnum_in_flight\x18\x03 \x01(\r\x12\x14\n\x0cnum_admitted\x18\x04 \x01(\x04\x12\x1f\n\x17num_refused_concurrency\x18\x05 \x01(\x04\x12\x1e\n\x16num_refused_queue_wait\x18\x06 \x01(\x04\x12\x1c\n\x14num_refused_deadline\x18\x07 \x01(\x04\x12\x1b\n\x13num_deadline_misses\x18\x08 \x01(\x04\x12\x19\n\x11num_met_deadlines\x18\t \x01(\x04\x12\x16\n\x0e\x66orecast_known\x18\n \x01(\x08\x12\x1d\n\x15\x66orecast_queue_wait_s\x18\x0b \x01(\x01\x12\x1c\n\x14mean_forecast_ttft_s\x18\x0c \x01(\x01\x12\x1c\n\x14mean_observed_ttft_s\x18\r \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_scale\x18\x0e \x01(\x01\x12\x1a\n\x12\x64\x65\x63ode_step_base_s\x18\x0f \x01(\x01\x12\x1d\n\x15\x64\x65\x63ode_step_per_seq_s\x18\x10 \x01(\x01\x32y\n\x0cGatewayAdmin\x12i\n\x13GetDeploymentStatus\x12-.baton.internal.v1.GetDeploymentStatusRequest\x1a#.baton.internal.v1.DeploymentStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x62\x61ton/internal/v1/admin.proto\x12\x11\x62\x61ton.internal.v1\x1a\x1e\x62\x61ton/internal/v1/worker.proto\"5\n\x1aGetDeploymentStatusRequest\x12\x17\n\x0flatest_requests\x18\x01 \x01(\r\"\x93\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x11\n\treachable\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12-\n\x05stats\x18\x05 \x01(\x0b\x32\x1e.baton.internal.v1.WorkerStats\x12\x13\n\x0bin_rotation\x18\x06 \x01(\x08\"\xbd\x01\n\x10\x44\x65ploymentStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x30\n\x07workers\x18\x02 \x03(\x0b\x32\x1f.baton.internal.v1.WorkerStatus\x12\x35\n\tadmission\x18\x03 \x01(\x0b\x32\".baton.internal.v1.AdmissionStatus\x12\x31\n\x07latency\x18\x04 \x01(\x0b\x32 .baton.internal.v1.LatencyStatus\"\xb7\x01\n\rLatencyStatus\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12/\n\x06phases\x18\x02 \x03(\x0b\x32\x1f.baton.internal.v1.PhaseLatency\x12\x12\n\nttft_p50_s\x18\x03 \x01(\x01\x12\x12\n\nttft_p90_s\x18\x04 \x01(\x01\x12\x12\n\nttst_p50_s\x18\x05 \x01(\x01\x12\x12\n\nttst_p90_s\x18\x06 \x01(\x01\x12\x0f\n\x07largest\x18\x07 \x01(\t\"K\n\x0cPhaseLatency\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05p50_s\x18\x02 \x01(\x01\x12\r\n\x05p90_s\x18\x03 \x01(\x01\x12\x0e\n\x06mean_s\x18\x04 \x01(\x01\"\xd4\x03\n\x0f\x41\x64missionStatus\x12\x1f\n\x17max_concurrent_requests\x18\x01 \x01(\r\x12\x18\n\x10max_queue_wait_s\x18\x02 \x01(\x01\x12\x15\n\rnum_in_flight\x18\x03 \x01(\r\x12\x14\n\x0cnum_admitted\x18\x04 \x01(\x04\x12\x1f\n\x17num_refused_concurrency\x18\x05 \x01(\x04\x12\x1e\n\x16num_refused_queue_wait\x18\x06 \x01(\x04\x12\x1c\n\x14num_refused_deadline\x18\x07 \x01(\x04\x12\x1b\n\x13num_deadline_misses\x18\x08 \x01(\x04\x12\x19\n\x11num_met_deadlines\x18\t \x01(\x04\x12\x16\n\x0e\x66orecast_known\x18\n \x01(\x08\x12\x1d\n\x15\x66orecast_queue_wait_s\x18\x0b \x01(\x01\x12\x1c\n\x14mean_forecast_ttft_s\x18\x0c \x01(\x01\x12\x1c\n\x14mean_observed_ttft_s\x18\r \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_scale\x18\x0e \x01(\x01\x12\x1a\n\x12\x64\x65\x63ode_step_base_s\x18\x0f \x01(\x01\x12\x1d\n\x15\x64\x65\x63ode_step_per_seq_s\x18\x10 \x01(\x01\x32y\n\x0cGatewayAdmin\x12i\n\x13GetDeploymentStatus\x12-.baton.internal.v1.GetDeploymentStatusRequest\x1a#.baton.internal.v1.DeploymentStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.internal.v1.admin_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETDEPLOYMENTSTATUSREQUEST']._serialized_start=84
-  _globals['_GETDEPLOYMENTSTATUSREQUEST']._serialized_end=112
-  _globals['_WORKERSTATUS']._serialized_start=115
-  _globals['_WORKERSTATUS']._serialized_end=262
-  _globals['_DEPLOYMENTSTATUS']._serialized_start=265
-  _globals['_DEPLOYMENTSTATUS']._serialized_end=403
-  _globals['_ADMISSIONSTATUS']._serialized_start=406
-  _globals['_ADMISSIONSTATUS']._serialized_end=874
-  _globals['_GATEWAYADMIN']._serialized_start=876
-  _globals['_GATEWAYADMIN']._serialized_end=997
+  _globals['_GETDEPLOYMENTSTATUSREQUEST']._serialized_end=137
+  _globals['_WORKERSTATUS']._serialized_start=140
+  _globals['_WORKERSTATUS']._serialized_end=287
+  _globals['_DEPLOYMENTSTATUS']._serialized_start=290
+  _globals['_DEPLOYMENTSTATUS']._serialized_end=479
+  _globals['_LATENCYSTATUS']._serialized_start=482
+  _globals['_LATENCYSTATUS']._serialized_end=665
+  _globals['_PHASELATENCY']._serialized_start=667
+  _globals['_PHASELATENCY']._serialized_end=742
+  _globals['_ADMISSIONSTATUS']._serialized_start=745
+  _globals['_ADMISSIONSTATUS']._serialized_end=1213
+  _globals['_GATEWAYADMIN']._serialized_start=1215
+  _globals['_GATEWAYADMIN']._serialized_end=1336
 # @@protoc_insertion_point(module_scope)
