@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import replace
 
 import grpc
@@ -99,6 +100,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             yield convert.token_event_to_pb(event)
 
     async def _decode(self, message: worker_pb2.DecodeRequest, context, span):
+        received_at = time.monotonic()
         deadline = call_deadline(context)
         engine = await self._require_engine(context)
         request_id = message.request.request_id
@@ -138,8 +140,10 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 if output.finish_reason == "abort":
                     await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
                 moments = {}
-                if output.finished:  # where its time went here: its pull's moments and its engine's
+                if output.finished:  # where its time went here: its call's, its pull's and its engine's moments
                     moments = {**self._pull_moments.pop(request_id, {}), **latency.engine_moments(output.timings)}
+                    if message.HasField("kv_handle"):
+                        latency.stamp(moments, **{latency.DECODE_RECEIVED: received_at})
                 yield _token_event(output, moments)
         except EngineDeadError:  # the gateway moves the request to another worker
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")

@@ -53,9 +53,12 @@ RARELY = 0.1
 
 # What shortens each phase between the first token and the second, when it is the largest.
 PHASE_ADVICE = {
-    "handover": "the prefill worker's answer, the Decode call and the decode worker's admission: a decode "
-                "worker whose steps are long admits late (more decode workers, or a lower --max-num-batched-tokens "
-                "on them)",
+    "handover": "the prefill worker's answer and the gateway's Decode call: a busy gateway (more of them) or "
+                "the network",
+    "decode_queue": "handed-off requests waited for a place in the decode worker's batch: more decode workers, "
+                    "a higher --max-num-seqs, or prompts kept off the decode workers (--max-prefill-queue-tokens)",
+    "pull_start": "the decode worker's event loop was slow to start the pull: a busy decode worker process "
+                  "(more decode workers)",
     "kv_channel": "pulls waited for a channel to their prefill worker: more prefill workers, so that fewer "
                   "pulls share each",
     "kv_copy": "the copy itself: a faster transport (ipc on one host, nccl between GPUs), or prompts whose "

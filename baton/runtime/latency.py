@@ -8,7 +8,8 @@ time between two moments. Two chains share the prefill:
 
     arrival -gateway_queue-> prefill_sent -prefill_queue-> admitted -prefill_compute-> first_token
       first_token -first_token_out-> first_token_out                                    (time to first token)
-      first_token -handover-> receive_started -kv_channel-> channel_ready -kv_copy-> copied
+      first_token -handover-> decode_received -decode_queue-> kv_admitted -pull_start-> receive_started
+        -kv_channel-> channel_ready -kv_copy-> copied
         -kv_checksum-> kv_received -kv_ready_wait-> kv_ready -first_decode_step-> second_token
         -second_token_out-> second_token_out                                           (time to second token)
 
@@ -29,8 +30,10 @@ from baton.wire.records import LatencyStatus, PhaseLatency
 ARRIVAL, PREFILL_SENT = "arrival", "prefill_sent"  # the gateway
 FIRST_TOKEN_OUT, SECOND_TOKEN_OUT = "first_token_out", "second_token_out"  # the gateway
 ADMITTED, FIRST_TOKEN = "admitted", "first_token"  # the worker that prefilled (its engine)
+DECODE_RECEIVED = "decode_received"  # the decode worker: a handed-off request's Decode call arrived
+# The decode worker's pull.
 RECEIVE_STARTED, CHANNEL_READY, COPIED, KV_RECEIVED = "receive_started", "channel_ready", "copied", "kv_received"
-KV_READY, SECOND_TOKEN = "kv_ready", "second_token"  # the decode worker's engine
+KV_ADMITTED, KV_READY, SECOND_TOKEN = "kv_admitted", "kv_ready", "second_token"  # the decode worker's engine
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,11 @@ PHASES = (
     Phase("prefill_compute", ADMITTED, FIRST_TOKEN, "The prompt's chunks, to its first token."),
     Phase("first_token_out", FIRST_TOKEN, FIRST_TOKEN_OUT, "The first token, from the worker's step to the "
           "gateway."),
-    Phase("handover", FIRST_TOKEN, RECEIVE_STARTED, "From the prefill worker's first token to the decode "
-          "worker's pull: the answer to the gateway, the Decode call, the decode worker's admission."),
+    Phase("handover", FIRST_TOKEN, DECODE_RECEIVED, "From the prefill worker's first token to the decode "
+          "worker's Decode call: the answer to the gateway, and its call."),
+    Phase("decode_queue", DECODE_RECEIVED, KV_ADMITTED, "The decode worker's queue: the wait for a place in its "
+          "batch and blocks for the prompt's KV."),
+    Phase("pull_start", KV_ADMITTED, RECEIVE_STARTED, "From the admission to the start of the KV pull."),
     Phase("kv_channel", RECEIVE_STARTED, CHANNEL_READY, "The pull's wait for a channel to the prefill worker "
           "(opening one the first time)."),
     Phase("kv_copy", CHANNEL_READY, COPIED, "The send's start and the copy of the blocks."),
@@ -84,8 +90,9 @@ def engine_moments(timings) -> dict[str, int]:
     was received was admitted to wait for it, not to prefill: no `admitted` of its own."""
     if timings is None:
         return {}
-    admitted = timings.admitted_at if timings.kv_ready_at is None else None
-    return stamp({}, **{ADMITTED: admitted, FIRST_TOKEN: timings.first_token_at,
+    received = timings.kv_ready_at is not None
+    return stamp({}, **{ADMITTED: None if received else timings.admitted_at,
+                        KV_ADMITTED: timings.admitted_at if received else None, FIRST_TOKEN: timings.first_token_at,
                         KV_READY: timings.kv_ready_at, SECOND_TOKEN: timings.first_decode_at})
 
 
