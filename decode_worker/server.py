@@ -127,7 +127,8 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             self._forget(request_id)
             raise
 
-        finished = False
+        finished = timed = False
+        handed_off = message.HasField("kv_handle")
         try:
             async for output in stream:
                 self.admission.started(request_id)  # prefilled or received: no longer queued
@@ -140,10 +141,10 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 if output.finish_reason == "abort":
                     await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
                 moments = {}
-                if output.finished:  # where its time went here: its call's, its pull's and its engine's moments
-                    moments = {**self._pull_moments.pop(request_id, {}), **latency.engine_moments(output.timings)}
-                    if message.HasField("kv_handle"):
-                        latency.stamp(moments, **{latency.DECODE_RECEIVED: received_at})
+                timings = output.decode_timings or (output.timings if output.finished else None)
+                if timings is not None and not timed:  # with its second token (or its last, if none)
+                    timed = True
+                    moments = self._moments(request_id, timings, received_at if handed_off else None)
                 yield _token_event(output, moments)
         except EngineDeadError:  # the gateway moves the request to another worker
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
@@ -191,6 +192,13 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             raise FieldError("kv_handle.prefill_address",
                              "the KV handle's prefill worker is not one of this decode worker's --allowed-prefill-workers")
         return replace(handle, prefill_address=address)
+
+    def _moments(self, request_id: str, timings, received_at: float | None) -> dict[str, int]:
+        """Where a request's time went here (baton/runtime/latency.py): a handed-off one's
+        call's arrival and pull; its engine's moments."""
+        moments = self._pull_moments.pop(request_id, {})
+        moments.update(latency.engine_moments(timings, handed_off=received_at is not None))
+        return latency.stamp(moments, **{latency.DECODE_RECEIVED: received_at})
 
     def _forget(self, request_id: str) -> None:
         self.admission.release(request_id)
@@ -253,7 +261,9 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             self._background.spawn(self._release_remote(handle))
             if parent is not None:
                 parent.add_event("kv_reused", {"baton.kv.reused_blocks": reused})
-            return ReceiveResult(ok=True)
+            now = time.monotonic()  # nothing to pull: no wait, no copy
+            return ReceiveResult(ok=True, moments=dict.fromkeys((latency.RECEIVE_STARTED, latency.CHANNEL_READY,
+                                                                 latency.COPIED, latency.KV_RECEIVED), now))
         if parent is None:
             return await self.receiver.receive(handle, block_ids, first_block=reused)
         span = tracing.start_span("kv_transfer", parent, tracing.CLIENT, {

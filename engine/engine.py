@@ -404,6 +404,7 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs.take(request),
             kv_block_ids=kv_block_ids,
             timings=None if kv_block_ids is None else request.take_timings(),
+            decode_timings=request.take_decode_timings(),
             events=None if request.events is None else request.take_events(),
         )
 

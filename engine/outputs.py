@@ -45,6 +45,8 @@ class RequestOutput:
     kv_block_ids: list[int] | None = None
     # Set on a request's last output here (finished, or held for a handoff), once.
     timings: RequestTimings | None = None
+    # Set on the output of its first decode step here (its second token), once: its timings so far.
+    decode_timings: RequestTimings | None = None
     # Traced requests: timeline events since the last output.
     events: list[TimelineEvent] | None = None
 

@@ -143,6 +143,7 @@ class Request:
         "events": "Timeline events for tracing (None: not traced, nothing recorded); outputs carry them off "
                   "as they come.",
         "timings_taken": "take_timings() handed them out (its last output here).",
+        "decode_timed": "take_decode_timings() handed them out (its second token's output).",
         "block_hashes": "Prefix caching: the hash chain of its full blocks, as far as it was needed "
                         "(engine/prefix_hash.py).",
         "num_cached_tokens": "The prompt tokens its first prefill admission here found cached (None: never "
@@ -193,6 +194,7 @@ class Request:
         self.first_decode_time: float | None = None
         self.events: list[TimelineEvent] | None = None
         self.timings_taken = False
+        self.decode_timed = False
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens: int | None = None
         self.num_reused_blocks = 0
@@ -286,6 +288,14 @@ class Request:
         if self.timings_taken:
             return None
         self.timings_taken = True
+        return self.timings()
+
+    def take_decode_timings(self) -> RequestTimings | None:
+        """Its timings once its first decode step here has run (its second token), for that
+        step's output; None before, and after the first call."""
+        if self.first_decode_time is None or self.decode_timed:
+            return None
+        self.decode_timed = True
         return self.timings()
 
     def timings(self) -> RequestTimings:

@@ -97,7 +97,8 @@ class Dispatcher:
                                                              frozenset(lost))) as events:
                     async for event in events:
                         generated.extend(event.token_ids)
-                        yield event
+                        # A request that moved keeps its first attempt's moments only (latency.py).
+                        yield replace(event, moments={}) if lost and event.moments else event
                 return
             except RequestError as error:  # a worker's refusal names fields of its request
                 raise error.for_client(prepared.prompt_field) from None

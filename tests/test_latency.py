@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -121,3 +122,20 @@ def test_phases_are_the_moments_differences_and_the_window_names_the_largest():
     assert set(rows) == {"gateway_queue", "kv_copy", "kv_ready_wait"}
     assert rows["kv_copy"].p50_s == 0.04 and rows["kv_copy"].mean_s == pytest.approx(0.035)
     assert status.largest == "kv_copy"  # of the handoff's phases: the gateway's queue comes before the first token
+
+
+def test_a_handed_off_request_reports_only_its_decode_side_moments():
+    """The decode worker's engine admitted a handed-off request to wait for its KV: its moments
+    never stand in for the prefill worker's admission and first token. If the pull failed and
+    the prompt was prefilled there after all, the token that prefill sampled is the second."""
+    received = SimpleNamespace(admitted_at=10.0, first_token_at=None, kv_ready_at=10.5, first_decode_at=10.7)
+    assert set(latency.engine_moments(received, handed_off=True)) == {latency.KV_ADMITTED, latency.KV_READY,
+                                                                      latency.SECOND_TOKEN}
+    failed_pull = SimpleNamespace(admitted_at=10.0, first_token_at=11.0, kv_ready_at=None, first_decode_at=11.2)
+    moments = latency.engine_moments(failed_pull, handed_off=True)
+    assert set(moments) == {latency.KV_ADMITTED, latency.SECOND_TOKEN}
+    assert moments[latency.SECOND_TOKEN] - moments[latency.KV_ADMITTED] == pytest.approx(1e9, abs=1e3)
+    colocated = latency.engine_moments(failed_pull)
+    assert set(colocated) == {latency.ADMITTED, latency.FIRST_TOKEN, latency.SECOND_TOKEN}
+    # A phase that ends before it starts (two hosts' clocks) is left out, not recorded negative.
+    assert latency.phases({latency.FIRST_TOKEN: 2_000_000, latency.FIRST_TOKEN_OUT: 1_000_000}) == {}

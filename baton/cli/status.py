@@ -339,7 +339,7 @@ def _render_latency(latency: LatencyStatus) -> list[str]:
              f"  phases    p50 ms: {phases}"]
     if latency.largest:
         lines.append(f"  largest   from the first token to the second: {latency.largest}; "
-                     f"{PHASE_ADVICE[latency.largest]}")
+                     f"{PHASE_ADVICE.get(latency.largest, '')}")
     return lines
 
 
@@ -347,7 +347,7 @@ def to_json(status: DeploymentStatus, findings: list[Finding]) -> str:
     latency = status.latency
     largest = None
     if latency is not None and latency.largest:
-        largest = {"phase": latency.largest, "advice": PHASE_ADVICE[latency.largest]}
+        largest = {"phase": latency.largest, "advice": PHASE_ADVICE.get(latency.largest, "")}
     return json.dumps({"status": stats_convert.deployment_status_to_json(status),
                        "findings": [asdict(finding) for finding in findings],
                        "largest_second_token_phase": largest}, indent=2)

@@ -73,9 +73,11 @@ HANDOFF_PHASES = PHASE_NAMES[4:]
 
 
 def phases(moments: dict[str, int]) -> dict[str, float]:
-    """The phases (seconds) whose two moments are both known."""
-    return {phase.name: (moments[phase.end] - moments[phase.start]) / 1e9 for phase in PHASES
-            if phase.start in moments and phase.end in moments}
+    """The phases (seconds) whose two moments are both known, and in order: a phase between
+    the processes of two hosts whose clocks disagree by more than it lasted is left out."""
+    durations = {phase.name: (moments[phase.end] - moments[phase.start]) / 1e9 for phase in PHASES
+                 if phase.start in moments and phase.end in moments}
+    return {name: seconds for name, seconds in durations.items() if seconds >= 0}
 
 
 def stamp(moments: dict[str, int], **monotonic: float | None) -> dict[str, int]:
@@ -85,15 +87,17 @@ def stamp(moments: dict[str, int], **monotonic: float | None) -> dict[str, int]:
     return moments
 
 
-def engine_moments(timings) -> dict[str, int]:
-    """The moments an engine's RequestTimings hold (None: no timings). A request whose KV
-    was received was admitted to wait for it, not to prefill: no `admitted` of its own."""
+def engine_moments(timings, handed_off: bool = False) -> dict[str, int]:
+    """The moments an engine's RequestTimings hold (None: no timings). A handed-off request
+    was admitted to wait for its KV, not to prefill; if the pull failed and its prompt was
+    prefilled here after all, the token that prefill sampled is its second."""
     if timings is None:
         return {}
-    received = timings.kv_ready_at is not None
-    return stamp({}, **{ADMITTED: None if received else timings.admitted_at,
-                        KV_ADMITTED: timings.admitted_at if received else None, FIRST_TOKEN: timings.first_token_at,
-                        KV_READY: timings.kv_ready_at, SECOND_TOKEN: timings.first_decode_at})
+    if handed_off:
+        second = timings.first_decode_at if timings.kv_ready_at is not None else timings.first_token_at
+        return stamp({}, **{KV_ADMITTED: timings.admitted_at, KV_READY: timings.kv_ready_at, SECOND_TOKEN: second})
+    return stamp({}, **{ADMITTED: timings.admitted_at, FIRST_TOKEN: timings.first_token_at,
+                        SECOND_TOKEN: timings.first_decode_at})
 
 
 # The requests `baton status` reports phases over: the gateway's latest.
