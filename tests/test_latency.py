@@ -1,7 +1,7 @@
 """A request's time to its first and second tokens, phase by phase (baton/runtime/latency.py),
-over real processes and each transport between hosts' worth of processes: every phase of a
-handed-off request is measured, and the phases of each chain add up to the time the gateway
-and the client measured."""
+over real processes handing the KV over Gloo (ipc: tests/test_tracing.py, on the spans):
+every phase of a handed-off request is measured, and the phases of each chain add up to
+the time the gateway and the client measured; `baton status` names the largest."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from baton.cli.local import REPO_ROOT, start_deployment
-from baton.cli.status import PHASE_ADVICE
+from baton.cli.status import PHASE_ADVICE, render
 from baton.runtime import latency
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
@@ -31,14 +31,14 @@ FIRST_CHAIN = ("gateway_queue", "prefill_queue", "prefill_compute", "first_token
 SECOND_CHAIN = ("gateway_queue", "prefill_queue", "prefill_compute", *latency.HANDOFF_PHASES)
 
 
-@pytest.fixture(scope="module", params=["ipc", "gloo"])
-def system(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-latency")
     _, path = make_tiny_model(directory, "llama", 4, 2, 16, True, dtype=torch.float32, vocab_size=VOCAB_SIZE)
     load_tokenizer("smollm2-135m").save_pretrained(directory)
     deployment = start_deployment(
         path, tmp_path_factory.mktemp("logs"),
-        worker_args=["--block-size", "4", "--num-kv-blocks", "300", "--kv-transport", request.param],
+        worker_args=["--block-size", "4", "--num-kv-blocks", "300", "--kv-transport", "gloo"],
         decode_args=["--verify-kv"],  # the checksums' phase too
         gateway_args=["--max-prefill-queue-tokens", "0"],  # every prompt is handed off
         metrics=True,
@@ -91,11 +91,9 @@ def test_status_names_the_largest_phase_of_the_second_token(system):
     """`baton status --json` after test above's requests: every phase over the gateway's
     latest requests, and the one that took most of the time from the first token to the
     second, with what shortens it; the text names it too."""
-    def status(*flags: str) -> str:
-        return subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", system.gateway, *flags],
-                              capture_output=True, text=True, timeout=60, check=True, cwd=REPO_ROOT).stdout
-
-    shown = json.loads(status("--json"))
+    shown = json.loads(subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", system.gateway,
+                                       "--json"], capture_output=True, text=True, timeout=60, check=True,
+                                      cwd=REPO_ROOT).stdout)
     latency_status = shown["status"]["latency"]
     assert int(latency_status["num_requests"]) >= 3
     phases = {p["phase"]: p for p in latency_status["phases"]}
@@ -104,7 +102,9 @@ def test_status_names_the_largest_phase_of_the_second_token(system):
     assert largest["phase"] == latency_status["largest"] in latency.HANDOFF_PHASES
     assert max(latency.HANDOFF_PHASES, key=lambda name: phases[name]["mean_s"]) == largest["phase"]
     assert largest["advice"] == PHASE_ADVICE[largest["phase"]]
-    assert f"from the first token to the second: {largest['phase']}" in status()
+    with system.channel(system.admin) as channel:  # the text, from the same figures
+        text = render(system.admin_client(channel).get_deployment_status(timeout=10), [])
+    assert f"from the first token to the second: {largest['phase']}" in text
 
 
 def test_phases_are_the_moments_differences_and_the_window_names_the_largest():
