@@ -143,6 +143,9 @@ class SchedulerConfig:
     - `long_prefill_token_threshold`: cap on one request's chunk per step
       (0 = only the step budget limits it), so one long prompt cannot take a
       whole step from the others.
+    - `max_decode_stretch`: once the engine has received a handed-off request, a step
+      with decoding rows takes at most this many decode steps' time of prompt tokens
+      (engine/scheduler/budget.py); 0 = only the step budget limits them.
     """
 
     max_num_seqs: int = 256
@@ -152,6 +155,7 @@ class SchedulerConfig:
     priority_aging_steps: int = 64
     admission_reserve_steps: int = 4
     long_prefill_token_threshold: int = 0
+    max_decode_stretch: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -170,6 +174,8 @@ class SchedulerConfig:
             raise ValueError("admission_reserve_steps must be >= 0")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if not self.max_decode_stretch >= 0:
+            raise ValueError("max_decode_stretch must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -159,3 +159,62 @@ def test_handoff_with_cached_prefixes_on_both_sides(tiny):
         stats = engine.get_metrics()
         assert stats.num_kv_blocks_used == 0 and stats.num_kv_blocks_cached > 0
         engine.check_integrity()
+
+
+def test_a_received_prompt_is_admitted_ahead_of_local_prefills_whatever_the_budget(tiny):
+    """A decode engine busy prefilling prompts of its own (their chunks take the step's whole
+    token budget) admits a handed-off request at once, before the prompts that arrived
+    before it: it takes blocks and no compute, and its client already has a token. Its
+    output is the same as ever."""
+    _, model_dir = tiny
+    prefill_engine, decode_engine = make_engine(model_dir), make_engine(model_dir, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = list(range(40, 52))
+    first, block_ids, _ = prefill(prefill_engine, {"moved": prompt}, params)["moved"]
+    for i in range(2):  # local prompts of 40 tokens, queued first: local-0's chunks take two steps' budgets
+        decode_engine.add_request(list(range(60 + 40 * i, 100 + 40 * i)), params, request_id=f"local-{i}")
+    decode_engine.step()
+    decode_engine.add_prefilled_request(prompt, first, params, request_id="moved")
+    step = decode_engine.step()  # no budget left for local-1: the received one is admitted all the same
+    assert [r.request_id for r in step.kv_receives] == ["moved"]
+    assert decode_engine.get_request("local-1").status == RequestStatus.WAITING
+    assert decode_engine.get_metrics().num_waiting == 1
+    [receive] = step.kv_receives
+    copy_blocks(prefill_engine, block_ids, decode_engine, receive.block_ids)
+    prefill_engine.release_kv("moved")
+    assert decode_engine.complete_kv_receive("moved", True)
+    outputs = run(decode_engine)
+    assert [first, *outputs["moved"]] == hf_greedy(tiny[0], prompt, 6)
+
+
+@pytest.mark.parametrize("handed_off", [True, False], ids=["serves-handoffs", "colocated"])
+def test_decoding_rows_limit_the_prompt_tokens_of_an_engine_that_serves_handoffs(tiny, handed_off):
+    """Once a decode engine has received a handed-off request, a step with decoding rows
+    takes prompt tokens worth at most max_decode_stretch of its decode step, by its
+    step-time model (here set: a 20 ms decode step, 1 ms a prompt token: 20 tokens a step);
+    an engine that never received one (colocated) prefills within its token budget alone.
+    Outputs are the same either way."""
+    model, model_dir = tiny
+    prefill_engine = make_engine(model_dir)
+    decode_engine = make_engine(model_dir, max_num_batched_tokens=64, max_decode_stretch=1.0)
+    decode_engine.scheduler.decode_step_s = lambda num_seqs: 0.02
+    decode_engine.cost_model.prefill_seconds_per_token = 0.001
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt, local = list(range(40, 52)), list(range(60, 140))
+    if handed_off:
+        first, block_ids, _ = prefill(prefill_engine, {"moved": prompt}, params)["moved"]
+        decode_engine.add_prefilled_request(prompt, first, params, request_id="moved")
+        [receive] = decode_engine.step().kv_receives
+        copy_blocks(prefill_engine, block_ids, decode_engine, receive.block_ids)
+        prefill_engine.release_kv("moved")
+        assert decode_engine.complete_kv_receive("moved", True)
+    else:
+        decode_engine.add_request(prompt, params, request_id="moved")
+        decode_engine.step()  # its prompt, in one chunk: decoding from now on
+    decode_engine.add_request(local, params, request_id="local")
+    step = decode_engine.step()
+    assert decode_engine.get_request("local").num_computed_tokens == (20 if handed_off else 64 - 1)
+    outputs = run(decode_engine)
+    [moved_token] = [out.new_token_ids for out in step.outputs if out.request_id == "moved"]
+    assert outputs["local"] == hf_greedy(model, local, 8)
+    assert [*moved_token, *outputs["moved"]] == hf_greedy(model, prompt, 8)[1:]  # the first: a step before

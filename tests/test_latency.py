@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from baton.cli.local import REPO_ROOT, start_deployment
-from baton.cli.status import PHASE_ADVICE, render
+from baton.cli.status import render
 from baton.runtime import latency
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
@@ -101,7 +101,7 @@ def test_status_names_the_largest_phase_of_the_second_token(system):
     largest = shown["largest_second_token_phase"]
     assert largest["phase"] == latency_status["largest"] in latency.HANDOFF_PHASES
     assert max(latency.HANDOFF_PHASES, key=lambda name: phases[name]["mean_s"]) == largest["phase"]
-    assert largest["advice"] == PHASE_ADVICE[largest["phase"]]
+    assert largest["advice"] == latency.PHASE_ADVICE[largest["phase"]]
     with system.channel(system.admin) as channel:  # the text, from the same figures
         text = render(system.admin_client(channel).get_deployment_status(timeout=10), [])
     assert f"from the first token to the second: {largest['phase']}" in text

@@ -35,6 +35,7 @@ import grpc
 
 from baton.cli.client import GatewayConnection
 from baton.runtime.clients import GatewayAdminClient
+from baton.runtime.latency import PHASE_ADVICE
 from baton.runtime.settings import add_flags, from_args
 from baton.wire import stats_convert
 from baton.wire.records import AdmissionStatus, DeploymentStatus, LatencyStatus, WorkerStats, WorkerStatus
@@ -49,26 +50,6 @@ HIGH_PREEMPTION_RATE = 0.1
 MIN_MEAN_WAITING = 0.5
 # "Not admitted" is about other limits than KV: blocks were short in at most this share of steps.
 RARELY = 0.1
-
-
-# What shortens each phase between the first token and the second, when it is the largest.
-PHASE_ADVICE = {
-    "handover": "the prefill worker's answer and the gateway's Decode call: a busy gateway (more of them) or "
-                "the network",
-    "decode_queue": "handed-off requests waited for a place in the decode worker's batch: more decode workers, "
-                    "a higher --max-num-seqs, or prompts kept off the decode workers (--max-prefill-queue-tokens)",
-    "pull_start": "the decode worker's event loop was slow to start the pull: a busy decode worker process "
-                  "(more decode workers)",
-    "kv_channel": "pulls waited for a channel to their prefill worker: more prefill workers, so that fewer "
-                  "pulls share each",
-    "kv_copy": "the copy itself: a faster transport (ipc on one host, nccl between GPUs), or prompts whose "
-               "prefix the decode worker holds already (prefix caching)",
-    "kv_checksum": "--verify-kv checksums every block on both sides: leave it off where the transport is trusted",
-    "kv_ready_wait": "the received KV waited for the decode engine's step in progress: shorter steps (a lower "
-                     "--max-num-batched-tokens on the decode workers, prompts prefilled on prefill workers)",
-    "first_decode_step": "the decode worker's steps are long: more decode workers, or a lower --max-num-seqs",
-    "second_token_out": "the second token's way back to the gateway: a busy gateway (more of them) or the network",
-}
 
 
 @dataclass(frozen=True)

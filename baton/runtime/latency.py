@@ -42,6 +42,9 @@ class Phase:
     start: str  # moment
     end: str  # moment
     help: str
+    # What shortens it, when it is the largest between the first token and the second
+    # (`baton status`).
+    advice: str = ""
 
 
 PHASES = (
@@ -52,21 +55,35 @@ PHASES = (
     Phase("first_token_out", FIRST_TOKEN, FIRST_TOKEN_OUT, "The first token, from the worker's step to the "
           "gateway."),
     Phase("handover", FIRST_TOKEN, DECODE_RECEIVED, "From the prefill worker's first token to the decode "
-          "worker's Decode call: the answer to the gateway, and its call."),
+          "worker's Decode call: the answer to the gateway, and its call.",
+          "the prefill worker's answer and the gateway's Decode call: a busy gateway (more of them) or the network"),
     Phase("decode_queue", DECODE_RECEIVED, KV_ADMITTED, "The decode worker's queue: the wait for a place in its "
-          "batch and blocks for the prompt's KV."),
-    Phase("pull_start", KV_ADMITTED, RECEIVE_STARTED, "From the admission to the start of the KV pull."),
+          "batch and blocks for the prompt's KV.",
+          "handed-off requests waited for a place in the decode worker's batch: more decode workers, a higher "
+          "--max-num-seqs, or shorter steps there (a lower --max-decode-stretch)"),
+    Phase("pull_start", KV_ADMITTED, RECEIVE_STARTED, "From the admission to the start of the KV pull.",
+          "the decode worker's event loop was slow to start the pull: a busy decode worker process "
+          "(more decode workers)"),
     Phase("kv_channel", RECEIVE_STARTED, CHANNEL_READY, "The pull's wait for a channel to the prefill worker "
-          "(opening one the first time)."),
-    Phase("kv_copy", CHANNEL_READY, COPIED, "The send's start and the copy of the blocks."),
-    Phase("kv_checksum", COPIED, KV_RECEIVED, "The blocks' checksums (--verify-kv) and the send's end."),
+          "(opening one the first time).",
+          "pulls waited for a channel to their prefill worker: more prefill workers, so that fewer pulls share each"),
+    Phase("kv_copy", CHANNEL_READY, COPIED, "The send's start and the copy of the blocks.",
+          "the copy itself: a faster transport (ipc on one host, nccl between GPUs), or prompts whose prefix the "
+          "decode worker holds already (prefix caching)"),
+    Phase("kv_checksum", COPIED, KV_RECEIVED, "The blocks' checksums (--verify-kv) and the send's end.",
+          "--verify-kv checksums every block on both sides: leave it off where the transport is trusted"),
     Phase("kv_ready_wait", KV_RECEIVED, KV_READY, "The received KV, waiting for the decode engine's step in "
-          "progress to end."),
+          "progress to end.",
+          "the received KV waited for the decode engine's step in progress: shorter steps (a lower "
+          "--max-decode-stretch, prompts kept on prefill workers with --max-prefill-queue-tokens 0)"),
     Phase("first_decode_step", KV_READY, SECOND_TOKEN, "The decode worker's first step of the request, to its "
-          "second token."),
+          "second token.",
+          "the decode worker's steps are long: more decode workers, a lower --max-num-seqs or --max-decode-stretch"),
     Phase("second_token_out", SECOND_TOKEN, SECOND_TOKEN_OUT, "The second token, from the decode worker's step "
-          "to the gateway."),
+          "to the gateway.",
+          "the second token's way back to the gateway: a busy gateway (more of them) or the network"),
 )
+PHASE_ADVICE = {phase.name: phase.advice for phase in PHASES if phase.advice}
 PHASE_NAMES = tuple(phase.name for phase in PHASES)
 # The phases between the first token and the second, in a handed-off request's chain.
 HANDOFF_PHASES = PHASE_NAMES[4:]

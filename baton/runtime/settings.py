@@ -265,6 +265,9 @@ class WorkerSettings:
     max_num_seqs: int = setting(default_of(SchedulerConfig, "max_num_seqs"), "sequences per step")
     max_num_batched_tokens: int = setting(default_of(SchedulerConfig, "max_num_batched_tokens"),
                                           "token budget per step (prefill chunks + decodes)")
+    max_decode_stretch: float = setting(default_of(SchedulerConfig, "max_decode_stretch"),
+                                        "decode: once handed-off requests arrive, a step with decoding requests "
+                                        "takes at most this many decode steps' time of prompts (0: no limit)")
     preemption_mode: str = setting(default_of(SchedulerConfig, "preemption_mode"),
                                    "auto (cheaper of recompute and swap, per sequence), recompute or swap")
     attention_backend: str = setting(default_of(EngineConfig, "attention_backend"),
@@ -334,13 +337,8 @@ class WorkerSettings:
         object.__setattr__(self, "tls", load_tls(self))
         object.__setattr__(self, "engine", engine_config(
             self.model,
-            revision=self.revision,
-            tokenizer=self.tokenizer,
-            served_model_name=self.served_model_name,
-            device=self.device,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
+            revision=self.revision, tokenizer=self.tokenizer, served_model_name=self.served_model_name,
+            device=self.device, dtype=self.dtype, max_model_len=self.max_model_len, block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
             # An explicit block count sizes the pool by itself.
             kv_cache_memory_bytes=None if self.num_kv_blocks else self.kv_cache_memory,
@@ -349,6 +347,7 @@ class WorkerSettings:
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_decode_stretch=self.max_decode_stretch,
             preemption_mode=self.preemption_mode,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,

@@ -13,24 +13,31 @@ from baton.wire.records import (AdmissionStatus, DeploymentStatus, KvTransportSt
                                 WorkerStats, WorkerStatus)
 from engine.statistics import RecentStats
 
+
+def _values(source: object, record: type, leave_out: tuple[str, ...] = ()) -> dict:
+    """`source`'s attributes named as `record`'s fields (less `leave_out`): a record from a
+    message, or a message from a record, field for field."""
+    return {f.name: getattr(source, f.name) for f in fields(record) if f.name not in leave_out}
+
+
 def recent_stats_to_pb(recent: RecentStats) -> worker_pb2.RecentStats:
-    values = {f.name: getattr(recent, f.name) for f in fields(RecentStats)}
+    values = _values(recent, RecentStats)
     values["seconds_since_last_step"] = min(values["seconds_since_last_step"], 1e12)  # inf: no step yet
     return worker_pb2.RecentStats(**values)
 
 
 def recent_stats_from_pb(message: worker_pb2.RecentStats) -> RecentStats:
-    return RecentStats(**{f.name: getattr(message, f.name) for f in fields(RecentStats)})
+    return RecentStats(**_values(message, RecentStats))
 
 
 _NESTED = ("recent", "kv_transports", "kv_endpoint")
 
 
 def worker_stats_to_pb(stats: WorkerStats) -> worker_pb2.WorkerStats:
-    values = {f.name: getattr(stats, f.name) for f in fields(WorkerStats) if f.name not in _NESTED}
+    values = _values(stats, WorkerStats, _NESTED)
     message = worker_pb2.WorkerStats(**values)
     message.kv_transports.extend(
-        worker_pb2.KvTransportStats(**{f.name: getattr(t, f.name) for f in fields(KvTransportStats)})
+        worker_pb2.KvTransportStats(**_values(t, KvTransportStats))
         for t in stats.kv_transports
     )
     if stats.recent is not None:
@@ -41,9 +48,9 @@ def worker_stats_to_pb(stats: WorkerStats) -> worker_pb2.WorkerStats:
 
 
 def worker_stats_from_pb(message: worker_pb2.WorkerStats) -> WorkerStats:
-    values = {f.name: getattr(message, f.name) for f in fields(WorkerStats) if f.name not in _NESTED}
+    values = _values(message, WorkerStats, _NESTED)
     recent = recent_stats_from_pb(message.recent) if message.HasField("recent") else None
-    transports = tuple(KvTransportStats(**{f.name: getattr(t, f.name) for f in fields(KvTransportStats)})
+    transports = tuple(KvTransportStats(**_values(t, KvTransportStats))
                        for t in message.kv_transports)
     endpoint = None
     if message.HasField("kv_endpoint"):
@@ -70,12 +77,12 @@ def deployment_status_to_pb(status: DeploymentStatus) -> admin_pb2.DeploymentSta
     if status.latency is not None:
         latency = status.latency
         message.latency.CopyFrom(admin_pb2.LatencyStatus(
-            **{f.name: getattr(latency, f.name) for f in fields(LatencyStatus) if f.name != "phases"},
-            phases=[admin_pb2.PhaseLatency(**{f.name: getattr(p, f.name) for f in fields(PhaseLatency)})
+            **_values(latency, LatencyStatus, ("phases",)),
+            phases=[admin_pb2.PhaseLatency(**_values(p, PhaseLatency))
                     for p in latency.phases]))
     if status.admission is not None:
         message.admission.CopyFrom(admin_pb2.AdmissionStatus(
-            **{f.name: getattr(status.admission, f.name) for f in fields(AdmissionStatus)}))
+            **_values(status.admission, AdmissionStatus)))
     return message
 
 
@@ -88,7 +95,7 @@ def deployment_status_to_json(status: DeploymentStatus) -> dict:
 def deployment_status_from_pb(message: admin_pb2.DeploymentStatus) -> DeploymentStatus:
     admission = None
     if message.HasField("admission"):
-        admission = AdmissionStatus(**{f.name: getattr(message.admission, f.name) for f in fields(AdmissionStatus)})
+        admission = AdmissionStatus(**_values(message.admission, AdmissionStatus))
     return DeploymentStatus(message.model, tuple(
         WorkerStatus(w.address, w.role, w.reachable, w.in_rotation, w.error,
                      worker_stats_from_pb(w.stats) if w.HasField("stats") else None)
@@ -97,6 +104,6 @@ def deployment_status_from_pb(message: admin_pb2.DeploymentStatus) -> Deployment
 
 
 def _latency_from_pb(message: admin_pb2.LatencyStatus) -> LatencyStatus:
-    values = {f.name: getattr(message, f.name) for f in fields(LatencyStatus) if f.name != "phases"}
-    phases = tuple(PhaseLatency(**{f.name: getattr(p, f.name) for f in fields(PhaseLatency)}) for p in message.phases)
+    values = _values(message, LatencyStatus, ("phases",))
+    phases = tuple(PhaseLatency(**_values(p, PhaseLatency)) for p in message.phases)
     return LatencyStatus(**values, phases=phases)

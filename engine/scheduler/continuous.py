@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from engine.block_pool import PrefixHit, cdiv
+from engine.config import SchedulerConfig
 from engine.request import Request
 from engine.scheduler.policy import Admission, AdmissionPolicy, AdmissionView, Choices
+from engine.scheduler.waiting import WaitingQueue
 
 
 class ContinuousAdmission(AdmissionPolicy):
@@ -15,26 +17,50 @@ class ContinuousAdmission(AdmissionPolicy):
     a newcomer is not preempted right away. Only the first chunk is allocated at
     admission, so the blocks that admitted requests still prefilling will take
     are counted as promised, not free.
+
+    Requests whose prompt's KV another engine computed (kv_remote) wait in a queue
+    of their own and are admitted first, whatever the step's token budget: they
+    take blocks and no compute, their client has its first token already, and a
+    prefill worker holds their KV until they pull it. Behind this worker's own
+    prefills, their second token waited seconds (docs/observability.md, "Latency
+    by phase": the decode_queue phase).
     """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.received = WaitingQueue(config.priority_aging_steps)
+
+    def add(self, request: Request) -> None:
+        (self.received if request.kv_remote else self.waiting).push(request)
+
+    def remove(self, request: Request) -> None:
+        (self.received if request.kv_remote else self.waiting).remove(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.received) + len(self.waiting)
+
+    def waiting_requests(self) -> list[Request]:
+        return [*self.received, *self.waiting]
 
     def choose(self, view: AdmissionView, budget: int) -> Choices:
         self.is_kv_short = self.is_seq_capped = False
-        waiting = self.waiting
-        if not waiting:
+        if not self.received and not self.waiting:
             return  # and skip counting promised blocks: a pass over the whole batch
         max_num_seqs = self.config.max_num_seqs
         promised = self.num_promised_blocks(view)
-        while waiting and budget > 0 and view.num_seqs < max_num_seqs:
-            request = waiting.peek()
-            hit = view.prefix.hit(request)  # the one lookup of this admission
-            request.num_cached_estimate = hit.num_tokens(view.block_size)
-            if not self._can_admit(view, request, hit, promised):
-                self.is_kv_short = True
-                break  # head-of-line: lower-priority requests do not jump ahead
-            waiting.pop()
-            budget = yield Admission(request, hit=hit)
-            promised += self.blocks_still_to_take(view, request)
-        if waiting and view.num_seqs >= max_num_seqs:
+        for queue, needs_budget in ((self.received, False), (self.waiting, True)):
+            while queue and (budget > 0 or not needs_budget) and view.num_seqs < max_num_seqs:
+                request = queue.peek()
+                hit = view.prefix.hit(request)  # the one lookup of this admission
+                request.num_cached_estimate = hit.num_tokens(view.block_size)
+                if not self._can_admit(view, request, hit, promised):
+                    self.is_kv_short = True
+                    return  # head-of-line: lower-priority requests do not jump ahead
+                queue.pop()
+                budget = yield Admission(request, hit=hit)
+                promised += self.blocks_still_to_take(view, request)
+        if (self.received or self.waiting) and view.num_seqs >= max_num_seqs:
             self.is_seq_capped = True
 
     def _can_admit(self, view: AdmissionView, request: Request, hit: PrefixHit, promised: int) -> bool:

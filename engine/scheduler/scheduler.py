@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 
 from engine.block_pool import KVCacheManager, PrefixHit, cdiv
 from engine.config import SchedulerConfig
 from engine.preemption import PreemptionCostModel, PreemptionKind
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
                             by_sort_key, deadline_key)
+from engine.scheduler.budget import UNLIMITED, prefill_limit
 from engine.scheduler.continuous import ContinuousAdmission
 from engine.scheduler.handoff import KvHandoffs
 from engine.scheduler.integrity import check_scheduler_integrity
@@ -77,6 +79,10 @@ class Scheduler:
         # This step left requests waiting for KV blocks / at the max_num_seqs cap.
         self._step_blocked_by_kv = False
         self._step_seq_capped = False
+        # Once a handed-off request arrived, decoding rows limit a step's prompt tokens
+        # (budget.py) by the decode line the engine sets here: seconds of n rows' step.
+        self.serves_handoffs = False
+        self.decode_step_s: Callable[[int], float] | None = None
 
     # ------------------------------------------------------------- requests
     @property
@@ -133,6 +139,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         # Its prefill work as it waits (stats): the prompt less what the cache holds now.
         request.num_cached_estimate = self.prefix.hit(request).num_tokens(self.block_size)
+        self.serves_handoffs |= request.kv_remote
         self.policy.add(request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -177,6 +184,7 @@ class Scheduler:
         config = self.config
         budget = config.max_num_batched_tokens
         chunk_cap = config.long_prefill_token_threshold or budget
+        prefill_left = self.prefill_limit()
         kv = self.kv
         running = self.running
         requests = out.requests
@@ -186,11 +194,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
-            if num_new > budget:
-                num_new = budget
-            if num_new > chunk_cap:
-                num_new = chunk_cap
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget, chunk_cap)
+            if num_new > 1:  # a prompt's chunk (a decoding row takes one token)
+                num_new = min(num_new, prefill_left)
             if num_new <= 0:
                 i += 1
                 continue
@@ -205,6 +211,7 @@ class Scheduler:
                 requests.append(request)
                 num_scheduled.append(num_new)
                 budget -= num_new
+                prefill_left -= num_new if num_new > 1 else 0
                 i += 1
 
         self._step_blocked_by_kv = bool(out.preempted)
@@ -214,12 +221,20 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget, chunk_cap)
             # NOTE: newcomers wait until every swapped request is back, so none starves.
             if not self.swapped:
-                budget = self._admit_chosen(out, budget, chunk_cap, now)
+                admissions = min(budget, prefill_left)
+                budget -= admissions - self._admit_chosen(out, admissions, chunk_cap, now)
                 self._step_blocked_by_kv = self.policy.is_kv_short
                 self._step_seq_capped = self.policy.is_seq_capped
 
         out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
         return out
+
+    def prefill_limit(self) -> int:
+        """Prompt tokens this step may take besides its token budget (budget.py)."""
+        if not self.serves_handoffs or self.decode_step_s is None:
+            return UNLIMITED
+        return prefill_limit(self.config.max_decode_stretch, self.running, self.policy.num_waiting,
+                             self.decode_step_s, self.cost_model.prefill_seconds_per_token, self.block_size)
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
         kv = self.kv
@@ -367,11 +382,8 @@ class Scheduler:
                     request.num_computed_tokens, len(kv.get_block_ids(request_id))
                 )
         if request.events is not None:
-            request.record(Preempted(
-                kind=kind,
-                num_blocks=len(kv.get_block_ids(request_id)),
-                num_computed_tokens=request.num_computed_tokens,
-            ))
+            request.record(Preempted(kind=kind, num_blocks=len(kv.get_block_ids(request_id)),
+                                     num_computed_tokens=request.num_computed_tokens))
         self.running.remove(request)
         request.num_preemptions += 1
         out.preempted.append((request, kind))
@@ -389,12 +401,8 @@ class Scheduler:
             self.policy.requeue(request)
 
     # ---------------------------------------------------------------- update
-    def complete_step(
-        self,
-        out: SchedulerOutput,
-        sampled_requests: list[Request],
-        sampled_token_ids: list[int],
-    ) -> list[Request]:
+    def complete_step(self, out: SchedulerOutput, sampled_requests: list[Request],
+                      sampled_token_ids: list[int]) -> list[Request]:
         """Advance progress by the step's work, append sampled tokens, finish what stopped
         (`advance` then `resolve`, for a step whose tokens are already known).
 
@@ -437,12 +445,8 @@ class Scheduler:
                 request.pending_sample_index = index
         return positions
 
-    def resolve(
-        self,
-        sampled_requests: list[Request],
-        sampled_token_ids: list[int],
-        positions: list[int | None],
-    ) -> list[Request]:
+    def resolve(self, sampled_requests: list[Request], sampled_token_ids: list[int],
+                positions: list[int | None]) -> list[Request]:
         """Put a launched step's sampled tokens in place (`advance` said where) and finish
         what they stop. A request that ended meanwhile (aborted, or stopped by the token
         of the step before) is skipped: its token reaches no one.
@@ -474,15 +478,9 @@ class Scheduler:
             kv_efficiency = min(1.0, held / (used * self.block_size))  # shared blocks count once
         else:
             kv_efficiency = 1.0
-        self.counters.end_step(
-            len(out.requests),
-            out.total_num_scheduled_tokens,
-            used,
-            kv_efficiency,
-            self.policy.num_waiting,
-            self._step_blocked_by_kv or bool(self.swapped),
-            self._step_seq_capped,
-        )
+        self.counters.end_step(len(out.requests), out.total_num_scheduled_tokens, used, kv_efficiency,
+                               self.policy.num_waiting, self._step_blocked_by_kv or bool(self.swapped),
+                               self._step_seq_capped)
 
     # ---------------------------------------------------------------- stats
     def recent_stats(self, now: float | None = None) -> RecentStats:

@@ -1,0 +1,52 @@
+"""How many prompt tokens a step may take while it carries decoding requests.
+
+A decode worker that serves handed-off requests also prefills prompts of its own: the
+gateway moves prompts there when the prefill workers' queues are long, or when they are
+short enough to skip the handoff. A step that carries a whole token budget of prompt
+chunks takes several decode steps' time, and every decoding request waits for it, the
+handed-off ones among them: under the serving benchmark's load on a CPU, their second
+token came over a second after their first (docs/observability.md, "Latency by phase").
+
+So once an engine has received a handed-off request, a step with decoding rows takes at
+most `max_decode_stretch` decode steps' time of prompt tokens, by the engine's step-time
+model (engine/step_time.py): the decode line at that many rows, and the prefill rate. A
+step with no decoding row, or on an engine that never received one (a prefill worker, a
+colocated decode worker), has the token budget alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from engine.request import Request
+
+UNLIMITED = 1 << 62
+
+
+def prefill_limit(
+    stretch: float,
+    running: Iterable[Request],
+    num_waiting: int,
+    decode_step_s: Callable[[int], float],
+    prefill_s_per_token: float,
+    floor: int,
+) -> int:
+    """Prompt tokens a step may take: UNLIMITED when nothing limits it (no stretch, no
+    decoding row, no prompt to prefill: no running row mid-prompt and none waiting, or
+    no decode step time known),
+    else the tokens that take `stretch` times the decode step of the decoding rows, at
+    least `floor` (a prompt moves on however slow the prefill rate measured)."""
+    if stretch <= 0 or prefill_s_per_token <= 0:
+        return UNLIMITED
+    num_decoding = num_prefilling = 0
+    for request in running:
+        if request.num_computed_tokens >= len(request.all_token_ids) - 1:
+            num_decoding += 1
+        else:
+            num_prefilling += 1
+    if num_decoding == 0 or (num_prefilling == 0 and num_waiting == 0):
+        return UNLIMITED
+    seconds = decode_step_s(num_decoding)
+    if seconds <= 0:  # no decode step measured yet, nor calibrated
+        return UNLIMITED
+    return max(floor, int(stretch * seconds / prefill_s_per_token))
