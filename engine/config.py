@@ -155,7 +155,7 @@ class SchedulerConfig:
     priority_aging_steps: int = 64
     admission_reserve_steps: int = 4
     long_prefill_token_threshold: int = 0
-    max_decode_stretch: float = 1.0
+    max_decode_stretch: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
