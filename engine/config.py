@@ -174,8 +174,8 @@ class SchedulerConfig:
             raise ValueError("admission_reserve_steps must be >= 0")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
-        if not self.max_decode_stretch >= 0:
-            raise ValueError("max_decode_stretch must be >= 0")
+        if not 0 <= self.max_decode_stretch < float("inf"):
+            raise ValueError("max_decode_stretch must be a finite number >= 0")
 
 
 @dataclass(frozen=True)

@@ -193,12 +193,13 @@ def test_decoding_rows_limit_the_prompt_tokens_of_an_engine_that_serves_handoffs
     takes prompt tokens worth at most max_decode_stretch of its decode step, by its
     step-time model (here set: a 20 ms decode step, 1 ms a prompt token: 20 tokens a step);
     an engine that never received one (colocated) prefills within its token budget alone.
-    Outputs are the same either way."""
+    Its running prompt's next chunk too. Outputs are the same either way."""
     model, model_dir = tiny
     prefill_engine = make_engine(model_dir)
     decode_engine = make_engine(model_dir, max_num_batched_tokens=64, max_decode_stretch=1.0)
     decode_engine.scheduler.decode_step_s = lambda num_seqs: 0.02
     decode_engine.cost_model.prefill_seconds_per_token = 0.001
+    decode_engine.cost_model.num_prefill_observations = 1  # as measured
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt, local = list(range(40, 52)), list(range(60, 140))
     if handed_off:
@@ -212,9 +213,40 @@ def test_decoding_rows_limit_the_prompt_tokens_of_an_engine_that_serves_handoffs
         decode_engine.add_request(prompt, params, request_id="moved")
         decode_engine.step()  # its prompt, in one chunk: decoding from now on
     decode_engine.add_request(local, params, request_id="local")
-    step = decode_engine.step()
-    assert decode_engine.get_request("local").num_computed_tokens == (20 if handed_off else 64 - 1)
+    tokens = {"moved": [], "local": []}  # the first of moved's came a step before
+    for computed in ((20, 40) if handed_off else (64 - 1, 80)):  # admitted with a first chunk, then the next
+        for out in decode_engine.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+        assert decode_engine.get_request("local").num_computed_tokens == computed
+    for request_id, new_tokens in run(decode_engine).items():
+        tokens[request_id] += new_tokens
+    assert tokens == {"moved": hf_greedy(model, prompt, 8)[1:], "local": hf_greedy(model, local, 8)}
+
+
+def test_a_local_prompt_aged_past_a_received_one_goes_first(tiny):
+    """Received requests go ahead of local prompts, but not of one whose aged level is
+    better (it arrived priority_aging_steps or more before): with no token budget left,
+    that local prompt holds the received one back a step (head of line), so a stream of
+    handoffs cannot starve it."""
+    model, model_dir = tiny
+    prefill_engine = make_engine(model_dir)
+    decode_engine = make_engine(model_dir, max_num_batched_tokens=16, priority_aging_steps=1)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = list(range(40, 52))
+    first, block_ids, _ = prefill(prefill_engine, {"moved": prompt}, params)["moved"]
+    decode_engine.add_request(list(range(60, 120)), params, request_id="local-0")
+    decode_engine.step()  # local-0's chunks take the whole budget for three steps
+    decode_engine.add_request(list(range(100, 120)), params, request_id="local-1")  # a level better than moved's
+    decode_engine.step()
+    decode_engine.add_prefilled_request(prompt, first, params, request_id="moved")
+    assert not decode_engine.step().kv_receives  # local-1, with no budget, holds it back
+    assert decode_engine.get_request("local-1").status == RequestStatus.WAITING
+    step = decode_engine.step()  # local-0's last 12 tokens, local-1's first 4, then moved
+    assert decode_engine.get_request("local-1").status == RequestStatus.RUNNING
+    [receive] = step.kv_receives
+    copy_blocks(prefill_engine, block_ids, decode_engine, receive.block_ids)
+    prefill_engine.release_kv("moved")
+    assert decode_engine.complete_kv_receive("moved", True)
     outputs = run(decode_engine)
-    [moved_token] = [out.new_token_ids for out in step.outputs if out.request_id == "moved"]
-    assert outputs["local"] == hf_greedy(model, local, 8)
-    assert [*moved_token, *outputs["moved"]] == hf_greedy(model, prompt, 8)[1:]  # the first: a step before
+    assert [first, *outputs["moved"]] == hf_greedy(model, prompt, 6)
+    decode_engine.check_integrity()

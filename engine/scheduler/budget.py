@@ -7,7 +7,7 @@ chunks takes several decode steps' time, and every decoding request waits for it
 handed-off ones among them: under the serving benchmark's load on a CPU, their second
 token came over a second after their first (docs/observability.md, "Latency by phase").
 
-So once an engine has received a handed-off request, a step with decoding rows takes at
+So once a handed-off request has reached an engine, a step with decoding rows takes at
 most `max_decode_stretch` decode steps' time of prompt tokens, by the engine's step-time
 model (engine/step_time.py): the decode line at that many rows, and the prefill rate. A
 step with no decoding row, or on an engine that never received one (a prefill worker, a

@@ -23,7 +23,8 @@ class ContinuousAdmission(AdmissionPolicy):
     take blocks and no compute, their client has its first token already, and a
     prefill worker holds their KV until they pull it. Behind this worker's own
     prefills, their second token waited seconds (docs/observability.md, "Latency
-    by phase": the decode_queue phase).
+    by phase": the decode_queue phase). A local request whose aged level is
+    better than the received head's goes first all the same, so none starves.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -34,7 +35,8 @@ class ContinuousAdmission(AdmissionPolicy):
         (self.received if request.kv_remote else self.waiting).push(request)
 
     def remove(self, request: Request) -> None:
-        (self.received if request.kv_remote else self.waiting).remove(request)
+        self.received.remove(request)
+        self.waiting.remove(request)
 
     @property
     def num_waiting(self) -> int:
@@ -49,19 +51,28 @@ class ContinuousAdmission(AdmissionPolicy):
             return  # and skip counting promised blocks: a pass over the whole batch
         max_num_seqs = self.config.max_num_seqs
         promised = self.num_promised_blocks(view)
-        for queue, needs_budget in ((self.received, False), (self.waiting, True)):
-            while queue and (budget > 0 or not needs_budget) and view.num_seqs < max_num_seqs:
-                request = queue.peek()
-                hit = view.prefix.hit(request)  # the one lookup of this admission
-                request.num_cached_estimate = hit.num_tokens(view.block_size)
-                if not self._can_admit(view, request, hit, promised):
-                    self.is_kv_short = True
-                    return  # head-of-line: lower-priority requests do not jump ahead
-                queue.pop()
-                budget = yield Admission(request, hit=hit)
-                promised += self.blocks_still_to_take(view, request)
+        while view.num_seqs < max_num_seqs:
+            queue = self._next_queue()
+            if queue is None or (queue is self.waiting and budget <= 0):
+                break
+            request = queue.peek()
+            hit = view.prefix.hit(request)  # the one lookup of this admission
+            request.num_cached_estimate = hit.num_tokens(view.block_size)
+            if not self._can_admit(view, request, hit, promised):
+                self.is_kv_short = True
+                return  # head-of-line: lower-priority requests do not jump ahead
+            queue.pop()
+            budget = yield Admission(request, hit=hit)
+            promised += self.blocks_still_to_take(view, request)
         if (self.received or self.waiting) and view.num_seqs >= max_num_seqs:
             self.is_seq_capped = True
+
+    def _next_queue(self) -> WaitingQueue | None:
+        """The queue whose head is next: the received one's, unless the local head's aged
+        level is better (it arrived priority_aging_steps or more before); None: both empty."""
+        if not self.received or not self.waiting:
+            return self.received or self.waiting or None
+        return self.waiting if self.waiting.head_key()[0] < self.received.head_key()[0] else self.received
 
     def _can_admit(self, view: AdmissionView, request: Request, hit: PrefixHit, promised: int) -> bool:
         """Whether the request's whole prompt (and growth room) fits in the unpromised free blocks

@@ -72,7 +72,8 @@ class AdmissionPolicy(ABC):
       left a request waiting for KV blocks, and `is_seq_capped` when requests wait
       because `max_num_seqs` sequences already run.
 
-    The base class keeps the waiting requests in one WaitingQueue.
+    The base class keeps the waiting requests in one WaitingQueue (continuous
+    admission adds a second, for handed-off requests).
     """
 
     def __init__(self, config: SchedulerConfig) -> None:

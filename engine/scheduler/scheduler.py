@@ -107,10 +107,8 @@ class Scheduler:
         return bool(self.running or self.swapped or self.policy.num_waiting)
 
     def peak_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """The most tokens a request ever holds in the KV cache.
-
-        The last sampled token ends the request before its KV is computed.
-        """
+        """The most tokens a request ever holds in the KV cache (the last sampled token ends
+        the request before its KV is computed)."""
         return min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -194,15 +192,14 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget, chunk_cap)
-            if num_new > 1:  # a prompt's chunk (a decoding row takes one token)
+            remaining = len(request.all_token_ids) - request.num_computed_tokens
+            num_new = min(remaining, budget, chunk_cap)
+            if remaining > 1:  # a prompt's chunk (a decoding row has one token to compute)
                 num_new = min(num_new, prefill_left)
             if num_new <= 0:
                 i += 1
                 continue
-            while not kv.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new
-            ):
+            while not kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 victim = running[-1]
                 self._preempt(victim, out)
                 if victim is request:
@@ -211,14 +208,14 @@ class Scheduler:
                 requests.append(request)
                 num_scheduled.append(num_new)
                 budget -= num_new
-                prefill_left -= num_new if num_new > 1 else 0
+                prefill_left -= num_new if remaining > 1 else 0
                 i += 1
 
         self._step_blocked_by_kv = bool(out.preempted)
         self._step_seq_capped = False
         if not out.preempted:
             now = time.monotonic()
-            budget = self._schedule_swapped(out, budget, chunk_cap)
+            budget, prefill_left = self._schedule_swapped(out, budget, chunk_cap, prefill_left)
             # NOTE: newcomers wait until every swapped request is back, so none starves.
             if not self.swapped:
                 admissions = min(budget, prefill_left)
@@ -234,13 +231,20 @@ class Scheduler:
         if not self.serves_handoffs or self.decode_step_s is None:
             return UNLIMITED
         return prefill_limit(self.config.max_decode_stretch, self.running, self.policy.num_waiting,
-                             self.decode_step_s, self.cost_model.prefill_seconds_per_token, self.block_size)
+                             self.decode_step_s, self.cost_model.measured_prefill_seconds_per_token,
+                             self.block_size)
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, chunk_cap: int,
+                          prefill_left: int) -> tuple[int, int]:
+        """Swap requests back in, in order, while blocks allow; returns the token budget and
+        the prompt tokens (prefill_limit) left."""
         kv = self.kv
         while self.swapped and budget > 0 and self.num_seqs < self.config.max_num_seqs:
             request = self.swapped[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, chunk_cap)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget, chunk_cap, prefill_left if remaining > 1 else 1)
+            if num_new <= 0:  # mid-prompt, and this step's prompt tokens are spent
+                break
             num_blocks = cdiv(request.num_computed_tokens + num_new, self.block_size)
             if num_blocks + self._growth_reserve() > kv.num_free_blocks:
                 break
@@ -254,7 +258,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=by_sort_key)
             budget = self._schedule_admitted(out, request, num_new, budget)
-        return budget
+            prefill_left -= num_new if remaining > 1 else 0
+        return budget, prefill_left
 
     def _growth_reserve(self) -> int:
         """Blocks kept free so the running batch can grow for a few decode steps."""
@@ -360,9 +365,7 @@ class Scheduler:
             request.prefill_start_time = now
         return first
 
-    def _schedule_admitted(
-        self, out: SchedulerOutput, request: Request, num_new: int, budget: int
-    ) -> int:
+    def _schedule_admitted(self, out: SchedulerOutput, request: Request, num_new: int, budget: int) -> int:
         ok = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
         assert ok, "admission checked the free blocks"
         out.requests.append(request)
@@ -378,9 +381,7 @@ class Scheduler:
             if mode == "swap":
                 kind = PreemptionKind.SWAP
             else:
-                kind = self.cost_model.choose(
-                    request.num_computed_tokens, len(kv.get_block_ids(request_id))
-                )
+                kind = self.cost_model.choose(request.num_computed_tokens, len(kv.get_block_ids(request_id)))
         if request.events is not None:
             request.record(Preempted(kind=kind, num_blocks=len(kv.get_block_ids(request_id)),
                                      num_computed_tokens=request.num_computed_tokens))

@@ -43,6 +43,10 @@ class WaitingQueue:
     def peek(self) -> Request:
         return self._heap[0][3]
 
+    def head_key(self) -> tuple[int, float, int]:
+        """The best request's place: (level, deadline, arrival index)."""
+        return self._heap[0][:3]
+
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[3]
 
