@@ -4,6 +4,7 @@ processes on loopback. `baton up`, the end-to-end tests and the serving benchmar
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,7 +27,30 @@ from baton.wire.records import WorkerStats
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+# Ports are chosen below the kernel's ephemeral range (net.ipv4.ip_local_port_range, whose
+# Linux default starts at 32768): a port the kernel picked from that range (bind to port 0)
+# may be taken as an outgoing connection's source port before the process it was picked
+# for binds it, and that process then dies with "Address already in use".
+LOWEST_PORT = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 now, at random below the ephemeral range (the
+    kernel's choice when that range starts too low to leave room)."""
+    try:
+        ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    pick = random.SystemRandom()
+    for _ in range(100 if ephemeral_low - LOWEST_PORT >= 1000 else 0):
+        port = pick.randrange(LOWEST_PORT, ephemeral_low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
