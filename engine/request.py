@@ -217,6 +217,12 @@ class Request:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
+    def is_prefilling(self) -> bool:
+        """Whether more than its last token is left to compute: its prompt (or, preempted by
+        recompute, its output so far) is not yet all in the KV cache."""
+        return self.num_computed_tokens < len(self.all_token_ids) - 1
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
 

@@ -42,15 +42,16 @@ def free_port() -> int:
         ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
-    pick = random.SystemRandom()
-    for _ in range(100 if ephemeral_low - LOWEST_PORT >= 1000 else 0):
-        port = pick.randrange(LOWEST_PORT, ephemeral_low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
+    if ephemeral_low - LOWEST_PORT >= 1000:
+        pick = random.SystemRandom()
+        for _ in range(100):
+            port = pick.randrange(LOWEST_PORT, ephemeral_low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -33,17 +33,17 @@ def prefill_limit(
 ) -> int:
     """Prompt tokens a step may take: UNLIMITED when nothing limits it (no stretch, no
     decoding row, no prompt to prefill: no running row mid-prompt and none waiting, or
-    no decode step time known),
-    else the tokens that take `stretch` times the decode step of the decoding rows, at
-    least `floor` (a prompt moves on however slow the prefill rate measured)."""
+    no decode step time or prefill rate known), else the tokens that take `stretch` times
+    the decode step of the decoding rows, at least `floor` (a prompt moves on however slow
+    the prefill rate measured)."""
     if stretch <= 0 or prefill_s_per_token <= 0:
         return UNLIMITED
     num_decoding = num_prefilling = 0
     for request in running:
-        if request.num_computed_tokens >= len(request.all_token_ids) - 1:
-            num_decoding += 1
-        else:
+        if request.is_prefilling:
             num_prefilling += 1
+        else:
+            num_decoding += 1
     if num_decoding == 0 or (num_prefilling == 0 and num_waiting == 0):
         return UNLIMITED
     seconds = decode_step_s(num_decoding)

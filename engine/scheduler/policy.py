@@ -115,7 +115,7 @@ class AdmissionPolicy(ABC):
         return sum(
             AdmissionPolicy.blocks_still_to_take(view, request)
             for request in view.running
-            if request.num_computed_tokens < len(request.all_token_ids) - 1
+            if request.is_prefilling
         )
 
     @staticmethod

@@ -51,5 +51,8 @@ class WaitingQueue:
         return heapq.heappop(self._heap)[3]
 
     def remove(self, request: Request) -> None:
-        self._heap = [entry for entry in self._heap if entry[3] is not request]
-        heapq.heapify(self._heap)
+        """Take `request` out, if it is here."""
+        kept = [entry for entry in self._heap if entry[3] is not request]
+        if len(kept) < len(self._heap):
+            heapq.heapify(kept)
+            self._heap = kept
