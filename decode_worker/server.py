@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import replace
 
 import grpc
@@ -32,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"]
 
+# How many prompts' first blocks _lands remembers.
+RECENT_PROMPTS = 4096
+
 
 class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
     """gRPC DecodeWorker over a continuous-batching engine."""
@@ -46,6 +50,8 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         self._pulls: dict[str, asyncio.Task] = {}  # KV pulls under way, cancelled if their call ends
         self._fence_ids = itertools.count()
         self._background = BackgroundTasks()
+        # The first blocks of the prompts served lately, to guess which the prefix cache holds (_lands).
+        self._recent_prompts: OrderedDict[tuple[int, ...], None] = OrderedDict()
 
     async def load(self, address: str) -> None:
         await super().load(address)
@@ -62,6 +68,10 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             tls=self.settings.tls,
         )
         await self._share_cache()
+        # Handed-off requests land in blocks set aside while a step runs (engine/landing.py):
+        # as many as one step's worth of prompt tokens.
+        num_tokens = self.llm_engine.config.scheduler.max_num_batched_tokens
+        await self.engine.call(lambda llm: llm.landing.open(num_tokens))
         allowlist = self.settings.prefill_allowlist
         await allowlist.refresh(force=True)
         logger.info("decode worker %s pulls KV from %s", self.worker_id,
@@ -150,9 +160,6 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
         finally:
             self._forget(request_id)
-            pull = self._pulls.get(request_id)
-            if pull is not None:
-                pull.cancel()  # its peer may never answer: the blocks are freed now, not after its timeouts
             if not finished:
                 # Client gone (cancel, deadline, gateway loss) or shutdown: free it here now.
                 await engine.abort(request_id)
@@ -161,6 +168,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         """Queue the request in the engine (a handed-off one is pulled once admitted), its
         call's `deadline` ordering it among the waiting."""
         work, handle = request.request, request.kv_handle
+        land = self._lands(work.prompt_token_ids)
         if handle is None:
             return await self.engine.add_request(work.request_id, work.prompt_token_ids, work.params,
                                                  priority=work.priority, deadline=deadline, trace=traced,
@@ -173,7 +181,24 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         return await self.engine.add_prefilled_request(work.request_id, work.prompt_token_ids,
                                                        request.first_token_id, work.params,
                                                        priority=work.priority, deadline=deadline, trace=traced,
-                                                       num_generated_tokens=work.num_generated_tokens)
+                                                       num_generated_tokens=work.num_generated_tokens, land=land)
+
+    def _lands(self, prompt_token_ids: list[int]) -> bool:
+        """Whether a handed-off prompt may take blocks set aside (engine/landing.py), which it
+        fills whole, rather than wait for admission, which starts its table with the blocks the
+        prefix cache holds and pulls only the rest: not when a prompt served lately began with
+        the same block (it may be cached here). Every prompt served is remembered."""
+        kv = self.llm_engine.kv_manager
+        first = tuple(prompt_token_ids[:kv.block_size])
+        if not kv.enable_prefix_caching or len(first) < kv.block_size:
+            return True
+        recent = self._recent_prompts
+        seen = first in recent
+        recent[first] = None
+        recent.move_to_end(first)
+        if len(recent) > RECENT_PROMPTS:
+            recent.popitem(last=False)
+        return not seen
 
     async def _check_prefill_worker(self, handle: KvHandle) -> KvHandle:
         """The handle, to be pulled from its listed address; FieldError if its prefill worker
@@ -201,10 +226,15 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         return latency.stamp(moments, **{latency.DECODE_RECEIVED: received_at})
 
     def _forget(self, request_id: str) -> None:
+        """Its call ended: its pull, if any, is cancelled (its peer may never answer: the
+        blocks are freed now, not after its timeouts)."""
         self.admission.release(request_id)
         self._handles.pop(request_id, None)
         self._spans.pop(request_id, None)
         self._pull_moments.pop(request_id, None)
+        pull = self._pulls.get(request_id)
+        if pull is not None:
+            pull.cancel()
 
     # -------------------------------------------------------------- KV receive
     def _on_kv_receive(self, receive: KvReceive) -> None:
@@ -234,17 +264,24 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         # so the receive above never writes into blocks that belong to someone else; blocks
         # a sender may still be writing into stay under a fence until it no longer can.
         fence_id = None if result.settled is None else f"{request_id}#fence-{next(self._fence_ids)}"
-        await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok, fence_id))
+        ticket = receive.ticket
+        await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok, fence_id, ticket))
         if fence_id is not None:
             self._background.spawn(self._release_fence(fence_id, result.settled))
+        if ticket is not None:  # landed: if its add was refused, its blocks are under the ticket's fence
+            self._background.spawn(self._release_fence(ticket, result.settled))
         if handle is not None and not result.ok:
             # Tell the prefill worker to drop its lease if the send never happened.
             self._background.spawn(self._release_remote(handle))
 
-    async def _release_fence(self, fence_id: str, settled: asyncio.Future) -> None:
-        await settled
+    async def _release_fence(self, fence_id: str, settled: asyncio.Future | None) -> None:
+        """Free a fence's blocks once its transfer's sender no longer writes (`settled`;
+        None: it never will)."""
+        if settled is not None:
+            await settled
         freed = await self.engine.call(lambda llm: llm.release_fence(fence_id))
-        logger.info("the sender of a failed KV transfer is done writing: %d blocks back in use (%s)", freed, fence_id)
+        if freed:
+            logger.info("no KV transfer writes into the blocks of %s any more: %d back in use", fence_id, freed)
 
     def _end_pull(self, request_id: str) -> None:
         if self._pulls.get(request_id) is asyncio.current_task():  # not a later request's, same id

@@ -12,7 +12,9 @@ coroutine, is a command queued to that thread and run between steps.
     on_kv_receive(receive)  <--receives--    (admitted requests with remote KV)
 
 Outputs and receives travel back with `loop.call_soon_threadsafe`, in step
-order, so a request's outputs never overtake each other.
+order, so a request's outputs never overtake each other. A request that lands
+in blocks the engine set aside (engine/landing.py) has its receive given on the
+loop as its add is queued, before the engine thread has seen it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from engine.engine import LLMEngine
+from engine.landing import Landing
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine.request import InvalidRequestError
 from engine.structured_output import StructuredOutputError
@@ -143,13 +146,17 @@ class AsyncEngine:
     # ----------------------------------------------------------------- commands
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps; return its result or raise its error."""
+        return await self._submit(fn)
+
+    def _submit(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
+        """Queue `fn` now (commands run in the order queued); the future of its result."""
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self._error!r}")
         loop = self._loop
         assert loop is not None
         future: asyncio.Future[T] = loop.create_future()
         self._commands.put((fn, future))
-        return await future
+        return future
 
     async def add_request(
         self,
@@ -192,9 +199,16 @@ class AsyncEngine:
         deadline: float | None = None,
         trace: bool = False,
         num_generated_tokens: int = 0,
+        land: bool = False,
     ) -> RequestStream:
-        """Queue a request whose prompt KV will be received (see LLMEngine.add_prefilled_request)."""
+        """Queue a request whose prompt KV will be received (see LLMEngine.add_prefilled_request).
+        With `land`, it takes blocks the engine set aside if there are enough (engine/landing.py):
+        `on_kv_receive` gets them at once, before the add runs, so its KV is pulled while the
+        engine finishes its step."""
         await self._prepare(params)
+        landing = None
+        if land and self._on_kv_receive is not None and request_id not in self._streams:
+            landing = self.engine.landing.claim(len(prompt_token_ids))
         return await self._add(
             request_id,
             lambda engine: engine.add_prefilled_request(
@@ -206,7 +220,9 @@ class AsyncEngine:
                 deadline=deadline,
                 trace=trace,
                 num_generated_tokens=num_generated_tokens,
+                landing=landing,
             ),
+            landing,
         )
 
     async def _prepare(self, params: SamplingParams) -> None:
@@ -221,14 +237,18 @@ class AsyncEngine:
         except StructuredOutputError as error:
             raise InvalidRequestError(f"sampling_params.{error.name}", str(error)) from None
 
-    async def _add(self, request_id: str, add: Callable[[LLMEngine], Any]) -> RequestStream:
+    async def _add(self, request_id: str, add: Callable[[LLMEngine], Any],
+                   landing: Landing | None = None) -> RequestStream:
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"duplicate request id {request_id!r}")
         # Registered before the command runs: the first output may follow it immediately.
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         try:
-            await self.call(add)
+            added = self._submit(add)
+            if landing is not None:  # its pull starts now; the pull's completion is queued behind the add
+                self._on_kv_receive(KvReceive(request_id, landing.block_ids, ticket=landing.ticket))
+            await added
         except asyncio.CancelledError:
             # The caller went away (a cancelled call), but its command is queued or has
             # run: the request would live on with nobody to read or free it. Its abort,

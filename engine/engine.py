@@ -12,6 +12,7 @@ from engine.block_pool import KVCacheManager, cdiv
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize
 from engine.kv_cache import KVCache, KVLayout
+from engine.landing import Landing, LandingZone
 from engine.memory import (DeviceMemory, GraphReserve, check_share_is_free, kv_cache_budget, profile_memory,
                            read_device_memory)
 from engine.model.loader import LoadedModel, load_model
@@ -88,8 +89,8 @@ class LLMEngine:
         self._in_flight: _UnresolvedStep | None = None
         # Set (AsyncEngine): given a step's admissions with remote KV as it is scheduled, not in its output.
         self.on_kv_receives: Callable[[list[KvReceive]], None] | None = None
-        self._request_counter = itertools.count()
-        self._aborted_outputs: list[RequestOutput] = []
+        self.landing = LandingZone(self.kv_manager)  # blocks set aside for handoffs (a decode worker opens it)
+        self._request_counter, self._aborted_outputs = itertools.count(), []
 
     def _capture_graphs(self) -> GraphCapture:
         """Capture the decode steps' CUDA graphs; warn if they took more memory than sizing kept."""
@@ -176,6 +177,7 @@ class LLMEngine:
         deadline: float | None = None,
         trace: bool = False,
         num_generated_tokens: int = 0,
+        landing: Landing | None = None,
     ) -> Request:
         """Queue a request whose prompt another engine prefilled and sampled `first_token_id` for.
 
@@ -184,26 +186,36 @@ class LLMEngine:
         `complete_kv_receive`. It then decodes from the first token as if it
         had been prefilled here (a seeded request's generator skips the draw
         the other engine made; `num_generated_tokens` and `deadline` as in add_request).
+        With a `landing` (blocks `self.landing` set aside, which the caller is filling
+        already) it is admitted now, in them; if it is refused they go under a fence
+        named by the landing's ticket, for the caller to release once nothing writes into them.
         """
-        check_token_ids("first_token_id", [first_token_id], self.vocab_size, is_list=False)
-        request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority, trace,
-                                    num_generated_tokens + 1, deadline)
-        request.all_token_ids.append(first_token_id)
-        request.prompt_logprobs = None  # the engine that prefilled it computed them
-        request.output_start -= num_generated_tokens
-        start_grammar(self.grammars, request)
-        request.kv_remote = True
-        self.scheduler.add_request(request)
+        try:
+            check_token_ids("first_token_id", [first_token_id], self.vocab_size, is_list=False)
+            request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority, trace,
+                                        num_generated_tokens + 1, deadline)
+            request.all_token_ids.append(first_token_id)
+            request.prompt_logprobs = None  # the engine that prefilled it computed them
+            request.output_start -= num_generated_tokens
+            start_grammar(self.grammars, request)
+            request.kv_remote = True
+            self.scheduler.add_request(request, landing)
+        except BaseException:
+            if landing is not None:
+                self.kv_manager.take_aside(landing.block_ids, to_fence=landing.ticket)
+            raise
         return request
 
-    def complete_kv_receive(self, request_id: str, ok: bool, fence_id: str | None = None) -> bool:
+    def complete_kv_receive(self, request_id: str, ok: bool, fence_id: str | None = None,
+                            landing: str | None = None) -> bool:
         """The KV of a `kv_receives` entry is in place (`ok`), or never will be: the request
         then prefills its prompt here. False if the request is gone (aborted meanwhile).
+        `landing`: the entry's ticket, if it landed in blocks set aside.
 
         `fence_id`: the receive failed with its blocks in doubt (the sender may still
         write into them): they stay out of the pool under that id, whether or not the
         request is gone, until `release_fence(fence_id)`."""
-        return self.scheduler.complete_kv_receive(request_id, ok, fence_id) is not None
+        return self.scheduler.complete_kv_receive(request_id, ok, fence_id, landing) is not None
 
     def release_fence(self, fence_id: str) -> int:
         """Free the blocks of a fence: nothing writes into them any more. How many."""
@@ -314,7 +326,9 @@ class LLMEngine:
 
     def _launch(self) -> _UnresolvedStep:
         scheduler = self.scheduler
+        self.landing.drain()  # the scheduler sees every free block
         sched_out = scheduler.schedule()
+        self.landing.refill(*scheduler.landing_room())
         kv_receives = [
             KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)),
                       request.num_reused_blocks)

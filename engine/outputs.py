@@ -55,11 +55,14 @@ class RequestOutput:
 class KvReceive:
     """A request admitted with remote KV: receive its prompt's KV into these blocks,
     then call `LLMEngine.complete_kv_receive`. The first `num_reused_blocks` hold a
-    cached prefix already (prefix caching): only the blocks after them are received."""
+    cached prefix already (prefix caching): only the blocks after them are received.
+    `ticket`: the request landed in blocks set aside (engine/landing.py) as its call
+    arrived; if its add failed they are under a fence of that name."""
 
     request_id: str
     block_ids: list[int]
     num_reused_blocks: int = 0
+    ticket: str | None = None
 
 
 @dataclass(slots=True)

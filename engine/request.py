@@ -137,6 +137,8 @@ class Request:
         "kv_remote": "Disaggregated serving: the prompt's KV comes from another engine; admission allocates "
                      "its blocks and waits (RECEIVING) instead of prefilling.",
         "abort_requested": "Aborted while RECEIVING: it ends when the receive does.",
+        "landing": "The ticket of the blocks set aside that it received into (engine/landing.py); None: "
+                   "admitted from the queue.",
         "kv_ready_time": "A received prompt's KV landed (monotonic).",
         "prefill_start_time": "First admitted to prefill here (monotonic).",
         "first_decode_time": "End of its first decode step (monotonic).",
@@ -189,6 +191,7 @@ class Request:
         self.prefill_only = prefill_only
         self.kv_remote = False
         self.abort_requested = False
+        self.landing: str | None = None
         self.kv_ready_time: float | None = None
         self.prefill_start_time: float | None = None
         self.first_decode_time: float | None = None

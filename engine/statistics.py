@@ -163,6 +163,9 @@ class EngineStats:
                                              "(decode).", 40, "baton_prefix_cache_received_blocks")
     prefix_cache_reused_blocks: int = stat(COUNTER, "Prompt blocks of handed-off requests already held here: not "
                                            "transferred.", 41, "baton_prefix_cache_reused_blocks")
+    num_kv_landed: int = stat(COUNTER, "Handed-off requests that took blocks set aside as their call arrived, "
+                              "their KV pulled while a step ran; the others were admitted at a schedule.", 47,
+                              "baton_kv_landed")
     # The step-time model (engine/step_time.py), measured at start and refitted as it
     # serves; the gateway predicts waits with it. 0.0: not measured yet.
     decode_step_base_s: float = stat(GAUGE, "A decode step of n sequences takes decode_step_base_s + "

@@ -14,7 +14,8 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool, KVCacheManager
+from engine.block_pool import KVCacheManager
+from engine.kv_pool import BlockPool
 from engine.prefix_hash import block_hashes, hash_block, root_hash
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams

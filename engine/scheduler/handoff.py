@@ -21,6 +21,7 @@ from engine.timeline import KvReceived, KvReceiveFailed
 
 if TYPE_CHECKING:
     from engine.block_pool import KVCacheManager
+    from engine.landing import Landing
     from engine.scheduler.prefix import PrefixMatcher
 
 
@@ -33,11 +34,21 @@ class KvHandoffs:
         self.prefix = prefix
         self.held: dict[str, Request] = {}
         self.receiving: dict[str, Request] = {}
+        self.num_landed = 0  # requests that landed (land())
 
     def hold(self, request: Request) -> None:
         """A prefilled request out of the batch: its blocks kept for a handoff."""
         request.status = RequestStatus.HELD
         self.held[request.request_id] = request
+
+    def land(self, request: Request, landing: Landing) -> None:
+        """A kv_remote request RECEIVING at once in blocks set aside for it (engine/landing.py)."""
+        self.kv.take_aside(landing.block_ids, to_request=request.request_id)
+        self.kv.prefix_stats.num_received_blocks_queried += len(landing.block_ids)
+        request.landing = landing.ticket
+        request.status = RequestStatus.RECEIVING
+        self.num_landed += 1
+        self.receive(request)
 
     def receive(self, request: Request) -> None:
         """An admitted kv_remote request, its prompt's blocks allocated, waits for its KV."""

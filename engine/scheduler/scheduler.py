@@ -29,7 +29,8 @@ from collections.abc import Callable
 
 from engine.block_pool import KVCacheManager, PrefixHit, cdiv
 from engine.config import SchedulerConfig
-from engine.preemption import PreemptionCostModel, PreemptionKind
+from engine.landing import Landing
+from engine.preemption import PreemptionCostModel
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
                             by_sort_key, deadline_key)
 from engine.scheduler.budget import UNLIMITED, prefill_limit
@@ -38,12 +39,13 @@ from engine.scheduler.handoff import KvHandoffs
 from engine.scheduler.integrity import check_scheduler_integrity
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import AdmissionPolicy
+from engine.scheduler.preempt import preempt
 from engine.scheduler.prefix import PrefixMatcher
 from engine.scheduler.static import StaticAdmission
 from engine.scheduler.stopping import ends_by_length, stop_status
 from engine.scheduler.stats import SchedulerCounters, SchedulerStats, snapshot_stats
 from engine.statistics import RecentStats
-from engine.timeline import Admitted, Preempted, SwappedIn
+from engine.timeline import Admitted, SwappedIn
 
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     "continuous": ContinuousAdmission,
@@ -127,7 +129,9 @@ class Scheduler:
                 name, f"request needs up to {cdiv(peak_tokens, self.block_size)} KV blocks; the cache has {num_blocks}"
             )
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, landing: Landing | None = None) -> None:
+        """Queue a request; one with a `landing` (blocks set aside for it as its call arrived,
+        engine/landing.py) is RECEIVING in them at once."""
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"duplicate request id {request.request_id!r}")
         self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
@@ -138,7 +142,14 @@ class Scheduler:
         # Its prefill work as it waits (stats): the prompt less what the cache holds now.
         request.num_cached_estimate = self.prefix.hit(request).num_tokens(self.block_size)
         self.serves_handoffs |= request.kv_remote
-        self.policy.add(request)
+        if landing is None:
+            self.policy.add(request)
+            return
+        request.arrival_time = landing.claimed_at  # it arrived, and was admitted, as it claimed them
+        self._enter(request, landing.claimed_at)
+        if request.events is not None:
+            request.record(Admitted(queue_time_s=0.0, readmitted=False, kv_remote=True, cached_tokens=0))
+        self.handoffs.land(request, landing)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state and free everything it holds."""
@@ -261,6 +272,14 @@ class Scheduler:
             prefill_left -= num_new if remaining > 1 else 0
         return budget, prefill_left
 
+    def landing_room(self) -> tuple[int, int]:
+        """Free blocks and batch places to set aside for handed-off requests after a schedule
+        (engine/landing.py): none while a request waits for blocks or is swapped out, and
+        the running batch's growth reserve stays free."""
+        if self.policy.is_kv_short or self.swapped:
+            return 0, 0
+        return self.kv.pool.num_unused - self._growth_reserve(), self.config.max_num_seqs - self.num_seqs
+
     def _growth_reserve(self) -> int:
         """Blocks kept free so the running batch can grow for a few decode steps."""
         return cdiv(len(self.running) * self.config.admission_reserve_steps, self.block_size)
@@ -272,11 +291,14 @@ class Scheduler:
             self.finish_request(request, RequestStatus.FINISHED_HANDED_OFF)
         return request
 
-    def complete_kv_receive(self, request_id: str, ok: bool, fence_id: str | None = None) -> Request | None:
+    def complete_kv_receive(self, request_id: str, ok: bool, fence_id: str | None = None,
+                            landing: str | None = None) -> Request | None:
         """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here). With
-        `fence_id`, the failed receive's blocks go under that fence (KVCacheManager.fence)."""
+        `fence_id`, the failed receive's blocks go under that fence (KVCacheManager.fence).
+        `landing`: the ticket it received into; None: admitted from the queue (a receive
+        for another request of the same id changes nothing)."""
         request = self.handoffs.receiving.get(request_id)
-        if request is None:
+        if request is None or request.landing != landing:
             return None
         if fence_id is not None:
             assert not ok, "a completed receive has nothing to fence"
@@ -372,34 +394,7 @@ class Scheduler:
         out.num_scheduled_tokens.append(num_new)
         return budget - num_new
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        mode = self.config.preemption_mode
-        kv = self.kv
-        request_id = request.request_id
-        kind = PreemptionKind.RECOMPUTE
-        if mode != "recompute" and kv.can_swap_out(request_id):
-            if mode == "swap":
-                kind = PreemptionKind.SWAP
-            else:
-                kind = self.cost_model.choose(request.num_computed_tokens, len(kv.get_block_ids(request_id)))
-        if request.events is not None:
-            request.record(Preempted(kind=kind, num_blocks=len(kv.get_block_ids(request_id)),
-                                     num_computed_tokens=request.num_computed_tokens))
-        self.running.remove(request)
-        request.num_preemptions += 1
-        out.preempted.append((request, kind))
-        if kind is PreemptionKind.SWAP:
-            copies = kv.swap_out(request_id)
-            out.swap_out.extend(copies)
-            self.counters.record_preemption(kind, len(copies))
-            request.status = RequestStatus.SWAPPED
-            bisect.insort(self.swapped, request, key=by_sort_key)
-        else:
-            self.counters.record_preemption(kind)
-            kv.free(request_id)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-            self.policy.requeue(request)
+    _preempt = preempt  # (preempt.py)
 
     # ---------------------------------------------------------------- update
     def complete_step(self, out: SchedulerOutput, sampled_requests: list[Request],

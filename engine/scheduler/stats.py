@@ -219,7 +219,7 @@ def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> Schedul
         num_queued_prefill_tokens=_num_queued_prefill_tokens(scheduler, waiting),
         num_kv_blocks_total=kv.pool.num_blocks,
         num_kv_blocks_used=kv.num_used_blocks,
-        num_kv_blocks_free=kv.num_free_blocks,
+        num_kv_blocks_free=kv.num_free_blocks + kv.num_set_aside,
         num_kv_blocks_fenced=kv.num_fenced_blocks,
         num_swap_blocks_used=kv.swap_pool.num_used,
         num_preemptions_recompute=counters.num_preemptions[PreemptionKind.RECOMPUTE],
@@ -244,6 +244,7 @@ def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> Schedul
         prefix_cache_hit_tokens=prefix.num_hit_tokens,
         prefix_cache_received_blocks=prefix.num_received_blocks_queried,
         prefix_cache_reused_blocks=prefix.num_received_blocks_hit,
+        num_kv_landed=scheduler.handoffs.num_landed,
     )
 
 

@@ -1,0 +1,144 @@
+"""Handed-off requests landing in blocks the engine set aside (engine/landing.py): at the
+engine level, the blocks copied by hand as in test_handoff.py; with an AsyncEngine, the
+order of the pull and the add; the decode worker's whole path is served in test_serving.py
+and test_latency.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import SamplingParams
+from engine.config import CacheConfig
+from engine.async_engine import AsyncEngine
+from engine.request import RequestStatus
+from tests.test_engine import make_engine, run
+from tests.test_handoff import copy_blocks, prefill, tiny  # noqa: F401 - tiny is a fixture
+from tests.tiny_models import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def busy_engine(model_dir, zone_tokens: int = 64, **scheduler_kwargs):
+    """A decode engine with its landing zone open and a request of its own decoding, stepped
+    once: blocks and places are set aside after each schedule."""
+    engine = make_engine(model_dir, **scheduler_kwargs)
+    engine.landing.open(zone_tokens)
+    engine.add_request(list(range(40, 50)), GREEDY, request_id="busy")
+    engine.step()
+    return engine
+
+
+def test_a_landed_request_decodes_in_the_step_after_its_kv_arrived(tiny):
+    hf_model, model_dir = tiny
+    prefill_engine, decode_engine = make_engine(model_dir), busy_engine(model_dir)
+    prompt = list(range(3, 21))  # 18 tokens: 5 blocks of 4
+    first, held_ids, _ = prefill(prefill_engine, {"h": prompt}, GREEDY)["h"]
+
+    landing = decode_engine.landing.claim(len(prompt))
+    assert landing is not None and len(landing.block_ids) == len(held_ids) == 5
+    # The pull fills the blocks before the engine has seen the request (the step runs meanwhile).
+    copy_blocks(prefill_engine, held_ids, decode_engine, landing.block_ids)
+    request = decode_engine.add_prefilled_request(prompt, first, GREEDY, request_id="h", landing=landing)
+    assert request.status == RequestStatus.RECEIVING and request.landing == landing.ticket
+    assert decode_engine.kv_manager.get_block_ids("h") == landing.block_ids
+    assert decode_engine.complete_kv_receive("h", True, landing=landing.ticket)
+    decode_engine.check_integrity()
+
+    step = decode_engine.step()  # the very next step decodes it: no admission, no kv_receives
+    assert not step.kv_receives
+    outputs = {"h": [first]}
+    for out in step.outputs:
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert len(outputs["h"]) == 2
+    for request_id, tokens in run(decode_engine).items():
+        outputs.setdefault(request_id, []).extend(tokens)
+    assert outputs["h"] == hf_greedy(hf_model, prompt, 8)
+    assert prefill_engine.release_kv("h")
+    decode_engine.check_integrity()
+    stats = decode_engine.get_metrics()
+    assert stats.num_kv_blocks_used == 0 and stats.num_kv_blocks_free == stats.num_kv_blocks_total
+    assert stats.prefix_cache_received_blocks == 5 and stats.num_kv_landed == 1
+
+
+def test_a_refused_landing_is_fenced_until_released_and_touches_no_other_request(tiny):
+    _, model_dir = tiny
+    engine = busy_engine(model_dir)
+    prompt = list(range(3, 15))
+    engine.add_prefilled_request(prompt, 7, GREEDY, request_id="d")  # queued: receives at a schedule
+    engine.step()
+    assert engine.get_request("d").status == RequestStatus.RECEIVING
+
+    for request_id, first_token in (("d", 7), ("bad", engine.vocab_size + 3)):  # a duplicate id, a bad token
+        landing = engine.landing.claim(len(prompt))
+        assert landing is not None
+        with pytest.raises(ValueError):
+            engine.add_prefilled_request(prompt, first_token, GREEDY, request_id=request_id, landing=landing)
+        assert engine.get_metrics().num_kv_blocks_fenced == len(landing.block_ids)
+        # Its pull's completion reaches no request: not the other "d", which still waits for its own.
+        assert not engine.complete_kv_receive(request_id, True, landing=landing.ticket)
+        assert engine.get_request("d").status == RequestStatus.RECEIVING
+        assert engine.release_fence(landing.ticket) == len(landing.block_ids)
+        engine.check_integrity()
+    assert engine.complete_kv_receive("d", False)  # the queued one's pull failed: it prefills here
+    run(engine)
+    engine.check_integrity()
+    assert engine.get_metrics().num_kv_blocks_used == 0
+
+
+def test_nothing_is_set_aside_while_requests_wait_for_blocks_or_places(tiny):
+    _, model_dir = tiny
+    engine = busy_engine(model_dir, cache=CacheConfig(block_size=4, num_kv_blocks=32, num_swap_blocks=0))
+    landing = engine.landing.claim(4 * 16)  # a whole zone of 64 tokens
+    assert landing is not None
+    engine.kv_manager.take_aside(landing.block_ids)  # (no add follows: given back)
+    engine.step()
+    assert engine.landing.claim(4 * 17) is None  # more than the zone
+
+    # Blocks short: a prompt of 120 tokens (30 blocks of the 32) waits while the busy one holds 3.
+    engine.add_request(list(range(1, 121)), SamplingParams(max_tokens=1), request_id="long")
+    engine.step()
+    assert engine.scheduler.policy.is_kv_short
+    assert engine.landing.claim(4) is None
+    engine.abort_request("long")
+    engine.step()
+    assert engine.landing.claim(4) is not None
+
+    # Places short: max_num_seqs running.
+    full = busy_engine(model_dir, max_num_seqs=1)
+    assert full.landing.claim(4) is None
+    full.check_integrity()
+
+
+def test_the_pull_starts_before_the_add_runs_and_completes_behind_it(tiny):
+    hf_model, model_dir = tiny
+    prefill_engine, decode_engine = make_engine(model_dir), busy_engine(model_dir)
+    prompt = list(range(3, 21))
+    first, held_ids, _ = prefill(prefill_engine, {"h": prompt}, GREEDY)["h"]
+    seen = []
+
+    async def main():
+        def on_kv_receive(receive):
+            # Called as the add is queued, before it runs: the engine has not seen "h" yet.
+            seen.append((receive.ticket, decode_engine.get_request("h")))
+            copy_blocks(prefill_engine, held_ids, decode_engine, receive.block_ids)
+            asyncio.get_running_loop().create_task(engine.call(
+                lambda llm: llm.complete_kv_receive("h", True, landing=receive.ticket)))
+
+        engine = AsyncEngine(decode_engine, on_kv_receive=on_kv_receive)
+        engine.start()
+        try:
+            stream = await engine.add_prefilled_request("h", prompt, first, GREEDY, land=True)
+            tokens = [first]
+            async for out in stream:
+                tokens.extend(out.new_token_ids)
+            return tokens
+        finally:
+            await engine.stop()
+
+    tokens = asyncio.run(main())
+    (ticket, request_then), = seen
+    assert ticket is not None and request_then is None
+    assert tokens == hf_greedy(hf_model, prompt, 8)
+    decode_engine.check_integrity()
