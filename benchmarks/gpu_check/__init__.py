@@ -20,5 +20,6 @@ reported as such (benchmarks/gpu_check/phases.py says what each runs):
 OUT gets summary.json (rewritten after every phase; on a GPU, nvidia-smi's samples in it),
 summary.txt (the one-screen table of every check: PASS / FAIL / TIMEOUT / SKIP, its figure
 and target) and a log per phase. `make gpu-check DEVICE=cpu` runs every phase on CPU with a tiny model and the
-kernels under Triton's interpreter (CI does, with a phase made to hang: BATON_GPU_CHECK_HANG).
+kernels under Triton's interpreter (CI does, with a phase made to hang: BATON_GPU_CHECK_HANG, under
+a short deadline of its own: --deadline-s).
 """

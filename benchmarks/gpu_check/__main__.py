@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results/gpu-check")),
                         help="where the results go (default: $OUT, else benchmarks/results/gpu-check)")
     parser.add_argument("--phases", default=",".join(PHASE_NAMES), help="comma list: run only these phases")
+    parser.add_argument("--deadline-s", action="append", default=[], type=phase_deadline, metavar="PHASE=S",
+                        help="a phase's own deadline, in place of its share of the budget (repeatable)")
     args = parser.parse_args(argv)
     chosen = [name.strip() for name in args.phases.split(",") if name.strip()]
     unknown = set(chosen) - set(PHASE_NAMES)
@@ -33,7 +36,20 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             parser.error("torch sees no CUDA device here: `make gpu-check DEVICE=cpu` runs the check on CPU")
     phases = tuple(phase for phase in PHASES if phase.name in chosen)
-    return CheckRun(args.device, args.budget_s, args.out, phases).run()
+    return CheckRun(args.device, args.budget_s, args.out, phases, dict(args.deadline_s)).run()
+
+
+def phase_deadline(text: str) -> tuple[str, float]:
+    """--deadline-s PHASE=SECONDS: the phase's name and its deadline."""
+    name, _, seconds = text.partition("=")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = math.nan
+    if name not in PHASE_NAMES or not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: write PHASE=SECONDS, seconds > 0, PHASE one of "
+                                         f"{', '.join(PHASE_NAMES)}")
+    return name, value
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ own deadline, and keeps OUT's summary current.
 
     budget  |-- environment --|-- kernels --|-- engine --|-- handoff --|-- figures --|  margin
             each deadline: the time left, shared by the weights of the phases still to run,
-            so time a phase does not use goes to the later ones
+            so time a phase does not use goes to the later ones; a phase given a deadline of
+            its own (--deadline-s) gets that (at most the time left), set aside from the shares
 
 A phase past its deadline gets SIGINT (pytest then prints what it ran), a few seconds, then
 SIGKILL for its whole group, and is reported TIMEOUT with the check it was running; the next
@@ -74,9 +75,11 @@ class PhaseResult:
 class CheckRun:
     """One run of the check: `run()` goes through the phases and returns 0 if every one passed."""
 
-    def __init__(self, device: str, budget_s: float, out: Path, phases: tuple[Phase, ...] = PHASES) -> None:
+    def __init__(self, device: str, budget_s: float, out: Path, phases: tuple[Phase, ...] = PHASES,
+                 deadlines: dict[str, float] | None = None) -> None:
         self.device = device
         self.budget_s = budget_s
+        self.deadlines = deadlines or {}  # phase name -> its own deadline, in place of its share
         self.out = out
         self.results = [PhaseResult(phase) for phase in phases]
         self.started = time.monotonic()
@@ -112,7 +115,12 @@ class CheckRun:
 
     def _deadline_s(self, remaining: list[PhaseResult]) -> float:
         left = self.budget_s - END_MARGIN_S - self.elapsed()
-        return max(0.0, left * remaining[0].phase.weight / sum(r.phase.weight for r in remaining))
+        phase = remaining[0].phase
+        if phase.name in self.deadlines:
+            return max(0.0, min(self.deadlines[phase.name], left))
+        left -= sum(self.deadlines.get(r.phase.name, 0.0) for r in remaining)  # the later phases' own
+        shared = [r.phase.weight for r in remaining if r.phase.name not in self.deadlines]
+        return max(0.0, left * phase.weight / sum(shared))
 
     def _run_phase(self, result: PhaseResult, remaining: list[PhaseResult]) -> None:
         name = result.phase.name
