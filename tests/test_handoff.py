@@ -193,7 +193,8 @@ def test_decoding_rows_limit_the_prompt_tokens_of_an_engine_that_serves_handoffs
     takes prompt tokens worth at most max_decode_stretch of its decode step, by its
     step-time model (here set: a 20 ms decode step, 1 ms a prompt token: 20 tokens a step);
     an engine that never received one (colocated) prefills within its token budget alone.
-    Its running prompt's next chunk too. Outputs are the same either way."""
+    Its running prompt's next chunk too. The step that samples the handed-off request's
+    second token takes no prompt tokens at all. Outputs are the same either way."""
     model, model_dir = tiny
     prefill_engine = make_engine(model_dir)
     decode_engine = make_engine(model_dir, max_num_batched_tokens=64, max_decode_stretch=1.0)
@@ -214,7 +215,8 @@ def test_decoding_rows_limit_the_prompt_tokens_of_an_engine_that_serves_handoffs
         decode_engine.step()  # its prompt, in one chunk: decoding from now on
     decode_engine.add_request(local, params, request_id="local")
     tokens = {"moved": [], "local": []}  # the first of moved's came a step before
-    for computed in ((20, 40) if handed_off else (64 - 1, 80)):  # admitted with a first chunk, then the next
+    # Admitted with a first chunk, then the next (handed off: after moved's first decode step, alone).
+    for computed in ((0, 20, 40) if handed_off else (64 - 1, 80)):
         for out in decode_engine.step().outputs:
             tokens[out.request_id] += out.new_token_ids
         assert decode_engine.get_request("local").num_computed_tokens == computed

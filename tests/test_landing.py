@@ -142,3 +142,25 @@ def test_the_pull_starts_before_the_add_runs_and_completes_behind_it(tiny):
     assert ticket is not None and request_then is None
     assert tokens == hf_greedy(hf_model, prompt, 8)
     decode_engine.check_integrity()
+
+
+def test_a_handoffs_first_decode_step_takes_no_prompt_tokens_but_never_two_steps_running(tiny):
+    """The step that samples a handed-off request's second token takes no prompt chunk; a
+    step after such a step takes its stretch's worth whatever (a stream of handoffs cannot
+    starve the engine's own prompts). Here: a 20 ms decode step, 1 ms a prompt token."""
+    _, model_dir = tiny
+    engine = make_engine(model_dir, max_decode_stretch=1.0)
+    scheduler = engine.scheduler
+    scheduler.serves_handoffs = True
+    scheduler.decode_step_s = lambda num_seqs: 0.02
+    engine.cost_model.prefill_seconds_per_token = 0.001
+    engine.cost_model.num_prefill_observations = 1  # as measured
+    engine.add_request(list(range(40, 50)), GREEDY, request_id="decoding")
+    engine.step()
+    engine.add_request(list(range(60, 140)), GREEDY, request_id="local")  # waiting: a prompt to limit
+    assert scheduler.prefill_limit() == 20
+    landed = scheduler.requests["decoding"]  # prefilled, its first decode step to come
+    landed.kv_ready_time = 1.0  # as if its KV had been received
+    assert [scheduler.prefill_limit() for _ in range(3)] == [0, 20, 0]
+    landed.first_decode_time = 2.0
+    assert scheduler.prefill_limit() == 20

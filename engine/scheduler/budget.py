@@ -11,7 +11,11 @@ So once a handed-off request has reached an engine, a step with decoding rows ta
 most `max_decode_stretch` decode steps' time of prompt tokens, by the engine's step-time
 model (engine/step_time.py): the decode line at that many rows, and the prefill rate. A
 step with no decoding row, or on an engine that never received one (a prefill worker, a
-colocated decode worker), has the token budget alone.
+colocated decode worker), has the token budget alone. And a step that carries a
+handed-off request's first decode step (the one that samples its second token) takes no
+prompt tokens at all, unless the step before took none for the same reason: the
+request waited for the step in progress already, and a prompt's chunk would make its
+client wait longer still for a token it was promised a step away.
 """
 
 from __future__ import annotations
@@ -30,22 +34,28 @@ def prefill_limit(
     decode_step_s: Callable[[int], float],
     prefill_s_per_token: float,
     floor: int,
+    may_hold: bool = True,
 ) -> int:
     """Prompt tokens a step may take: UNLIMITED when nothing limits it (no stretch, no
     decoding row, no prompt to prefill: no running row mid-prompt and none waiting, or
-    no decode step time or prefill rate known), else the tokens that take `stretch` times
-    the decode step of the decoding rows, at least `floor` (a prompt moves on however slow
-    the prefill rate measured)."""
+    no decode step time or prefill rate known); 0 when a handed-off request's first decode
+    step is in it and `may_hold` (the step before took prompt tokens); else the tokens that
+    take `stretch` times the decode step of the decoding rows, at least `floor` (a prompt
+    moves on however slow the prefill rate measured)."""
     if stretch <= 0 or prefill_s_per_token <= 0:
         return UNLIMITED
     num_decoding = num_prefilling = 0
+    first_decode = False
     for request in running:
         if request.is_prefilling:
             num_prefilling += 1
         else:
             num_decoding += 1
+            first_decode |= request.kv_ready_time is not None and request.first_decode_time is None
     if num_decoding == 0 or (num_prefilling == 0 and num_waiting == 0):
         return UNLIMITED
+    if first_decode and may_hold:
+        return 0
     seconds = decode_step_s(num_decoding)
     if seconds <= 0:  # no decode step measured yet, nor calibrated
         return UNLIMITED

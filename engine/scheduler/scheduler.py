@@ -85,6 +85,7 @@ class Scheduler:
         # (budget.py) by the decode line the engine sets here: seconds of n rows' step.
         self.serves_handoffs = False
         self.decode_step_s: Callable[[int], float] | None = None
+        self._held_prompts = False  # the last step took no prompt tokens, for a handoff's first decode
 
     # ------------------------------------------------------------- requests
     @property
@@ -241,9 +242,11 @@ class Scheduler:
         """Prompt tokens this step may take besides its token budget (budget.py)."""
         if not self.serves_handoffs or self.decode_step_s is None:
             return UNLIMITED
-        return prefill_limit(self.config.max_decode_stretch, self.running, self.policy.num_waiting,
-                             self.decode_step_s, self.cost_model.measured_prefill_seconds_per_token,
-                             self.block_size)
+        limit = prefill_limit(self.config.max_decode_stretch, self.running, self.policy.num_waiting,
+                              self.decode_step_s, self.cost_model.measured_prefill_seconds_per_token,
+                              self.block_size, may_hold=not self._held_prompts)
+        self._held_prompts = limit == 0  # (a limit is otherwise at least a block's worth)
+        return limit
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int, chunk_cap: int,
                           prefill_left: int) -> tuple[int, int]:
