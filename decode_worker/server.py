@@ -71,7 +71,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         # Handed-off requests land in blocks set aside while a step runs (engine/landing.py):
         # as many as one step's worth of prompt tokens.
         num_tokens = self.llm_engine.config.scheduler.max_num_batched_tokens
-        await self.engine.call(lambda llm: llm.landing.open(num_tokens))
+        await self.engine.call(lambda llm: llm.scheduler.landing.open(num_tokens))
         allowlist = self.settings.prefill_allowlist
         await allowlist.refresh(force=True)
         logger.info("decode worker %s pulls KV from %s", self.worker_id,
@@ -265,10 +265,10 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         # a sender may still be writing into stay under a fence until it no longer can.
         fence_id = None if result.settled is None else f"{request_id}#fence-{next(self._fence_ids)}"
         ticket = receive.ticket
-        await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok, fence_id, ticket))
+        completed = await self.engine.call(lambda llm: llm.complete_kv_receive(request_id, result.ok, fence_id, ticket))
         if fence_id is not None:
             self._background.spawn(self._release_fence(fence_id, result.settled))
-        if ticket is not None:  # landed: if its add was refused, its blocks are under the ticket's fence
+        if ticket is not None and not completed:  # its add may have been refused: its blocks fenced
             self._background.spawn(self._release_fence(ticket, result.settled))
         if handle is not None and not result.ok:
             # Tell the prefill worker to drop its lease if the send never happened.

@@ -208,7 +208,7 @@ class AsyncEngine:
         await self._prepare(params)
         landing = None
         if land and self._on_kv_receive is not None and request_id not in self._streams:
-            landing = self.engine.landing.claim(len(prompt_token_ids))
+            landing = self.engine.scheduler.landing.claim(len(prompt_token_ids))
         return await self._add(
             request_id,
             lambda engine: engine.add_prefilled_request(

@@ -303,15 +303,15 @@ class KVCacheManager:
         taking = set(block_ids)
         kept = [block_id for block_id in self._aside if block_id not in taking]
         assert len(kept) + len(taking) == len(self._aside), "blocks taken that were not set aside"
+        assert to_request not in self._tables, "a request takes blocks set aside for a new table"
+        if to_fence is not None and to_fence in self._fenced:
+            raise ValueError(f"fence {to_fence!r} exists")
         self._aside = kept
         if to_request is not None:
-            assert to_request not in self._tables, "a request set aside blocks for has none"
             table = self._new_table(to_request)
             self.block_tables[self._rows[to_request], : len(block_ids)] = block_ids
             table.extend(block_ids)
         elif to_fence is not None:
-            if to_fence in self._fenced:
-                raise ValueError(f"fence {to_fence!r} exists")
             self._fenced[to_fence] = list(block_ids)
         else:
             self.pool.free(block_ids)

@@ -12,7 +12,7 @@ from engine.block_pool import KVCacheManager, cdiv
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize
 from engine.kv_cache import KVCache, KVLayout
-from engine.landing import Landing, LandingZone
+from engine.landing import Landing
 from engine.memory import (DeviceMemory, GraphReserve, check_share_is_free, kv_cache_budget, profile_memory,
                            read_device_memory)
 from engine.model.loader import LoadedModel, load_model
@@ -89,8 +89,8 @@ class LLMEngine:
         self._in_flight: _UnresolvedStep | None = None
         # Set (AsyncEngine): given a step's admissions with remote KV as it is scheduled, not in its output.
         self.on_kv_receives: Callable[[list[KvReceive]], None] | None = None
-        self.landing = LandingZone(self.kv_manager)  # blocks set aside for handoffs (a decode worker opens it)
-        self._request_counter, self._aborted_outputs = itertools.count(), []
+        self._request_counter = itertools.count()
+        self._aborted_outputs: list[RequestOutput] = []
 
     def _capture_graphs(self) -> GraphCapture:
         """Capture the decode steps' CUDA graphs; warn if they took more memory than sizing kept."""
@@ -186,7 +186,7 @@ class LLMEngine:
         `complete_kv_receive`. It then decodes from the first token as if it
         had been prefilled here (a seeded request's generator skips the draw
         the other engine made; `num_generated_tokens` and `deadline` as in add_request).
-        With a `landing` (blocks `self.landing` set aside, which the caller is filling
+        With a `landing` (blocks `scheduler.landing` set aside, which the caller is filling
         already) it is admitted now, in them; if it is refused they go under a fence
         named by the landing's ticket, for the caller to release once nothing writes into them.
         """
@@ -201,8 +201,8 @@ class LLMEngine:
             request.kv_remote = True
             self.scheduler.add_request(request, landing)
         except BaseException:
-            if landing is not None:
-                self.kv_manager.take_aside(landing.block_ids, to_fence=landing.ticket)
+            if landing is not None:  # (refused before its blocks became its table)
+                self.scheduler.landing.refuse(landing)
             raise
         return request
 
@@ -326,9 +326,7 @@ class LLMEngine:
 
     def _launch(self) -> _UnresolvedStep:
         scheduler = self.scheduler
-        self.landing.drain()  # the scheduler sees every free block
         sched_out = scheduler.schedule()
-        self.landing.refill(*scheduler.landing_room())
         kv_receives = [
             KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)),
                       request.num_reused_blocks)

@@ -1,28 +1,14 @@
-"""LandingZone: free KV blocks an engine sets aside while it steps, for handed-off requests
-to land in at once.
+"""LandingZone: free KV blocks and batch places the scheduler sets aside after each
+schedule, for handed-off requests to claim on the event loop as their Decode call arrives
+(under a lock: no command, no wait for the step in progress), so their KV is pulled while
+the step runs and they join the next one. docs/scheduler.md ("Landing") has the rules.
 
-A request whose prompt another engine prefilled needs blocks before its KV can be
-pulled, and blocks are the engine thread's to give: queued as a command, it would wait
-for the step under way to end, then the pull would run during the next step, and the
-request would join the batch only in the step after that. Instead, after each schedule
-the engine thread sets aside free blocks and places in the batch (`refill`); the event
-loop `claim`s them for a request as its Decode call arrives and pulls its KV into them
-at once, while the step runs; the request's add command, run between steps, makes them
-its table (LLMEngine.add_prefilled_request with `landing`). Its pull has usually ended
-by then, and the request joins the very next step. Before each schedule the engine
-thread takes back what nobody claimed (`drain`), so the scheduler sees every free block.
-
-    event loop (claim)                     engine thread
-    ------------------                     -------------
-                                           drain -> schedule -> refill -> run the step
-    claim -> add command queued, pull ->   (the step runs)
-    pull done -> complete command          add: the claimed blocks become the request's
-                                           complete: RUNNING, in the next schedule
-
-Only plain free blocks are set aside (never cached ones), and none while requests wait
-for blocks: handed-off requests never overtake those, nor take what the running batch
-needs to grow (Scheduler.landing_room). A request that finds too few blocks set aside
-is admitted as before (queued, its blocks allocated at a schedule).
+    event loop                              engine thread (Scheduler.schedule)
+    ----------                              ----------------------------------
+                                            drain -> schedule -> refill; the step runs
+    claim -> add queued, pull starts        (the step runs)
+    pull ends -> completion queued          add: land (its table) or refuse (fenced);
+                                            completion: RUNNING, in the next schedule
 """
 
 from __future__ import annotations
@@ -52,7 +38,7 @@ class Landing:
 
 class LandingZone:
     """The blocks and batch places set aside; `claim` is called on the event loop, the rest
-    on the engine thread. Off (nothing set aside) until `open`."""
+    on the engine thread (by the Scheduler). Closed (nothing set aside) until `open`."""
 
     def __init__(self, kv: KVCacheManager) -> None:
         self._kv = kv
@@ -61,9 +47,11 @@ class LandingZone:
         self._places = 0
         self._tickets = itertools.count()
         self.num_tokens = 0  # how many tokens' blocks to set aside; 0: closed
+        # Claims whose add has not run yet: the Scheduler counts them as sequences.
+        self.num_claimed = 0
 
     def open(self, num_tokens: int) -> None:
-        """Set aside blocks for up to `num_tokens` prompt tokens from the next refill on."""
+        """Set aside blocks for up to `num_tokens` prompt tokens from the next schedule on."""
         if num_tokens <= 0:
             raise ValueError(f"a landing zone needs a positive size, got {num_tokens}")
         self.num_tokens = num_tokens
@@ -71,7 +59,8 @@ class LandingZone:
     # ------------------------------------------------------------ event loop
     def claim(self, num_tokens: int) -> Landing | None:
         """Blocks for a prompt of `num_tokens` tokens and a place in the batch, or None if
-        fewer are set aside (the request is then admitted as before)."""
+        fewer are set aside (the request is then admitted as before). The caller queues
+        the request's add at once, which `land`s or `refuse`s them."""
         num_blocks = cdiv(num_tokens, self._kv.block_size)
         with self._lock:
             if self._places < 1 or num_blocks > len(self._block_ids):
@@ -79,9 +68,25 @@ class LandingZone:
             block_ids = self._block_ids[:num_blocks]
             del self._block_ids[:num_blocks]
             self._places -= 1
-            return Landing(f"landing-{next(self._tickets)}", block_ids, time.monotonic())
+            self.num_claimed += 1
+        return Landing(f"landing-{next(self._tickets)}", block_ids, time.monotonic())
 
     # ---------------------------------------------------------- engine thread
+    def land(self, landing: Landing, request_id: str) -> None:
+        """The claimed blocks become the table of the request the add made."""
+        self._kv.take_aside(landing.block_ids, to_request=request_id)
+        self._settle()
+
+    def refuse(self, landing: Landing) -> None:
+        """The add was refused: the claimed blocks go under a fence named by the ticket, for
+        the caller to release once its pull no longer writes into them."""
+        self._kv.take_aside(landing.block_ids, to_fence=landing.ticket)
+        self._settle()
+
+    def _settle(self) -> None:
+        with self._lock:
+            self.num_claimed -= 1
+
     def drain(self) -> None:
         """Take back the blocks nobody claimed (before a schedule)."""
         with self._lock:
@@ -97,5 +102,5 @@ class LandingZone:
             return
         block_ids = self._kv.set_aside(min(num_free, cdiv(self.num_tokens, self._kv.block_size)))
         with self._lock:
-            self._block_ids = block_ids
+            self._block_ids.extend(block_ids)
             self._places = num_places

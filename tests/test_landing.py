@@ -8,23 +8,30 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.config import CacheConfig
 from engine.async_engine import AsyncEngine
 from engine.request import RequestStatus
 from tests.test_engine import make_engine, run
-from tests.test_handoff import copy_blocks, prefill, tiny  # noqa: F401 - tiny is a fixture
-from tests.tiny_models import hf_greedy
+from tests.test_handoff import copy_blocks, prefill
+from tests.tiny_models import hf_greedy, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama-landing")
+    return make_tiny_model(directory, "llama", 4, 2, 16, True, dtype=torch.float64)
 
 
 def busy_engine(model_dir, zone_tokens: int = 64, **scheduler_kwargs):
     """A decode engine with its landing zone open and a request of its own decoding, stepped
     once: blocks and places are set aside after each schedule."""
     engine = make_engine(model_dir, **scheduler_kwargs)
-    engine.landing.open(zone_tokens)
+    engine.scheduler.landing.open(zone_tokens)
     engine.add_request(list(range(40, 50)), GREEDY, request_id="busy")
     engine.step()
     return engine
@@ -36,7 +43,7 @@ def test_a_landed_request_decodes_in_the_step_after_its_kv_arrived(tiny):
     prompt = list(range(3, 21))  # 18 tokens: 5 blocks of 4
     first, held_ids, _ = prefill(prefill_engine, {"h": prompt}, GREEDY)["h"]
 
-    landing = decode_engine.landing.claim(len(prompt))
+    landing = decode_engine.scheduler.landing.claim(len(prompt))
     assert landing is not None and len(landing.block_ids) == len(held_ids) == 5
     # The pull fills the blocks before the engine has seen the request (the step runs meanwhile).
     copy_blocks(prefill_engine, held_ids, decode_engine, landing.block_ids)
@@ -71,7 +78,7 @@ def test_a_refused_landing_is_fenced_until_released_and_touches_no_other_request
     assert engine.get_request("d").status == RequestStatus.RECEIVING
 
     for request_id, first_token in (("d", 7), ("bad", engine.vocab_size + 3)):  # a duplicate id, a bad token
-        landing = engine.landing.claim(len(prompt))
+        landing = engine.scheduler.landing.claim(len(prompt))
         assert landing is not None
         with pytest.raises(ValueError):
             engine.add_prefilled_request(prompt, first_token, GREEDY, request_id=request_id, landing=landing)
@@ -90,24 +97,24 @@ def test_a_refused_landing_is_fenced_until_released_and_touches_no_other_request
 def test_nothing_is_set_aside_while_requests_wait_for_blocks_or_places(tiny):
     _, model_dir = tiny
     engine = busy_engine(model_dir, cache=CacheConfig(block_size=4, num_kv_blocks=32, num_swap_blocks=0))
-    landing = engine.landing.claim(4 * 16)  # a whole zone of 64 tokens
+    landing = engine.scheduler.landing.claim(4 * 16)  # a whole zone of 64 tokens
     assert landing is not None
     engine.kv_manager.take_aside(landing.block_ids)  # (no add follows: given back)
     engine.step()
-    assert engine.landing.claim(4 * 17) is None  # more than the zone
+    assert engine.scheduler.landing.claim(4 * 17) is None  # more than the zone
 
     # Blocks short: a prompt of 120 tokens (30 blocks of the 32) waits while the busy one holds 3.
     engine.add_request(list(range(1, 121)), SamplingParams(max_tokens=1), request_id="long")
     engine.step()
     assert engine.scheduler.policy.is_kv_short
-    assert engine.landing.claim(4) is None
+    assert engine.scheduler.landing.claim(4) is None
     engine.abort_request("long")
     engine.step()
-    assert engine.landing.claim(4) is not None
+    assert engine.scheduler.landing.claim(4) is not None
 
     # Places short: max_num_seqs running.
     full = busy_engine(model_dir, max_num_seqs=1)
-    assert full.landing.claim(4) is None
+    assert full.scheduler.landing.claim(4) is None
     full.check_integrity()
 
 
@@ -159,8 +166,42 @@ def test_a_handoffs_first_decode_step_takes_no_prompt_tokens_but_never_two_steps
     engine.step()
     engine.add_request(list(range(60, 140)), GREEDY, request_id="local")  # waiting: a prompt to limit
     assert scheduler.prefill_limit() == 20
-    landed = scheduler.requests["decoding"]  # prefilled, its first decode step to come
-    landed.kv_ready_time = 1.0  # as if its KV had been received
-    assert [scheduler.prefill_limit() for _ in range(3)] == [0, 20, 0]
-    landed.first_decode_time = 2.0
-    assert scheduler.prefill_limit() == 20
+    local, landed = scheduler.requests["local"], scheduler.requests["decoding"]
+    computed = []
+    for _ in range(4):
+        landed.kv_ready_time, landed.first_decode_time = 1.0, None  # as if its KV had just arrived
+        engine.step()
+        computed.append(local.num_computed_tokens)
+    assert computed == [0, 20, 20, 40]
+    engine.check_integrity()
+
+
+def test_landings_leave_the_blocks_and_places_admitted_prompts_need(tiny):
+    """A prompt prefilled in chunks keeps the blocks its next chunks take, and a claim not
+    yet added keeps its place: handoffs landing after every step never preempt it, and a
+    waiting request is not admitted past max_num_seqs beside a claim."""
+    _, model_dir = tiny
+    engine = busy_engine(model_dir)
+    engine.add_request([1 + i % 150 for i in range(160)], GREEDY, request_id="long")  # 40 of 64 blocks, 32-token chunks
+    landed = 0
+    for step in range(6):
+        engine.step()
+        landing = engine.scheduler.landing.claim(64)
+        if landing is not None:  # its KV is left as it is: only the blocks are watched here
+            engine.add_prefilled_request(list(range(70, 134)), 5, GREEDY, request_id=f"h{step}", landing=landing)
+            assert engine.complete_kv_receive(f"h{step}", True, landing=landing.ticket)
+            landed += 1
+        engine.check_integrity()
+    run(engine)
+    stats = engine.get_metrics()
+    assert landed >= 1 and stats.num_kv_landed == landed
+    assert stats.num_preemptions_recompute == stats.num_preemptions_swap == 0
+
+    full = busy_engine(model_dir, max_num_seqs=2)  # "busy" runs: one place left
+    landing = full.scheduler.landing.claim(8)
+    assert landing is not None
+    full.add_request(list(range(20, 30)), GREEDY, request_id="local")
+    full.step()  # its add not run yet: the claim holds the last place
+    assert full.get_request("local").status == RequestStatus.WAITING
+    full.add_prefilled_request(list(range(3, 11)), 5, GREEDY, request_id="h", landing=landing)
+    full.check_integrity()

@@ -54,9 +54,9 @@ def prefill_limit(
             first_decode |= request.kv_ready_time is not None and request.first_decode_time is None
     if num_decoding == 0 or (num_prefilling == 0 and num_waiting == 0):
         return UNLIMITED
-    if first_decode and may_hold:
-        return 0
     seconds = decode_step_s(num_decoding)
     if seconds <= 0:  # no decode step measured yet, nor calibrated
         return UNLIMITED
+    if first_decode and may_hold:
+        return 0
     return max(floor, int(stretch * seconds / prefill_s_per_token))

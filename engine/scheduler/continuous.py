@@ -67,6 +67,15 @@ class ContinuousAdmission(AdmissionPolicy):
         if (self.received or self.waiting) and view.num_seqs >= max_num_seqs:
             self.is_seq_capped = True
 
+    def landing_room(self, view: AdmissionView) -> int:
+        """The free blocks (not cached ones) that admission would neither give the next waiting
+        request (its whole prompt, cached or not), nor keep for the running batch to grow
+        with one more row, nor promise to the prompts still prefilling."""
+        queue = self._next_queue()
+        needed = 0 if queue is None else cdiv(queue.peek().num_tokens, view.block_size)
+        reserve = cdiv((len(view.running) + 1) * self.config.admission_reserve_steps, view.block_size)
+        return view.kv.pool.num_unused - needed - reserve - self.num_promised_blocks(view)
+
     def _next_queue(self) -> WaitingQueue | None:
         """The queue whose head is next: the received one's, unless the local head's aged
         level is better (it arrived priority_aging_steps or more before); None: both empty."""

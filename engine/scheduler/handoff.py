@@ -42,8 +42,8 @@ class KvHandoffs:
         self.held[request.request_id] = request
 
     def land(self, request: Request, landing: Landing) -> None:
-        """A kv_remote request RECEIVING at once in blocks set aside for it (engine/landing.py)."""
-        self.kv.take_aside(landing.block_ids, to_request=request.request_id)
+        """A kv_remote request RECEIVING at once in the blocks set aside that it claimed,
+        its table now (engine/landing.py)."""
         self.kv.prefix_stats.num_received_blocks_queried += len(landing.block_ids)
         request.landing = landing.ticket
         request.status = RequestStatus.RECEIVING

@@ -102,6 +102,11 @@ class AdmissionPolicy(ABC):
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def landing_room(self, view: AdmissionView) -> int:
+        """Free blocks that handed-off requests may take at once as they arrive while the
+        step runs (engine/landing.py): none here; continuous admission allows some."""
+        return 0
+
     def waiting_requests(self) -> list[Request]:
         return list(self.waiting)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from engine.block_pool import KVCacheManager, PrefixHit, cdiv
 from engine.config import SchedulerConfig
-from engine.landing import Landing
+from engine.landing import Landing, LandingZone
 from engine.preemption import PreemptionCostModel
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
                             by_sort_key, deadline_key)
@@ -73,6 +73,7 @@ class Scheduler:
         self.swapped: list[Request] = []  # sorted by Request.sort_key
         self.prefix = PrefixMatcher(kv)
         self.handoffs = KvHandoffs(kv, self.prefix)  # HELD and RECEIVING requests
+        self.landing = LandingZone(kv)  # blocks set aside for handoffs (a decode worker opens it)
         # The WAITING requests are the policy's.
         self.policy: AdmissionPolicy = ADMISSION_POLICIES[config.policy](config)
         self._num_arrivals = 0
@@ -85,7 +86,7 @@ class Scheduler:
         # (budget.py) by the decode line the engine sets here: seconds of n rows' step.
         self.serves_handoffs = False
         self.decode_step_s: Callable[[int], float] | None = None
-        self._held_prompts = False  # the last step took no prompt tokens, for a handoff's first decode
+        self._held_prompts = False  # the last step took no prompt tokens, for a handoff's first decode step
 
     # ------------------------------------------------------------- requests
     @property
@@ -99,8 +100,8 @@ class Scheduler:
 
     @property
     def num_seqs(self) -> int:
-        """Sequences counted against max_num_seqs: running, and receiving (about to run)."""
-        return len(self.running) + len(self.handoffs.receiving)
+        """Sequences counted against max_num_seqs: running, and receiving or landing (about to run)."""
+        return len(self.running) + len(self.handoffs.receiving) + self.landing.num_claimed
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -136,6 +137,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"duplicate request id {request.request_id!r}")
         self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        if landing is not None:
+            self.landing.land(landing, request.request_id)
         request.arrival_step = self.step_index
         request.arrival_index = self._num_arrivals
         self._num_arrivals += 1
@@ -190,17 +193,40 @@ class Scheduler:
 
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
+        self.landing.drain()  # the step sees every free block
         out = SchedulerOutput()
         config = self.config
         budget = config.max_num_batched_tokens
         chunk_cap = config.long_prefill_token_threshold or budget
         prefill_left = self.prefill_limit()
+        self._held_prompts = prefill_left == 0  # (a limit is otherwise at least a block's worth)
+        budget, prefill_left = self._schedule_running(out, budget, chunk_cap, prefill_left)
+
+        self._step_blocked_by_kv = bool(out.preempted)
+        self._step_seq_capped = False
+        if not out.preempted:
+            now = time.monotonic()
+            budget, prefill_left = self._schedule_swapped(out, budget, chunk_cap, prefill_left)
+            # NOTE: newcomers wait until every swapped request is back, so none starves.
+            if not self.swapped:
+                admissions = min(budget, prefill_left)
+                budget -= admissions - self._admit_chosen(out, admissions, chunk_cap, now)
+                self._step_blocked_by_kv = self.policy.is_kv_short
+                self._step_seq_capped = self.policy.is_seq_capped
+
+        out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
+        if not self.swapped and not self._step_blocked_by_kv:  # (engine/landing.py)
+            self.landing.refill(self.policy.landing_room(self), config.max_num_seqs - self.num_seqs)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, chunk_cap: int,
+                          prefill_left: int) -> tuple[int, int]:
+        """1. Running requests, highest priority first; returns the token budget and the
+        prompt tokens (prefill_limit) left."""
         kv = self.kv
         running = self.running
         requests = out.requests
         num_scheduled = out.num_scheduled_tokens
-
-        # 1. Running requests, highest priority first.
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -222,31 +248,15 @@ class Scheduler:
                 budget -= num_new
                 prefill_left -= num_new if remaining > 1 else 0
                 i += 1
-
-        self._step_blocked_by_kv = bool(out.preempted)
-        self._step_seq_capped = False
-        if not out.preempted:
-            now = time.monotonic()
-            budget, prefill_left = self._schedule_swapped(out, budget, chunk_cap, prefill_left)
-            # NOTE: newcomers wait until every swapped request is back, so none starves.
-            if not self.swapped:
-                admissions = min(budget, prefill_left)
-                budget -= admissions - self._admit_chosen(out, admissions, chunk_cap, now)
-                self._step_blocked_by_kv = self.policy.is_kv_short
-                self._step_seq_capped = self.policy.is_seq_capped
-
-        out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
-        return out
+        return budget, prefill_left
 
     def prefill_limit(self) -> int:
         """Prompt tokens this step may take besides its token budget (budget.py)."""
         if not self.serves_handoffs or self.decode_step_s is None:
             return UNLIMITED
-        limit = prefill_limit(self.config.max_decode_stretch, self.running, self.policy.num_waiting,
-                              self.decode_step_s, self.cost_model.measured_prefill_seconds_per_token,
-                              self.block_size, may_hold=not self._held_prompts)
-        self._held_prompts = limit == 0  # (a limit is otherwise at least a block's worth)
-        return limit
+        return prefill_limit(self.config.max_decode_stretch, self.running, self.policy.num_waiting,
+                             self.decode_step_s, self.cost_model.measured_prefill_seconds_per_token,
+                             self.block_size, may_hold=not self._held_prompts)
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int, chunk_cap: int,
                           prefill_left: int) -> tuple[int, int]:
@@ -274,14 +284,6 @@ class Scheduler:
             budget = self._schedule_admitted(out, request, num_new, budget)
             prefill_left -= num_new if remaining > 1 else 0
         return budget, prefill_left
-
-    def landing_room(self) -> tuple[int, int]:
-        """Free blocks and batch places to set aside for handed-off requests after a schedule
-        (engine/landing.py): none while a request waits for blocks or is swapped out, and
-        the running batch's growth reserve stays free."""
-        if self.policy.is_kv_short or self.swapped:
-            return 0, 0
-        return self.kv.pool.num_unused - self._growth_reserve(), self.config.max_num_seqs - self.num_seqs
 
     def _growth_reserve(self) -> int:
         """Blocks kept free so the running batch can grow for a few decode steps."""
