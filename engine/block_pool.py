@@ -101,6 +101,11 @@ class KVCacheManager:
         self._fenced: dict[str, list[int]] = {}
         # Free blocks set aside between steps for handed-off requests (set_aside()).
         self._aside: list[int] = []
+        # Overlapped steps: blocks freed while a step that may still write into them runs
+        # (defer_frees()), and those of a step whose end is awaited (free_deferred()).
+        self._deferring = False
+        self._deferred: list[int] = []
+        self._deferred_before: list[int] = []
         # Prefix caching: how many of each table's leading blocks were offered to the
         # cache (registered, or already cached under another block).
         self._num_registered: dict[str, int] = {}
@@ -233,9 +238,27 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         if table is None:
             return 0
-        self.pool.free(table)
+        if self._deferring:
+            self._deferred.extend(table)
+        else:
+            self.pool.free(table)
         self._release_table(request_id)
         return len(table)
+
+    def defer_frees(self, defer: bool) -> None:
+        """Overlapped steps: while `defer`, blocks the requests free stay out of the pool, as a
+        step launched and still running may write into them (a request that ended has run
+        once more), so no transfer from another process may be given them yet. Those
+        deferred before this call wait for `free_deferred` (the end of the step they ran
+        beside)."""
+        self._deferred_before.extend(self._deferred)
+        self._deferred = []
+        self._deferring = defer
+
+    def free_deferred(self) -> None:
+        """Free the blocks deferred before the last `defer_frees`: their step has ended."""
+        self.pool.free(self._deferred_before)
+        self._deferred_before = []
 
     def _new_table(self, request_id: str) -> list[int]:
         if not self._free_rows:
@@ -365,7 +388,7 @@ class KVCacheManager:
                 raise AssertionError(f"row {row} of {request_id} disagrees with its table")
             for block_id in table:
                 held[block_id] = held.get(block_id, 0) + 1
-        for table in (*self._fenced.values(), self._aside):
+        for table in (*self._fenced.values(), self._aside, self._deferred, self._deferred_before):
             for block_id in table:
                 held[block_id] = held.get(block_id, 0) + 1
         self.pool.check_integrity(held)

@@ -299,7 +299,8 @@ class LLMEngine:
         the step is launched first and the tokens reported are those of the step before
         it, so the host schedules and prepares step N+1 while the device runs step N.
         A request that step N ends (EOS, a stop token or string) has then also run in
-        step N+1: that token reaches no one, and its blocks are freed with the request.
+        step N+1: that token reaches no one, and its blocks are freed with the request,
+        but go back to the pool only once step N+1 has ended (KVCacheManager.defer_frees).
         """
         started = time.perf_counter()
         launched = self._launch() if self.scheduler.has_schedulable_requests() else None
@@ -311,10 +312,13 @@ class LLMEngine:
                 # Nothing runs on the device (only admissions, swaps): nothing to wait for later.
                 done.append(launched)
                 self._in_flight = None
+            self.kv_manager.defer_frees(self._in_flight is not None)
         step_output = StepOutput()
         for step in done:
             if step is not None:
                 step_output.outputs.extend(self._complete(step, started).outputs)
+        if self.overlap:
+            self.kv_manager.free_deferred()  # freed while the steps just completed ran
         if launched is not None and launched.launched.deferred is not None:
             self.runner.sample_deferred(launched.launched)  # its grammars have seen the tokens just completed
         if launched is not None and launched.kv_receives:

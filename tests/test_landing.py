@@ -99,17 +99,25 @@ def test_nothing_is_set_aside_while_requests_wait_for_blocks_or_places(tiny):
     engine = busy_engine(model_dir, cache=CacheConfig(block_size=4, num_kv_blocks=32, num_swap_blocks=0))
     landing = engine.scheduler.landing.claim(4 * 16)  # a whole zone of 64 tokens
     assert landing is not None
-    engine.kv_manager.take_aside(landing.block_ids)  # (no add follows: given back)
+    engine.scheduler.landing.refuse(landing)  # (no add follows: given back)
+    engine.release_fence(landing.ticket)
     engine.step()
     assert engine.scheduler.landing.claim(4 * 17) is None  # more than the zone
 
     # Blocks short: a prompt of 120 tokens (30 blocks of the 32) waits while the busy one holds 3.
-    engine.add_request(list(range(1, 121)), SamplingParams(max_tokens=1), request_id="long")
-    engine.step()
-    assert engine.scheduler.policy.is_kv_short
-    assert engine.scheduler.landing.claim(4) is None
-    engine.abort_request("long")
-    engine.step()
+    # At the default priority it goes after a handoff arriving now (as in admission): one lands;
+    # at a better one (or aged as long) it goes first, and none does.
+    for priority, lands in ((0, True), (-1, False)):
+        engine.add_request(list(range(1, 121)), SamplingParams(max_tokens=1), request_id="long", priority=priority)
+        engine.step()
+        assert engine.scheduler.policy.is_kv_short
+        landing = engine.scheduler.landing.claim(4)
+        assert (landing is not None) == lands
+        if landing is not None:
+            engine.scheduler.landing.refuse(landing)  # (no add follows: given back)
+            engine.release_fence(landing.ticket)
+        engine.abort_request("long")
+        engine.step()
     assert engine.scheduler.landing.claim(4) is not None
 
     # Places short: max_num_seqs running.

@@ -192,3 +192,23 @@ def test_prefill_only_and_received_requests_in_the_overlapped_loop(tiny):
         assert engine.kv_manager.num_free_blocks == NUM_BLOCKS
         outputs[overlap] = (held.new_token_ids, tokens)
     assert outputs[True] == outputs[False]
+
+
+def test_blocks_a_step_in_flight_may_write_go_back_once_it_has_ended(tiny):
+    """A request ended while its next step is in flight (aborted here; a stop token alike)
+    holds no blocks any more, but they stay out of the pool until that step has ended: a
+    KV transfer from another process given them could be overwritten by its last write."""
+    engine = make_engine(tiny, overlap=True)
+    engine.add_request(list(range(5, 13)), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                       request_id="a")
+    engine.step()
+    engine.step()  # a step of "a" is in flight
+    num_blocks = len(engine.kv_manager.get_block_ids("a"))
+    assert engine._in_flight is not None and num_blocks > 0
+    assert engine.abort_request("a")
+    assert not engine.kv_manager.has_blocks("a")
+    assert engine.get_metrics().num_kv_blocks_used == num_blocks
+    engine.check_integrity()
+    engine.step()  # the step in flight ends
+    assert engine.get_metrics().num_kv_blocks_used == 0
+    engine.check_integrity()

@@ -68,11 +68,15 @@ class ContinuousAdmission(AdmissionPolicy):
             self.is_seq_capped = True
 
     def landing_room(self, view: AdmissionView) -> int:
-        """The free blocks (not cached ones) that admission would neither give the next waiting
-        request (its whole prompt, cached or not), nor keep for the running batch to grow
-        with one more row, nor promise to the prompts still prefilling."""
+        """The free blocks (not cached ones) that admission would not give away before a
+        handed-off request arriving now: the next waiting request's whole prompt if it goes
+        first (a received one, or a local one aged past the level a handoff of the default
+        priority arrives at), growth room for the running batch with one more row, and the
+        blocks promised to prompts still prefilling."""
         queue = self._next_queue()
-        needed = 0 if queue is None else cdiv(queue.peek().num_tokens, view.block_size)
+        arriving = view.step_index // self.config.priority_aging_steps
+        first = queue is self.received or (queue is self.waiting and queue.head_key()[0] < arriving)
+        needed = cdiv(queue.peek().num_tokens, view.block_size) if first else 0
         reserve = cdiv((len(view.running) + 1) * self.config.admission_reserve_steps, view.block_size)
         return view.kv.pool.num_unused - needed - reserve - self.num_promised_blocks(view)
 

@@ -35,6 +35,9 @@ class AdmissionView(Protocol):
     @property
     def num_seqs(self) -> int: ...
 
+    @property
+    def step_index(self) -> int: ...
+
     def peak_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int: ...
 
 

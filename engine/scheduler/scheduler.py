@@ -215,7 +215,7 @@ class Scheduler:
                 self._step_seq_capped = self.policy.is_seq_capped
 
         out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
-        if not self.swapped and not self._step_blocked_by_kv:  # (engine/landing.py)
+        if not self.swapped and not out.preempted:  # (engine/landing.py)
             self.landing.refill(self.policy.landing_room(self), config.max_num_seqs - self.num_seqs)
         return out
 
