@@ -238,11 +238,15 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
 
     # -------------------------------------------------------------- KV receive
     def _on_kv_receive(self, receive: KvReceive) -> None:
-        """The engine admitted a handed-off request and allocated its blocks: pull its KV."""
-        self._pulls[receive.request_id] = self._background.spawn(self._pull(receive))
+        """The engine admitted a handed-off request and allocated its blocks (or it claimed
+        blocks set aside): pull its KV."""
+        self._background.spawn(self._pull(receive))
 
     async def _pull(self, receive: KvReceive) -> None:
         request_id = receive.request_id
+        # Cancellable from here on (_forget): a task cancelled before it ran would never
+        # complete the receive, and its blocks would stay RECEIVING.
+        self._pulls[request_id] = asyncio.current_task()
         handle = self._handles.get(request_id)
         if handle is None:  # the Decode call already ended; the engine aborts it when told
             self._end_pull(request_id)
