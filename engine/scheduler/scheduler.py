@@ -143,10 +143,10 @@ class Scheduler:
         request.arrival_index = self._num_arrivals
         self._num_arrivals += 1
         self.requests[request.request_id] = request
-        # Its prefill work as it waits (stats): the prompt less what the cache holds now.
-        request.num_cached_estimate = self.prefix.hit(request).num_tokens(self.block_size)
         self.serves_handoffs |= request.kv_remote
         if landing is None:
+            # Its prefill work as it waits (stats): the prompt less what the cache holds now.
+            request.num_cached_estimate = self.prefix.hit(request).num_tokens(self.block_size)
             self.policy.add(request)
             return
         request.arrival_time = landing.claimed_at  # it arrived, and was admitted, as it claimed them
