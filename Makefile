@@ -23,8 +23,10 @@ setup: $(STAMP)
 
 # Build the native CPU kernels now (torch caches the build per source version,
 # so this takes a second once done) rather than inside the first test or request.
+# Without a C++ compiler it warns and goes on: Baton then serves on the plain-torch path
+# (tests/test_kernels.py, which builds them itself, fails loudly where they should build).
 kernels: setup
-	$(RUN_ENV) $(PY) -c "from engine.kernels import load_cpu_kernels; load_cpu_kernels()"
+	$(RUN_ENV) $(PY) -m engine.kernels
 
 # torch goes first, at exactly this version: it resolves to the machine's local
 # CPU wheel, where any looser requirement would pull a CUDA build of several GB.

@@ -87,12 +87,18 @@ def cpu_kernels_loaded() -> bool:
     return load_cpu_kernels.cache_info().currsize > 0
 
 
+@functools.cache
 def cpu_kernels_available() -> bool:
-    """Whether the CPU kernels build and load here (False, with a warning, if not)."""
+    """Whether the CPU kernels build and load here. If not (no C++ compiler with OpenMP,
+    say), False with one warning per process, and the plain-torch path serves: slower,
+    the same tokens. Asked once: a failed build is not retried at every engine start."""
     try:
         load_cpu_kernels()
-    except Exception as exc:  # compiler missing or failing: the torch backend still works
-        logger.warning("Baton's CPU kernels are unavailable (%s); using the torch attention backend", exc)
+    except Exception as exc:  # compiler missing or failing: the torch path still works
+        reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        logger.warning("Baton's CPU kernels did not build (%s): serving on the plain-torch path, which is "
+                       "slower; install a C++ compiler with OpenMP (g++ or clang with libomp), then run "
+                       "`make kernels`", reason[:300])
         return False
     return True
 
