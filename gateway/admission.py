@@ -138,6 +138,9 @@ class GatewayAdmission:
         # The integral of len(forecast.admitted) over time, to when it was last advanced.
         self._admitted_area = 0.0
         self._area_at = clock()
+        # The requests in flight (self.queue's) by the front end each came by, for the gauge.
+        self._fronts: dict[str, str] = {}
+        self._num_in_flight: Counter[str] = Counter()
 
     @property
     def limits(self) -> AdmissionLimits:
@@ -165,15 +168,28 @@ class GatewayAdmission:
         self._area_at = now
         return self._admitted_area
 
-    def admit(self, request_id: str) -> None:
+    def admit(self, request_id: str, front: str = "") -> None:
         """Take a request on before tokenizing it; RequestError RESOURCE_EXHAUSTED if as
-        many are in flight as the decode workers can run."""
+        many are in flight as the decode workers can run. `front`: the front end it came
+        by (grpc, http), for `in_flight`."""
         self._refresh()
         try:
             self.queue.admit(request_id)
         except Overloaded as refusal:
             self.stats.refused[CONCURRENCY] += 1
             raise _refused(Verdict(CONCURRENCY, str(refusal), refusal.retry_after_s)) from None
+        self._fronts[request_id] = front
+        self._num_in_flight[front] += 1
+
+    def in_flight(self, front: str) -> int:
+        """Requests that came by `front`, admitted and not yet released or refused (read
+        by a scrape's thread: one lookup)."""
+        return self._num_in_flight[front]
+
+    def _leave(self, request_id: str) -> None:
+        front = self._fronts.pop(request_id, None)
+        if front is not None:
+            self._num_in_flight[front] -= 1
 
     def queue_tokens(self, request_id: str, num_tokens: int, params: SamplingParams | None = None,
                      priority: int = 0, deadline: float | None = None, arrival: float | None = None,
@@ -197,6 +213,7 @@ class GatewayAdmission:
                 verdict = Verdict(QUEUE_WAIT, str(refusal), refusal.retry_after_s)
         if verdict is not None:
             self.queue.withdraw(request_id)
+            self._leave(request_id)
             self.stats.refused[verdict.reason] += 1
             raise _refused(verdict)
         self._advance()
@@ -228,6 +245,7 @@ class GatewayAdmission:
         """It ended, however; `outcome`: its finish reason, or "deadline" when its deadline
         passed first (a forecast that failed it)."""
         self.queue.release(request_id)
+        self._leave(request_id)
         if request_id not in self.forecast.admitted:
             return
         area = self._advance()

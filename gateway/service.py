@@ -48,8 +48,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics | None = None, *,
                  max_migrations: int = DEFAULT_MAX_MIGRATIONS, admission: GatewayAdmission | None = None) -> None:
         self.dispatcher = Dispatcher(pool, max_migrations, self._count_migration)
-        self.metrics = metrics  # None: not recorded
         self.admission = admission or GatewayAdmission(pool)
+        self.metrics = metrics  # None: not recorded
         self.latency = latency.RecentLatency()  # the latest requests' phases, for `baton status`
         # Set by `load` (the gateway listens before its workers are up).
         self.preparer: RequestPreparer | None = None
@@ -68,6 +68,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.draining = True
         while self._in_flight:
             await asyncio.sleep(0.05)
+
+    @property
+    def metrics(self) -> GatewayMetrics | None:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: GatewayMetrics | None) -> None:
+        """Set here or once the model is known (gateway/server.py); its in-flight gauge reads admission's count."""
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.watch_in_flight(self.admission.in_flight)
 
     def _count_migration(self) -> None:
         if self.metrics is not None:
@@ -120,7 +131,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prepared = stream = None
         failure: RequestError | None = None
         try:
-            prepared = await self._prepare(read, span, time_remaining())
+            prepared = await self._prepare(read, span, time_remaining(), front)
             stream = self._text_stream(prepared, time_remaining)
             async for delta in stream:
                 yield delta
@@ -147,10 +158,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     self._record_deadline(prepared)
                 self._end_span(span, failure)
 
-    async def _prepare(self, read: Callable[[], GenerateRequest], span,
-                       time_remaining: float | None) -> PreparedRequest:
+    async def _prepare(self, read: Callable[[], GenerateRequest], span, time_remaining: float | None,
+                       front: str) -> PreparedRequest:
         """Read, validate, admit and tokenize; raises RequestError. The request is then in
-        flight. `time_remaining`: seconds to the call's deadline (None: none), its SLO."""
+        flight. `time_remaining`: seconds to the call's deadline (None: none), its SLO;
+        `front`: the front end it came by."""
         arrival = time.monotonic()
         deadline = None if time_remaining is None else arrival + time_remaining
         preparer = self.preparer
@@ -165,7 +177,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         request_id = request.request_id or f"{self._prefix}-{next(self._ids)}"
         if request_id in self._in_flight:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
-        self.admission.admit(request_id)  # before tokenizing: an overloaded gateway refuses at once
+        self.admission.admit(request_id, front)  # before tokenizing: an overloaded gateway refuses at once
         self._in_flight.add(request_id)  # now, so that a twin arriving while this one tokenizes is refused
         try:
             known_length = request.prompt_kind == "token_ids"

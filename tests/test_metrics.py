@@ -12,9 +12,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.cli.local import start_deployment
+from baton.runtime.metrics import GatewayMetrics
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
+from gateway.service import GenerationService
+from gateway.workers import RoutingPolicy, WorkerPool
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -145,7 +148,37 @@ def test_counters_match_the_workload_and_kv_returns_to_zero(system):
     assert value(gateway, "baton_inter_token_latency_seconds_count") == (
         6 * 4 + (len(probe_tokens) - 1) + (stopped_tokens - 1) + (cancelled_at_gateway - 1)
     )
-    # One model label on every process's series.
-    models = {dict(labels).get("model") for samples in (gateway, *workers.values())
+    # Nothing in flight once every stream has ended.
+    assert value(gateway, "baton_requests_in_flight", front="grpc") == 0
+    assert value(gateway, "baton_requests_in_flight", front="http") == 0
+    # One model label, vLLM's name for it, on every process's series.
+    models = {dict(labels).get("model_name") for samples in (gateway, *workers.values())
               for (name, labels) in samples if name.startswith("baton_")}
     assert len(models) == 1 and None not in models, models
+    # The standard process and GC collectors, and what each process runs.
+    for role, samples in (("gateway", gateway), *workers.items()):
+        assert value(samples, "process_cpu_seconds_total") > 0, role
+        assert value(samples, "process_resident_memory_bytes") > 0, role
+        assert total(samples, "python_gc_collections_total") > 0, role
+        build = [dict(labels) for (name, labels) in samples if name == "baton_build_info"]
+        assert len(build) == 1 and build[0]["role"] == role and build[0]["version"], (role, build)
+        assert ("torch_version" in build[0]) == (role != "gateway"), build  # the gateway loads no torch
+
+
+def test_the_in_flight_gauge_reads_admissions_count_by_front_end():
+    pool = WorkerPool([], ["127.0.0.1:9"], RoutingPolicy(0, 0))
+    service = GenerationService(pool, GatewayMetrics("m"))  # no worker polled yet: admission stands aside
+
+    def in_flight(front: str) -> float:
+        return service.metrics.registry.get_sample_value("baton_requests_in_flight",
+                                                         {"model_name": "m", "front": front})
+
+    service.admission.admit("a", "grpc")
+    service.admission.admit("b", "http")
+    service.admission.admit("c", "http")
+    assert (in_flight("grpc"), in_flight("http")) == (1, 2)
+    service.admission.release("b", "stop")
+    service.admission.release("b", "stop")  # twice: once counted
+    service.admission.release("unknown")
+    assert (in_flight("grpc"), in_flight("http")) == (1, 1)
+    assert service.admission.queue.num_requests == 2  # the gauge is admission's count, split by front end

@@ -81,7 +81,7 @@ def test_every_declared_statistic_reaches_get_stats_metrics_and_status():
         if spec.metric is None:
             continue
         sample = spec.metric + ("_total" if spec.kind == COUNTER else "")
-        labels = {"model": "m", **dict([spec.label] if spec.label else [])}
+        labels = {"model_name": "m", **dict([spec.label] if spec.label else [])}
         assert metrics.registry.get_sample_value(sample, labels) == float(declared[name]), name
 
 

@@ -1,12 +1,16 @@
 """Prometheus metrics: every Baton process serves its own on an HTTP port.
 
-Names start with `baton_` and carry one `model` label (the served model), so the
-gateway's and the workers' series of one deployment line up. What each process
-measures is what it sees:
+Names start with `baton_` and carry one `model_name` label (the served model; vLLM's
+name for it, so dashboards made for vLLM filter alike), so the gateway's and the
+workers' series of one deployment line up. Every process also serves
+prometheus_client's standard process, platform and GC collectors (`process_*`,
+`python_info`, `python_gc_*`) and `baton_build_info` (its version, role, Python's and,
+on the workers, torch's). What each process measures is what it sees:
 
 - gateway: the client's view of a request: time to first token, time per output
   token, inter-token latency, end-to-end latency; prompt and generation tokens;
-  finished requests by finish reason, and requests refused for overload.
+  finished requests by finish reason, and requests refused for overload; requests
+  in flight by front end (admission's count, read at scrape time).
 - workers: the engine's state, read at scrape time: every statistic
   engine/statistics.py declares with a metric name (requests running, waiting and
   swapped, KV blocks, preemptions by kind, steps, prefix caching, the step-time
@@ -23,10 +27,22 @@ runs on the event loop and never touches the engine while it steps.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
+import platform
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -48,13 +64,36 @@ REFUSAL_REASONS = ("concurrency", "queue_wait", "deadline", "worker")
 FRONT_ENDS = ("grpc", "http")  # baton.v1.Generation, the OpenAI HTTP API (gateway/http)
 
 
+def process_registry(model: str, role: str, registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """`registry` (a new one if None) with what every process serves besides its own
+    metrics: prometheus_client's process, platform and GC collectors (the ones its
+    default registry holds; Baton serves a registry of its own per process) and
+    baton_build_info."""
+    registry = registry or CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    build = dict(version=_version("baton"), role=role, python_version=platform.python_version())
+    if role != "gateway":  # the workers run torch; the gateway does not load it, and reports none
+        build["torch_version"] = _version("torch")
+    Info("baton_build", "Baton's version, the process's role, its Python's and (workers) torch's",
+         ["model_name"], registry=registry).labels(model).info(build)
+    return registry
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
 class GatewayMetrics:
     """The client-side view of requests, recorded by the gateway as it streams."""
 
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         self.model = model
-        self.registry = registry or CollectorRegistry()
-        labels = ["model"]
+        self.registry = process_registry(model, "gateway", registry)
+        labels = ["model_name"]
         r = self.registry
         self.ttft = Histogram("baton_time_to_first_token_seconds", "Request arrival to its first token",
                               labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
@@ -70,15 +109,15 @@ class GatewayMetrics:
         self.generation_tokens = Counter("baton_generation_tokens", "Tokens generated for clients",
                                          labels, registry=r).labels(model)
         received = Counter("baton_requests_received", "Requests received, by front end: grpc (baton.v1.Generation) "
-                           "or http (the OpenAI API)", ["model", "front"], registry=r)
+                           "or http (the OpenAI API)", ["model_name", "front"], registry=r)
         self._received = {front: received.labels(model, front) for front in FRONT_ENDS}
         finished = Counter("baton_requests_finished", "Finished requests by finish reason",
-                           ["model", "finish_reason"], registry=r)
+                           ["model_name", "finish_reason"], registry=r)
         self.finished = {reason: finished.labels(model, reason) for reason in FINISH_REASONS}
         self.migrations = Counter("baton_request_migrations", "Requests moved off a lost worker (per move)",
                                   labels, registry=r).labels(model)
         refused = Counter("baton_requests_refused", "Requests refused at once, by reason: concurrency, queue_wait "
-                          "and deadline (the gateway's admission), worker (a worker's own)", ["model", "reason"],
+                          "and deadline (the gateway's admission), worker (a worker's own)", ["model_name", "reason"],
                           registry=r)
         self._refused = {reason: refused.labels(model, reason) for reason in REFUSAL_REASONS}
         self.deadline_misses = Counter("baton_deadline_misses", "Admitted requests that ended at their deadline",
@@ -94,9 +133,17 @@ class GatewayMetrics:
                               "handoff's, when its prompt was prefilled on a prefill worker)",
                               labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model)
         phase = Histogram("baton_request_phase_seconds", "A request's time to its first and second tokens, by "
-                          "phase (baton/runtime/latency.py)", ["model", "phase"], registry=r,
+                          "phase (baton/runtime/latency.py)", ["model_name", "phase"], registry=r,
                           buckets=_LATENCY_BUCKETS)
         self._phases = {name: phase.labels(model, name) for name in latency.PHASE_NAMES}
+        self._in_flight = Gauge("baton_requests_in_flight", "Requests admitted and not yet ended, by front end: "
+                                "what --max-concurrent-requests bounds", ["model_name", "front"], registry=r)
+
+    def watch_in_flight(self, count: Callable[[str], int]) -> None:
+        """Read each front end's requests in flight from `count(front)` at every scrape (the
+        gateway's admission counts them)."""
+        for front in FRONT_ENDS:
+            self._in_flight.labels(self.model, front).set_function(lambda front=front: count(front))
 
     def received(self, front: str) -> None:
         self._received[front].inc()
@@ -129,9 +176,9 @@ class WorkerMetrics:
     def __init__(self, model: str, role: str, registry: CollectorRegistry | None = None) -> None:
         self.model = model
         self.role = role
-        self.registry = registry or CollectorRegistry()
-        labels = ["model"]
-        transfer_labels = ["model", "transport"]  # ipc, gloo, nccl; "none" for a pull that got no channel
+        self.registry = process_registry(model, role, registry)
+        labels = ["model_name"]
+        transfer_labels = ["model_name", "transport"]  # ipc, gloo, nccl; "none" for a pull that got no channel
         r = self.registry
         self.transfer_time = Histogram("baton_kv_transfer_seconds", "One KV handoff, on this side",
                                        transfer_labels, registry=r, buckets=_LATENCY_BUCKETS)
@@ -226,17 +273,18 @@ class _EngineCollector(Collector):
             family = families.get(spec.metric)
             if family is None:
                 kind = GaugeMetricFamily if spec.kind == statistics.GAUGE else CounterMetricFamily
-                labels = ["model"] + ([spec.label[0]] if spec.label else [])
+                labels = ["model_name"] + ([spec.label[0]] if spec.label else [])
                 family = families[spec.metric] = kind(spec.metric, spec.help.rstrip("."), labels=labels)
             family.add_metric([self.model] + ([spec.label[1]] if spec.label else []), getattr(stats, name))
         yield from families.values()
         # Ratios of the declared statistics, for dashboards that want them ready-made.
-        usage = GaugeMetricFamily("baton_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", labels=["model"])
+        usage = GaugeMetricFamily("baton_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
+                                  labels=["model_name"])
         usage.add_metric([self.model], stats.num_kv_blocks_used / stats.num_kv_blocks_total
                          if stats.num_kv_blocks_total else 0.0)
         yield usage
         hits = GaugeMetricFamily("baton_prefix_cache_hit_ratio", "Prefix cache hits per query over the last minute "
-                                 "of steps", labels=["model"])
+                                 "of steps", labels=["model_name"])
         hits.add_metric([self.model], stats.recent.prefix_cache_hit_rate)
         yield hits
 
