@@ -25,6 +25,8 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
            "float16": "float16", "fp16": "float16", "half": "float16",
            "float64": "float64", "fp64": "float64"}
 _DTYPE_NAMES = "auto, float32, bfloat16, float16 or float64"
+# Every name a dtype setting takes (the short ones as vLLM's --dtype takes them: half, ...).
+DTYPE_CHOICES = ("auto", *_DTYPES)
 # What a model (and its KV cache) can hold, as torch names the dtypes.
 DTYPES = frozenset(_DTYPES.values())
 

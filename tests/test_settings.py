@@ -20,7 +20,13 @@ from baton.runtime.settings import (
     add_flags,
     from_args,
 )
-from baton.runtime.values import format_cpu_list, parse_cpu_list, parse_port_range, parse_size
+from baton.runtime.values import (
+    format_cpu_list,
+    format_size,
+    is_bare_size,
+    parse_cpu_list,
+    parse_size,
+)
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 
 
@@ -42,8 +48,8 @@ def test_worker_defaults_are_the_engine_configs():
 
 
 def test_a_kv_transport_of_no_name_is_refused():
-    with pytest.raises(SettingsError, match="kv_transport must be one of auto, ipc, nccl, gloo"):
-        parse(DecodeWorkerSettings, ["--kv-transport", "tcp"])
+    with pytest.raises(SettingsError, match="'tcp' is not one of auto, ipc, nccl, gloo"):
+        parse(DecodeWorkerSettings, [], {"BATON_KV_TRANSPORT": "tcp"})
 
 
 def test_flag_over_environment_over_default():
@@ -69,8 +75,8 @@ def test_an_explicit_block_count_sizes_the_cache_alone():
     ({"BATON_VERIFY_KV": "maybe"}, [], "BATON_VERIFY_KV='maybe': not a boolean"),
     ({"BATON_SWAP_SPACE": "lots"}, [], "BATON_SWAP_SPACE='lots': not a size"),
     ({}, ["--max-num-seqs", "0"], "max_num_seqs must be positive"),
-    ({}, ["--preemption-mode", "sometimes"], "preemption_mode must be"),
-    ({}, ["--dtype", "int3"], "unsupported dtype"),
+    ({"BATON_PREEMPTION_MODE": "sometimes"}, [], "'sometimes' is not one of auto, recompute, swap"),
+    ({"BATON_DTYPE": "int3"}, [], "'int3' is not one of auto, float32, fp32, bfloat16, bf16, float16, fp16, half, float64, fp64"),
     ({}, ["--lease-s", "0"], "lease_s must be positive"),
     ({"BATON_ALLOWED_PREFILL_WORKERS": "10.0.0.2"}, [], "--allowed-prefill-workers: '10.0.0.2' is not host:port"),
     ({}, ["--allowed-prefill-workers", "::1:50061"], "an IPv6 address goes in brackets"),
@@ -223,7 +229,121 @@ def test_baton_up_lays_the_workers_out_on_gpus():
     for bad, message in ((["--devices", "0,1"], "--devices needs --device cuda"),
                          (["--device", "cuda", "--devices", "0"], "two GPU indices"),
                          (["--prefill-memory-fraction", "1.5"], "must lie in"),
-                         (["--max-model-len", "0"], "--max-model-len must be positive"),
-                         (["--kv-transport", "tcp"], "--kv-transport must be one of")):
+                         (["--max-model-len", "0"], "--max-model-len must be positive")):
         with pytest.raises(SettingsError, match=message):
             parse(UpSettings, bad)
+    with pytest.raises(SettingsError, match="BATON_KV_TRANSPORT='tcp': 'tcp' is not one of auto, ipc, nccl, gloo"):
+        parse(UpSettings, [], {"BATON_KV_TRANSPORT": "tcp"})
+
+
+# ------------------------------------------------------------------ choices, sizes, --version
+CHOICES = {  # flag: (a valid value, spelled loosely, as read; a value of no name; the names listed)
+    "--device": ("CUDA:01", "cuda:1", "gpu", "cpu, cuda, cuda:N"),
+    "--dtype": ("Half", "half", "double", "auto, float32, fp32, bfloat16, bf16, float16, fp16, half, float64, fp64"),
+    "--kv-transport": ("IPC", "ipc", "tcp", "auto, ipc, nccl, gloo"),
+    "--attention-backend": ("Torch", "torch", "flash", "auto, cpu, torch, triton"),
+    "--preemption-mode": (" swap ", "swap", "never", "auto, recompute, swap"),
+    "--log-level": ("debug", "DEBUG", "verbose", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+}
+
+
+@pytest.mark.parametrize("flag", CHOICES)
+def test_a_setting_of_fixed_choices_checks_flag_and_variable_alike(flag, capsys):
+    loose, read, bad, names = CHOICES[flag]
+    name, variable = flag[2:].replace("-", "_"), "BATON_" + flag[2:].replace("-", "_").upper()
+    assert getattr(parse(DecodeWorkerSettings, [], {variable: loose}), name) == read
+    with pytest.raises(SettingsError) as error:
+        parse(DecodeWorkerSettings, [], {variable: bad})
+    assert str(error.value) == f"{variable}={bad!r}: {bad!r} is not one of {names}"
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exit:
+        parser.parse_args(["decode-worker", flag, bad])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"baton decode-worker: error: argument {flag}: {bad!r} is not one of {names} "
+        f"(see baton decode-worker --help)"]
+
+
+def test_help_shows_the_choices_and_what_a_bare_size_means():
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for command in ("decode-worker", "up"):
+        text = " ".join(commands[command].format_help().split())
+        assert "--device {cpu,cuda,cuda:N}" in text and "--log-level {DEBUG,INFO,WARNING,ERROR,CRITICAL}" in text
+        assert "--kv-transport {auto,ipc,nccl,gloo}" in text
+        assert "--dtype {auto,float32,fp32,bfloat16,bf16,float16,fp16,half,float64,fp64}" in text
+        assert "--kv-cache-memory SIZE" in text and "a bare number is read as bytes" in text
+    text = " ".join(commands["decode-worker"].format_help().split())
+    assert "--swap-space SIZE CPU swap pool for swap preemption; a size with a unit" in text
+    assert "a bare number is read as GiB (default: 256M; env BATON_SWAP_SPACE)" in text
+
+
+def test_sizes_with_units_and_bare_numbers():
+    assert parse_size("4GiB") == parse_size("4 G") == parse_size("4g") == 4 * 2**30
+    assert parse_size("1.5G") == 3 * 2**29 and parse_size("4096K") == 4 * 2**20 and parse_size("1048576B") == 2**20
+    assert parse_size("4", bare_unit=2**30) == 4 * 2**30 and parse_size("4B", bare_unit=2**30) == 4
+    assert is_bare_size(" 4 ") and is_bare_size("1.5") and not is_bare_size("4B") and not is_bare_size("4M")
+    for bad in ("-1", "4X", "G", "4 GB B", "inf", "", "٤G"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)
+    # What a launcher passes on always has a unit, whatever a bare number means to its reader.
+    assert format_size(1000) == "1000B" and format_size(3 * 2**29) == "1536M" and format_size(0) == "0B"
+    assert parse_size(format_size(1000), bare_unit=2**30) == 1000
+
+
+def test_a_bare_swap_space_is_gib_as_in_vllm_and_warned_once(monkeypatch, caplog):
+    from baton.runtime import settings_base
+
+    monkeypatch.setattr(settings_base, "_WARNED_BARE_SIZES", set())
+    with caplog.at_level("WARNING"):
+        assert parse(DecodeWorkerSettings, ["--swap-space", "4"]).swap_space == 4 * 2**30
+        assert parse(DecodeWorkerSettings, [], {"BATON_SWAP_SPACE": "2"}).swap_space == 2 * 2**30
+        assert parse(DecodeWorkerSettings, ["--swap-space", "512M"]).swap_space == 512 * 2**20
+        assert parse(DecodeWorkerSettings, ["--swap-space", "0"]).swap_space == 0  # 0 in any unit
+    assert [r.getMessage() for r in caplog.records] == [
+        "--swap-space (BATON_SWAP_SPACE) 4 has no unit: read as 4GiB; write the unit to say so"]
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # the KV cache's bare number keeps its meaning, bytes, warned too
+        assert parse(DecodeWorkerSettings, ["--kv-cache-memory", "1073741824"]).kv_cache_memory == 2**30
+    assert [r.getMessage() for r in caplog.records] == [
+        "--kv-cache-memory (BATON_KV_CACHE_MEMORY) 1073741824 has no unit: read as 1073741824B; "
+        "write the unit to say so"]
+
+
+def test_baton_up_serves_the_gateways_metrics_on_its_port(tmp_path):
+    from baton.cli.launcher import UpSettings, metrics_banner, role_args
+    from baton.cli.local import Deployment, Process, spawn
+
+    def flags(args: list[str]) -> list[str]:
+        return [args[i + 1] for i, flag in enumerate(args) if flag == "--metrics-port"]
+
+    assert flags(role_args(parse(UpSettings, ["--metrics-port", "9400"])).gateway) == ["9400"]
+    assert int(flags(role_args(parse(UpSettings, ["--metrics-port", "0"])).gateway)[0]) > 0  # named in the banner
+    roles = role_args(parse(UpSettings, []))
+    assert flags(roles.gateway + roles.worker) == []
+    assert role_args(parse(UpSettings, ["--kv-cache-memory", "1000"])).worker[-2:] == ["--kv-cache-memory", "1000B"]
+    # The gateway's own port comes after the free one every process gets: the last wins, as in argparse.
+    gateway = spawn("gateway", ["gateway", "--listen", "127.0.0.1:1", "--metrics-port", "5", "--metrics-port", "9400"],
+                    tmp_path, {}, wrap=lambda argv: ["true"])
+    gateway.popen.wait()
+    worker = Process("decode", "127.0.0.1:2", gateway.popen, None, 9401)
+    assert gateway.metrics_port == 9400
+    assert metrics_banner(Deployment("127.0.0.1:1", [worker, gateway])) == (
+        "  metrics: gateway http://127.0.0.1:9400/metrics, decode http://127.0.0.1:9401/metrics\n")
+
+
+def test_baton_version(capsys, monkeypatch):
+    import importlib.metadata
+    import tomllib
+
+    from baton.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main.main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out == f"baton {importlib.metadata.version('baton')}\n"
+
+    def not_installed(name: str):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    pyproject = tomllib.loads((main.Path(main.__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert main.version() == pyproject["project"]["version"]

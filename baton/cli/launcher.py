@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from baton.cli.local import Deployment, start_deployment
+from baton.cli.local import Deployment, free_port, start_deployment
 from baton.runtime.server import configure_logging
 from baton.runtime.security import TlsConfig
 from baton.runtime.settings import (
@@ -26,10 +26,13 @@ from baton.runtime.settings import (
     API_KEY_HELP,
     DEFAULT_GATEWAY_ADDRESS,
     DEFAULT_HTTP_PORT,
+    DEVICE_CHOICES,
     DEVICE_HELP,
+    DTYPE_CHOICES,
     DTYPE_HELP,
     GPU_MEMORY_UTILIZATION_HELP,
     KV_CACHE_MEMORY_SHOWN,
+    LOG_LEVELS,
     MODEL_HELP,
     REVISION_HELP,
     TLS_CA_HELP,
@@ -44,7 +47,7 @@ from baton.runtime.settings import (
     load_tls,
     setting,
 )
-from baton.runtime.values import format_size, parse_list, parse_size
+from baton.runtime.values import format_size, parse_list
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, device_type
 from kvtransfer.endpoint import IPC, TRANSPORT_CHOICES
 
@@ -59,8 +62,8 @@ class UpSettings:
     model: str = setting(DEFAULT_MODEL, MODEL_HELP)
     revision: str | None = setting(None, REVISION_HELP, shown="main")
     tokenizer: str | None = setting(None, TOKENIZER_HELP, shown="--model's")
-    device: str = setting(default_of(EngineConfig, "device"), DEVICE_HELP)
-    dtype: str = setting(default_of(EngineConfig, "dtype"), DTYPE_HELP)
+    device: str = setting(default_of(EngineConfig, "device"), DEVICE_HELP, choices=DEVICE_CHOICES)
+    dtype: str = setting(default_of(EngineConfig, "dtype"), DTYPE_HELP, choices=DTYPE_CHOICES)
     gpu_memory_utilization: float = setting(default_of(CacheConfig, "gpu_memory_utilization"),
                                             GPU_MEMORY_UTILIZATION_HELP)
     port: int = setting(int(DEFAULT_GATEWAY_ADDRESS.rsplit(":", 1)[1]), "gateway port")
@@ -69,15 +72,15 @@ class UpSettings:
                                             shown="--model")
     threads: int | None = setting(None, "torch threads per worker",
                                   shown="all cores each; an idle worker's threads sleep")
-    kv_cache_memory: int | None = setting(None, "KV cache budget per worker, e.g. 512M, 2G", parse=parse_size,
-                                          shown=KV_CACHE_MEMORY_SHOWN)
+    kv_cache_memory: int | None = setting(None, "KV cache budget per worker", size="B", shown=KV_CACHE_MEMORY_SHOWN)
     max_model_len: int | None = setting(None, "cap on prompt + output tokens, in both workers", shown="the model's")
     verify_kv: bool = setting(False, "checksum every transferred KV block on both sides")
     prefix_caching: bool = setting(default_of(CacheConfig, "enable_prefix_caching"),
                                    "share the KV of prompts that start alike, in both workers "
                                    "(--no-prefix-caching: off)")
     kv_transport: str = setting("auto", "how KV moves from the prefill to the decode worker: auto (ipc: they "
-                                        "share this host), ipc, nccl (two GPUs) or gloo (CPU)")
+                                        "share this host), ipc, nccl (two GPUs) or gloo (CPU)",
+                                choices=TRANSPORT_CHOICES)
     colocated: bool = setting(False, "no prefill worker: the decode workers prefill")
     num_prefill_workers: int = setting(1, "prefill workers (none with --colocated)")
     num_decode_workers: int = setting(1, "decode workers")
@@ -89,7 +92,10 @@ class UpSettings:
                                        "the other half, each role's divided between its workers, as if each "
                                        "had a host of its own (--threads is then one per core)",
                                 shown="off: every worker may use every core")
-    log_level: str = setting("INFO", "logging level")
+    log_level: str = setting("INFO", "logging level", choices=LOG_LEVELS)
+    metrics_port: int | None = setting(None, "serve the gateway's Prometheus metrics on this port (0: any free "
+                                             "one); each worker then serves its own on a free port, all listed "
+                                             "at startup", shown="off")
     # Security: passed to every role (the API key to the gateway only).
     admin_port: int | None = setting(None, "serve GatewayAdmin (baton status) on this port of its own",
                                      shown="on the gateway port")
@@ -115,8 +121,6 @@ class UpSettings:
             raise SettingsError(f"--split-cores needs at least {max(num_workers, 2)} cores, one per worker")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise SettingsError("--max-model-len must be positive")
-        if self.kv_transport not in TRANSPORT_CHOICES:
-            raise SettingsError(f"--kv-transport must be one of {', '.join(TRANSPORT_CHOICES)}")
         if not 0.0 < self.prefill_memory_fraction < 1.0:
             raise SettingsError("--prefill-memory-fraction must lie in (0, 1)")
         if self.devices:
@@ -215,6 +219,8 @@ def role_args(settings: UpSettings) -> RoleArgs:
             model += ["--" + name.replace("_", "-"), getattr(settings, name)]
     worker += model
     gateway = [*tls, *model]
+    if settings.metrics_port is not None:  # 0: a free port chosen here, so the banner can name it
+        gateway += ["--metrics-port", str(settings.metrics_port or free_port())]
     if settings.api_key_file is not None:
         gateway += ["--api-key-file", settings.api_key_file]
     # A key given as such goes in the environment, not on a command line anyone can read
@@ -246,7 +252,8 @@ def start_up(settings: UpSettings, log_dir: Path | None = None, *, metrics: bool
         prefill_args=args.prefill,
         decode_args=args.decode,
         gateway_args=args.gateway,
-        metrics=metrics,
+        # --metrics-port: the gateway's is in its args; each worker gets a free port of its own.
+        metrics=metrics or settings.metrics_port is not None,
         stagger=settings.shares_a_gpu,
         threads=threads,
         split_cores=settings.split_cores,
@@ -257,6 +264,14 @@ def start_up(settings: UpSettings, log_dir: Path | None = None, *, metrics: bool
         api_key=settings.bearer_key,
         http_port=settings.http_port if settings.http_port and serves_http() else None,
     )
+
+
+def metrics_banner(deployment: Deployment) -> str:
+    """Where each process serves Prometheus metrics (`baton up --metrics-port`), the gateway first."""
+    processes = sorted(deployment.processes, key=lambda process: process.role != "gateway")
+    endpoints = [f"{process.role} http://127.0.0.1:{process.metrics_port}/metrics"
+                 for process in processes if process.metrics_port is not None]
+    return f"  metrics: {', '.join(endpoints)}\n" if endpoints else ""
 
 
 def up(settings: UpSettings) -> int:
@@ -299,7 +314,7 @@ def up(settings: UpSettings) -> int:
     print(
         f"\nBaton is serving {settings.model} ({mode}) at {gateway}\n"
         f"  baton generate --gateway {gateway}{client_flags} --chat \"What is the capital of France?\"\n"
-        f"{http}{status}Ctrl-C stops it.\n",
+        f"{http}{status}{metrics_banner(deployment)}Ctrl-C stops it.\n",
         flush=True,
     )
     code = 0

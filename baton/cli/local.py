@@ -176,7 +176,9 @@ def spawn(role: str, args: list[str], log_dir: Path | None, env: dict[str, str],
         env=env,
     )
     address = args[args.index("--listen") + 1]
-    metrics_port = int(args[args.index("--metrics-port") + 1]) if "--metrics-port" in args else None
+    # The last --metrics-port, as argparse reads it (a caller's own may follow a default).
+    ports = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--metrics-port"]
+    metrics_port = int(ports[-1]) if ports else None
     return Process(role, address, popen, log_path, metrics_port)
 
 

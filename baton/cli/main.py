@@ -7,6 +7,7 @@
     baton decode-worker --listen ADDR ...
     baton generate "prompt" [--stream] [--max-tokens N] [--chat] ...
     baton status [--gateway ADDR] [--queue-slo-ms MS] [--json]
+    baton --version
 
 Every setting of a role is a flag and an environment variable (BATON_ plus the
 flag's name in capitals, e.g. --max-num-seqs <- BATON_MAX_NUM_SEQS); a flag given
@@ -18,8 +19,11 @@ the command with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
+import tomllib
 from collections.abc import Callable
+from pathlib import Path
 
 from baton.runtime.settings import (
     DecodeWorkerSettings,
@@ -47,6 +51,7 @@ def build_parser() -> Parser:
     from baton.cli.status import add_status_flags
 
     parser = Parser(prog="baton", description="Baton: disaggregated LLM serving over gRPC")
+    parser.add_argument("--version", action="version", version=f"baton {version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_flags(commands.add_parser("up", help="run a gateway, prefill workers and decode workers here"),
               UpSettings)
@@ -57,6 +62,15 @@ def build_parser() -> Parser:
     add_status_flags(commands.add_parser(
         "status", help="each worker's health, load and scheduling, with findings"))
     return parser
+
+
+def version() -> str:
+    """The installed package's version; from a source tree that is not installed, its pyproject's."""
+    try:
+        return importlib.metadata.version("baton")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
 
 
 def main(argv: list[str] | None = None) -> int:

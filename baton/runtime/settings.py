@@ -5,8 +5,12 @@ A settings class is a frozen dataclass whose fields are declared with `setting()
 Each such field is a flag (`--max-num-seqs` for `max_num_seqs`) and an environment
 variable (`BATON_MAX_NUM_SEQS`); a flag given on the command line wins over the
 variable, which wins over the default. `--help` shows each default and variable.
-A value that does not parse or that the settings reject raises SettingsError with a
-one-line message (the command prints it and exits 2, no traceback).
+A setting that takes a fixed set of values (--device, --dtype, --log-level, ...) says
+so (`choices=`), and a size what a bare number means (`size=`: --swap-space 4 is 4
+GiB, as in vLLM); both are checked alike for flag and variable
+(baton/runtime/settings_base.py holds that machinery, baton/runtime/values.py the
+parsers). A value that does not parse or that the settings reject raises SettingsError
+with a one-line message (the command prints it and exits 2, no traceback).
 
 Defaults of the engine's knobs (block size, budgets, KV memory, ...) are the engine
 config dataclasses' own (engine/config.py); the workers' flags read them from there.
@@ -19,31 +23,42 @@ own few live in engine/envs.py.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import types
 import typing
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from baton.runtime.addresses import parse_target
 from baton.runtime.discovery import AddressAllowlist
 from baton.runtime.security import TlsConfig, read_secret_file
-from baton.runtime.values import (
-    format_cpu_list,
-    format_size,
-    parse_bool,
-    parse_cpu_list,
-    parse_list,
-    parse_port_range,
-    parse_size,
+from baton.runtime.settings_base import (
+    SettingsError,
+    argparse_type,
+    base_type,
+    default_of,
+    env_name,
+    flag_fields,
+    flag_help,
+    flag_name,
+    metavar,
+    parser_of,
+    setting,
 )
-from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, engine_config
-from kvtransfer.endpoint import receiver_shares_cache
+from baton.runtime.values import format_cpu_list, format_size, parse_cpu_list, parse_port_range
+from engine.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_MODEL,
+    DTYPE_CHOICES,
+    CacheConfig,
+    EngineConfig,
+    PreemptionMode,
+    SchedulerConfig,
+    engine_config,
+)
+from kvtransfer.endpoint import TRANSPORT_CHOICES, receiver_shares_cache
 
-ENV_PREFIX = "BATON_"
 DEFAULT_GATEWAY_ADDRESS = "127.0.0.1:50051"
 DEFAULT_HTTP_PORT = 8000  # `baton up`'s OpenAI HTTP API, where vLLM serves its
 GRACE_S = 10.0  # SIGTERM: seconds in-flight calls get to finish (every role)
@@ -55,8 +70,13 @@ MODEL_HELP = (f"model: {DEFAULT_MODEL!r}, a Hugging Face model directory, a .ggu
               "dummy:llama-3.1-8b, ...)")
 REVISION_HELP = "of a hub id --model: a branch, tag or commit in the local Hugging Face cache (not --tokenizer's)"
 TOKENIZER_HELP = "the tokenizer's own directory or hub id, when it is not --model's"
-DEVICE_HELP = "cpu, cuda or cuda:N"
-DTYPE_HELP = "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 or float64"
+# The fixed sets some settings take (`setting(choices=...)`), as the engine, kvtransfer
+# and logging accept them; `baton up` takes the same.
+DEVICE_CHOICES = ("cpu", "cuda", "cuda:N")
+PREEMPTION_MODES = typing.get_args(PreemptionMode)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEVICE_HELP = "where the engine runs: the CPU, or a CUDA GPU (cuda: the current one)"
+DTYPE_HELP = "weights' and KV cache's dtype (auto: float32 on CPU, bfloat16 on CUDA)"
 TLS_CERT_HELP = "PEM certificate chain this process serves and presents as a client (a TLS secret's tls.crt)"
 TLS_KEY_HELP = "PEM private key of --tls-cert (tls.key)"
 TLS_CA_HELP = ("PEM CA bundle (ca.crt): internal ports then require client certificates it signed, and "
@@ -70,116 +90,17 @@ GPU_MEMORY_UTILIZATION_HELP = ("CUDA: fraction of the GPU's memory for weights, 
                                "which gets what the rest leaves")
 
 
-class SettingsError(ValueError):
-    """A flag or environment value that does not parse, or settings that do not fit."""
-
-
-# ------------------------------------------------------------------ declaring
-def setting(default: Any = dataclasses.MISSING, help: str = "", *, parse: Callable[[str], Any] | None = None,
-            shown: str | None = None, default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
-            secret: bool = False) -> Any:
-    """A dataclass field that is also a flag and an environment variable.
-
-    `parse` turns the text of a flag or variable into the value (default: by the
-    field's type); `shown` is how --help writes a default that is not a literal;
-    a `secret` is left out of the settings' repr (and so of logs).
-    """
-    metadata = {"help": help, "parse": parse, "shown": shown}
-    if default_factory is not dataclasses.MISSING:
-        return field(default_factory=default_factory, metadata=metadata, repr=not secret)
-    return field(default=default, metadata=metadata, repr=not secret)
-
-
-def default_of(cls: type, name: str) -> Any:
-    """The default of dataclass field `name` (to derive a flag's default from a config's)."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            if f.default is dataclasses.MISSING:
-                raise TypeError(f"{cls.__name__}.{name} has no plain default")
-            return f.default
-    raise AttributeError(f"{cls.__name__} has no field {name!r}")
-
-
 # ------------------------------------------------------------------ flags and env
-def _flag_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
-    hints = typing.get_type_hints(cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if "help" in f.metadata]
-
-
-def _base_type(hint: Any) -> Any:
-    """int for `int | None`, and so on."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return args[0] if len(args) == 1 else str
-    return hint
-
-
-def _parser_of(f: dataclasses.Field, hint: Any) -> Callable[[str], Any]:
-    if f.metadata["parse"] is not None:
-        return f.metadata["parse"]
-    base = _base_type(hint)
-    if base is bool:
-        return parse_bool
-    if typing.get_origin(base) is tuple:
-        return parse_list
-    if base is int:
-        return lambda text: _number(int, text)
-    if base is float:
-        return lambda text: _number(float, text)
-    return str
-
-
-def _number(kind: type, text: str):
-    try:
-        return kind(text)
-    except ValueError:
-        raise ValueError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
-
-
-def env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
-def _shown(f: dataclasses.Field) -> str:
-    if f.metadata["shown"] is not None:
-        return f.metadata["shown"]
-    if f.default is dataclasses.MISSING or f.default is None:
-        return "none"
-    if isinstance(f.default, tuple):
-        return ",".join(f.default) or "none"
-    return str(f.default)
-
-
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """A flag per setting of `cls`; its default is left to `from_args`, which knows the
     environment (so --help shows the built-in default and the variable's name)."""
-    for f, hint in _flag_fields(cls):
-        name = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata['help']} (default: {_shown(f)}; env {env_name(f.name)})"
-        if _base_type(hint) is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=help_text)
+    for f, hint in flag_fields(cls):
+        if base_type(hint) is bool:
+            parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=flag_help(f))
         else:
-            parse = _parser_of(f, hint)
-            parser.add_argument(name, type=_argparse_type(parse), default=argparse.SUPPRESS, metavar=_metavar(f, hint),
-                                help=help_text)
-
-
-def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return convert
-
-
-def _metavar(f: dataclasses.Field, hint: Any) -> str:
-    if f.metadata["parse"] is parse_size:
-        return "SIZE"
-    base = _base_type(hint)
-    return {int: "N", float: "X"}.get(base, "LIST" if typing.get_origin(base) is tuple else "TEXT")
+            parser.add_argument(flag_name(f.name), type=argparse_type(parser_of(f, hint)), default=argparse.SUPPRESS,
+                                metavar=metavar(f, hint), help=flag_help(f))
 
 
 def from_args(cls: type, args: argparse.Namespace, env: Mapping[str, str] | None = None, **fixed: Any):
@@ -187,13 +108,13 @@ def from_args(cls: type, args: argparse.Namespace, env: Mapping[str, str] | None
     values are not settings (e.g. a role). SettingsError (one line) on a bad value."""
     env = os.environ if env is None else env
     values = dict(fixed)
-    for f, hint in _flag_fields(cls):
+    for f, hint in flag_fields(cls):
         if f.name in args:
             values[f.name] = getattr(args, f.name)
         elif env_name(f.name) in env:
             text = env[env_name(f.name)]
             try:
-                values[f.name] = _parser_of(f, hint)(text)
+                values[f.name] = parser_of(f, hint)(text)
             except ValueError as error:
                 raise SettingsError(f"{env_name(f.name)}={text!r}: {error}") from None
     try:
@@ -248,17 +169,16 @@ class WorkerSettings:
     tokenizer: str | None = setting(None, TOKENIZER_HELP, shown="--model's")
     served_model_name: str | None = setting(None, "the model's name in GetModelInfo, stats and the HTTP API",
                                             shown="--model")
-    device: str = setting(default_of(EngineConfig, "device"), DEVICE_HELP)
-    dtype: str = setting(default_of(EngineConfig, "dtype"), DTYPE_HELP)
+    device: str = setting(default_of(EngineConfig, "device"), DEVICE_HELP, choices=DEVICE_CHOICES)
+    dtype: str = setting(default_of(EngineConfig, "dtype"), DTYPE_HELP, choices=DTYPE_CHOICES)
     max_model_len: int | None = setting(None, "cap on prompt + output tokens", shown="the model's")
     block_size: int = setting(default_of(CacheConfig, "block_size"), "tokens per KV block")
     num_kv_blocks: int | None = setting(None, "KV blocks", shown="from --kv-cache-memory")
-    kv_cache_memory: int | None = setting(None, "KV cache budget, e.g. 512M, 2G", parse=parse_size,
-                                          shown=KV_CACHE_MEMORY_SHOWN)
+    kv_cache_memory: int | None = setting(None, "KV cache budget", size="B", shown=KV_CACHE_MEMORY_SHOWN)
     gpu_memory_utilization: float = setting(default_of(CacheConfig, "gpu_memory_utilization"),
                                             GPU_MEMORY_UTILIZATION_HELP)
     swap_space: int = setting(default_of(CacheConfig, "swap_space_bytes"), "CPU swap pool for swap preemption",
-                              parse=parse_size, shown=format_size(default_of(CacheConfig, "swap_space_bytes")))
+                              size="GiB", shown=format_size(default_of(CacheConfig, "swap_space_bytes")))
     prefix_caching: bool = setting(default_of(CacheConfig, "enable_prefix_caching"),
                                    "keep the KV of full blocks by content and share it between prompts that "
                                    "start alike (--no-prefix-caching: off)")
@@ -269,9 +189,11 @@ class WorkerSettings:
                                         "decode: once handed-off requests arrive, a step with decoding requests "
                                         "takes at most this many decode steps' time of prompts (0: no limit)")
     preemption_mode: str = setting(default_of(SchedulerConfig, "preemption_mode"),
-                                   "auto (cheaper of recompute and swap, per sequence), recompute or swap")
+                                   "auto: the cheaper of recompute and swap, per sequence",
+                                   choices=PREEMPTION_MODES)
     attention_backend: str = setting(default_of(EngineConfig, "attention_backend"),
-                                     "auto (triton on CUDA, cpu on CPU), triton, torch or cpu")
+                                     "auto: triton on CUDA, cpu on CPU",
+                                     choices=ATTENTION_BACKENDS)
     enforce_eager: bool = setting(default_of(EngineConfig, "enforce_eager"),
                                   "CUDA: run every step eagerly, without CUDA graphs of decode steps")
     overlap_scheduling: bool | None = setting(None, "schedule each step while the device runs the one before",
@@ -291,7 +213,8 @@ class WorkerSettings:
                                                      "(net.ipv4.ip_local_port_range) the same, since Gloo and "
                                                      "NCCL open theirs there", parse=parse_port_range,
                                                shown="any free port")
-    kv_transport: str = setting("auto", "KV handoff: auto (ipc on one host, else gloo or nccl), ipc, nccl, gloo")
+    kv_transport: str = setting("auto", "KV handoff (auto: ipc on one host, else gloo or nccl)",
+                                choices=TRANSPORT_CHOICES)
     grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
     stall_report_s: float = setting(60.0, "liveness turns NOT_SERVING when the engine thread has been stuck "
                                           "in a step this long")
@@ -304,7 +227,7 @@ class WorkerSettings:
                                           "calls are refused (0: --max-num-seqs)")
     max_queued_tokens: int = setting(0, "prompt tokens waiting to be prefilled or received, beyond which "
                                         "calls are refused (0: 4x the KV cache's capacity in tokens)")
-    log_level: str = setting("INFO", "logging level")
+    log_level: str = setting("INFO", "logging level", choices=LOG_LEVELS)
     tls_cert: str | None = setting(None, TLS_CERT_HELP, shown="plaintext")
     tls_key: str | None = setting(None, TLS_KEY_HELP)
     tls_ca: str | None = setting(None, TLS_CA_HELP, shown="no client certificates")
@@ -434,7 +357,7 @@ class GatewaySettings:
                                             "rate) are refused")
     max_queued_tokens: int = setting(0, "prompt tokens admitted and not yet prefilled, beyond which new "
                                         "requests are refused (0: no such bound)")
-    log_level: str = setting("INFO", "logging level")
+    log_level: str = setting("INFO", "logging level", choices=LOG_LEVELS)
     # Security (baton/runtime/security.py).
     admin_listen: str | None = setting(None, "serve GatewayAdmin (baton status) here, with the workers' TLS "
                                              "(client certificates with --tls-ca), and not on --listen",

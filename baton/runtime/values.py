@@ -1,30 +1,62 @@
 """How settings' values are written on a command line or in an environment variable:
-sizes (512M), lists (a,b), Linux CPU lists (0-3,8), port ranges (40000-40099), booleans.
-Each parser raises ValueError with a one-line message naming the expected form."""
+sizes (512M), one of a fixed set of names (cpu, cuda:N), lists (a,b), Linux CPU lists
+(0-3,8), port ranges (40000-40099), booleans. Each parser raises ValueError with a
+one-line message naming the expected form."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
+_SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+# A number, then optionally K/M/G/T (with an optional iB or B) or B alone: 512M, 4GiB, 1.5G, 1048576B, 4.
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([KMGT])(?:I?B)?|(B))?", re.IGNORECASE | re.ASCII)
 
-def parse_size(text: str) -> int:
-    """Bytes from '512M', '2G', '1.5GiB', '1048576'."""
-    units = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-    value = text.strip().upper().removesuffix("B").removesuffix("I")
-    try:
-        if value and value[-1] in units:
-            return int(float(value[:-1]) * units[value[-1]])
-        return int(value)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512M, 2G or a number of bytes)") from None
+
+def _size_match(text: str) -> re.Match[str]:
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512M, 4GiB or 1048576B)")
+    return match
+
+
+def parse_size(text: str, bare_unit: int = 1) -> int:
+    """Bytes from '512M', '4GiB', '1.5G', '4096K', '1048576B'; a bare number ('4') counts
+    `bare_unit` bytes each (the setting decides, and says so in its help: see is_bare_size)."""
+    number, unit, byte = _size_match(text).groups()
+    scale = _SIZE_UNITS[unit.upper()] if unit else 1 if byte else bare_unit
+    return int(float(number) * scale)
+
+
+def is_bare_size(text: str) -> bool:
+    """Whether a size is written without a unit ('4', not '4G' or '4B'): its meaning is
+    then the setting's, which may surprise (vLLM reads --swap-space 4 as 4 GiB)."""
+    _, unit, byte = _size_match(text).groups()
+    return not unit and not byte
 
 
 def format_size(num_bytes: int) -> str:
-    """The shortest exact form parse_size reads back: 1073741824 -> '1G'."""
+    """The shortest exact form parse_size reads back, always with a unit (so whatever a
+    setting makes of a bare number does not apply): 1073741824 -> '1G', 1000 -> '1000B'."""
     for unit, size in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
         if num_bytes and num_bytes % size == 0:
             return f"{num_bytes // size}{unit}"
-    return str(num_bytes)
+    return f"{num_bytes}B"
+
+
+def parse_choice(text: str, choices: tuple[str, ...]) -> str:
+    """The one of `choices` that `text` names, spelled as `choices` spell it (case aside);
+    a choice ending in ':N' stands for any ':<number>' ('cuda:N' takes 'CUDA:1', as 'cuda:1')."""
+    value = text.strip()
+    for choice in choices:
+        if choice.endswith(":N"):
+            head, colon, index = value.partition(":")
+            prefix = choice.removesuffix(":N")
+            if colon and head.lower() == prefix.lower() and index.isascii() and index.isdigit():
+                return f"{prefix}:{int(index)}"
+        elif value.lower() == choice.lower():
+            return choice
+    raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
 
 
 def parse_list(text: str) -> tuple[str, ...]:
