@@ -10,10 +10,11 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, text_format
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from baton.runtime.security import TlsConfig
 from baton.wire.status import lenient_handlers
@@ -100,6 +101,45 @@ def install_uvloop() -> None:
 LIVENESS_SERVICE = "liveness"
 
 
+# Server reflection, as grpc.reflection.v1 (what grpcurl and current clients ask first) and
+# as v1alpha (older ones). grpcio-reflection serves only v1alpha, whose messages are v1's
+# byte for byte (v1 renamed the package, nothing else), so its servicer answers both.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+REFLECTION_V1_FILE = "grpc/reflection/v1/reflection.proto"
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> None:
+    """Serve reflection v1 and v1alpha on `server`, listing `service_names` and both."""
+    _add_reflection_v1_descriptor()
+    servicer = reflection.aio.ReflectionServicer((*service_names, REFLECTION_V1, reflection.SERVICE_NAME))
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),))
+
+
+def _add_reflection_v1_descriptor() -> None:
+    """v1's descriptor (v1alpha's, renamed) in the default pool, so that reflection
+    describes the v1 service it lists (`grpcurl describe`), as it does every other."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(REFLECTION_V1_FILE)
+        return
+    except KeyError:
+        pass
+    alpha = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(alpha)
+    alpha.ClearField("options")  # v1alpha's: its languages' packages, and deprecated
+    v1 = text_format.Parse(text_format.MessageToString(alpha).replace(".grpc.reflection.v1alpha.",
+                                                                      ".grpc.reflection.v1."),
+                           descriptor_pb2.FileDescriptorProto())
+    v1.name, v1.package = REFLECTION_V1_FILE, "grpc.reflection.v1"
+    pool.AddSerializedFile(v1.SerializeToString())
+
+
 class GrpcServer:
     """A grpc.aio server exposing `service_names`, grpc.health.v1 and server reflection;
     a request message over `max_receive_bytes` is refused (RESOURCE_EXHAUSTED).
@@ -121,11 +161,8 @@ class GrpcServer:
         self.service_names = tuple(service_names)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
-            self.server,
-        )
+        enable_reflection(
+            self.server, (*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
         if credentials is None:
             self.port = self.server.add_insecure_port(address)
         else:
