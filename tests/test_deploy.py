@@ -12,6 +12,7 @@ them applied, so the image's install is the Makefile's, line for line.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import shutil
@@ -30,19 +31,25 @@ from engine.statistics import EngineStats
 from tests.tls import make_pki
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-OVERLAYS = sorted(p.name for p in (REPO_ROOT / "deploy" / "k8s" / "overlays").iterdir() if p.is_dir())
+K8S = REPO_ROOT / "deploy" / "k8s"
+# What is rendered: each overlay, and the example that adds every opt-in component.
+VARIANTS = {**{p.name: p for p in sorted((K8S / "overlays").iterdir()) if p.is_dir()},
+            "secure": K8S / "examples" / "secure"}
 POD_IP = "10.244.1.17"
 METRICS_SOURCE = REPO_ROOT / "baton" / "runtime" / "metrics.py"
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
-def rendered(request) -> tuple[str, list[dict]]:
+def render(path: Path) -> list[dict]:
     if shutil.which("kubectl") is None:
         pytest.fail("kubectl is not installed (CI has it: the manifests must render)")
-    result = subprocess.run(["kubectl", "kustomize", str(REPO_ROOT / "deploy" / "k8s" / "overlays" / request.param)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    return request.param, [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def rendered(request) -> tuple[str, list[dict]]:
+    return request.param, render(VARIANTS[request.param])
 
 
 def objects(docs: list[dict], kind: str) -> dict[str, dict]:
@@ -99,6 +106,9 @@ def test_every_variable_is_a_flag_and_every_role_starts_from_them(rendered, moun
         baton_vars = {v for v in container_env(container) if v.startswith("BATON_")}
         assert baton_vars <= known, (overlay, name, baton_vars - known)  # a typo would be ignored silently
         settings = settings_of(container, mounted_files)  # raises on a value the role refuses
+        if overlay != "secure":  # TLS and the API key are opt-in (components/secure)
+            assert settings.tls is None and getattr(settings, "bearer_key", None) is None, (overlay, name)
+            continue
         assert settings.tls is not None and settings.tls.is_mutual, (overlay, name)
         if role_of(container) == "gateway":
             assert settings.bearer_key == "an-api-key"
@@ -122,8 +132,10 @@ def test_ports_and_addresses_agree(rendered, mounted_files):
             assert host == POD_IP  # bound to the pod's address, advertised as such
         service = services[name]
         assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
-        (service_port,) = service["spec"]["ports"]
-        assert service_port["targetPort"] == "grpc" and service_port["port"] == port
+        service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+        assert set(service_ports) == {"grpc", "metrics"}
+        assert service_ports["grpc"]["targetPort"] == "grpc" and service_ports["grpc"]["port"] == port
+        assert service_ports["metrics"]["targetPort"] == "metrics"
         listen_ports[name] = port
     # Workers behind headless Services, named as the gateway and the decode workers look them up.
     for role in ("prefill", "decode"):
@@ -210,6 +222,137 @@ def test_the_gpu_overlay_serves_the_model_on_its_volume_by_baton_model(rendered,
     assert len(models) == 1  # the gateway's tokenizer is the workers' model's
     if overlay == "gpu":
         assert objects(docs, "PersistentVolumeClaim")["baton-models"]["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+# The Kubernetes release the manifests are validated against: the oldest the manifests
+# target (gRPC probes, PodDisruptionBudget policy/v1, HPA autoscaling/v2 are all GA there).
+KUBERNETES_VERSION = "1.30.0"
+# Kinds whose schemas are their operators' (CRDs): rendered only by the opt-in components.
+CUSTOM_KINDS = {"Certificate", "Issuer", "ServiceMonitor"}
+# The sysctls the "baseline" and "restricted" Pod Security levels allow.
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                "net.ipv4.tcp_keepalive_probes"}
+
+
+def test_every_object_is_valid_against_the_kubernetes_schemas(rendered):
+    """Offline, strictly (an unknown field is an error, as `kubectl apply --validate=strict`
+    makes it): kubernetes-validate carries the API's JSON schemas per release."""
+    import kubernetes_validate
+
+    overlay, docs = rendered
+    custom = set()
+    for doc in docs:
+        if doc["kind"] in CUSTOM_KINDS:
+            custom.add(doc["kind"])
+            continue
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    assert custom == (CUSTOM_KINDS if overlay == "secure" else set())
+    # The check has teeth: a misspelt field is refused.
+    deployment = copy.deepcopy(objects(docs, "Deployment")["baton-decode"])
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+def test_pods_meet_the_restricted_pod_security_level(rendered):
+    """What a namespace labelled pod-security.kubernetes.io/enforce=restricted admits,
+    and the images' own user (deploy/Dockerfile*: USER)."""
+    _, docs = rendered
+    image_users = {int(re.search(r"^USER (\d+)$", (REPO_ROOT / "deploy" / name).read_text(), re.M).group(1))
+                   for name in ("Dockerfile", "Dockerfile.cuda")}
+    for name, deployment in objects(docs, "Deployment").items():
+        pod = deployment["spec"]["template"]["spec"]
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] in image_users, name
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert {s["name"] for s in context.get("sysctls", [])} <= SAFE_SYSCTLS, name
+        assert not any(pod.get(key) for key in ("hostNetwork", "hostPID", "hostIPC")), name
+        assert all("hostPath" not in volume for volume in pod.get("volumes", [])), name
+        for container in pod["containers"]:
+            container_context = container["securityContext"]
+            assert container_context["allowPrivilegeEscalation"] is False, name
+            assert container_context["capabilities"] == {"drop": ["ALL"]}, name
+            assert not container_context.get("privileged") and container_context.get("runAsUser", 1) != 0, name
+
+
+def test_every_role_has_a_disruption_budget_and_probes(rendered):
+    _, docs = rendered
+    budgets = objects(docs, "PodDisruptionBudget")
+    for name, deployment in objects(docs, "Deployment").items():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        (budget,) = [b for b in budgets.values()
+                     if b["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        # maxUnavailable: a role of one pod can still be drained (minAvailable 1 would block it).
+        assert budget["spec"]["maxUnavailable"] >= 1 and "minAvailable" not in budget["spec"], name
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container), name
+
+
+def test_the_overlays_need_no_secret(rendered):
+    """`kubectl apply -k` of an overlay starts every pod in a namespace with no Secret."""
+    overlay, docs = rendered
+    text = yaml.safe_dump_all(docs)
+    if overlay == "secure":  # the example that opts in: both Secrets mounted
+        assert "secretName: baton-tls" in text and "secretName: baton-api-key" in text
+        return
+    assert "secretName" not in text and "secretKeyRef" not in text and "kind: Secret" not in text
+
+
+def test_a_mesh_sidecar_carries_grpc_but_not_the_kv_data_plane(rendered, mounted_files):
+    """Istio's annotations (they do nothing without Istio): a worker's gRPC port goes
+    through the sidecar, in and out; the KV port range does not (Gloo and NCCL speak
+    their own protocols to peers' pod IPs)."""
+    _, docs = rendered
+    deployments = objects(docs, "Deployment")
+    grpc_ports = {split_address(settings_of(d["spec"]["template"]["spec"]["containers"][0], mounted_files)
+                                .listen)[1] for d in deployments.values()}
+    for role in ("prefill", "decode"):
+        template = deployments[f"baton-{role}"]["spec"]["template"]
+        annotations = template["metadata"]["annotations"]
+        settings = settings_of(template["spec"]["containers"][0], mounted_files)
+        low, high = settings.kv_ports
+        inbound = {int(p) for p in annotations["traffic.sidecar.istio.io/includeInboundPorts"].split(",")}
+        outbound = {int(p) for p in annotations["traffic.sidecar.istio.io/includeOutboundPorts"].split(",")}
+        assert inbound == {split_address(settings.listen)[1]}
+        assert annotations["traffic.sidecar.istio.io/includeOutboundIPRanges"] == ""
+        assert outbound == grpc_ports - {split_address(settings_of(
+            deployments["baton-gateway"]["spec"]["template"]["spec"]["containers"][0], mounted_files).listen)[1]}
+        assert not any(low <= port <= high for port in inbound | outbound)
+
+
+def test_monitoring_scrapes_every_pod_and_feeds_the_autoscalers(rendered):
+    overlay, docs = rendered
+    if overlay != "secure":
+        assert not objects(docs, "ServiceMonitor")  # opt-in: a cluster without the Operator refuses it
+        return
+    (monitor,) = objects(docs, "ServiceMonitor").values()
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    for name, service in objects(docs, "Service").items():
+        assert selector.items() <= service["metadata"]["labels"].items(), name
+        assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}, name
+    rules = yaml.safe_load(objects(docs, "ConfigMap")["baton-adapter-rules"]["data"]["config.yaml"])["rules"]
+    served = {re.search(r"\^(\w+)\$", rule["name"]["matches"]).group(1) for rule in rules}
+    wanted = {metric["pods"]["metric"]["name"] for autoscaler in objects(docs, "HorizontalPodAutoscaler").values()
+              for metric in autoscaler["spec"]["metrics"]}
+    assert wanted <= served
+    for rule in rules:
+        assert rule["resources"]["overrides"].keys() == {"namespace", "pod"}
+
+
+def test_the_certificate_is_what_the_secure_component_mounts(rendered, mounted_files):
+    overlay, docs = rendered
+    if overlay != "secure":
+        return
+    certificate = objects(docs, "Certificate")["baton-tls"]["spec"]
+    gateway = settings_of(objects(docs, "Deployment")["baton-gateway"]["spec"]["template"]["spec"]["containers"][0],
+                          mounted_files)
+    assert certificate["secretName"] == "baton-tls" and gateway.tls.server_name in certificate["dnsNames"]
+    assert {"server auth", "client auth"} <= set(certificate["usages"])  # mutual TLS
+    issuer = objects(docs, "Issuer")[certificate["issuerRef"]["name"]]
+    assert issuer["spec"]["ca"]["secretName"] == objects(docs, "Certificate")["baton-ca"]["spec"]["secretName"]
 
 
 # ------------------------------------------------------------------ images
