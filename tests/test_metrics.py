@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 import urllib.request
@@ -166,6 +167,11 @@ def test_counters_match_the_workload_and_kv_returns_to_zero(system):
 
 
 def test_the_in_flight_gauge_reads_admissions_count_by_front_end():
+    asyncio.run(in_flight_gauge())
+
+
+async def in_flight_gauge() -> None:
+    """On an event loop: the pool's gRPC channels are asyncio's."""
     pool = WorkerPool([], ["127.0.0.1:9"], RoutingPolicy(0, 0))
     service = GenerationService(pool, GatewayMetrics("m"))  # no worker polled yet: admission stands aside
 
