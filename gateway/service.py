@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from baton.runtime import latency, tracing
+from baton.runtime import latency, logs, tracing
 from baton.runtime.metrics import GatewayMetrics
 from baton.wire import convert, status
 from baton.wire.records import GenerateRequest, ModelInfo, TextDelta
@@ -33,6 +33,19 @@ from gateway.prepare import PreparedRequest, RequestPreparer
 from gateway.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
+# A request id a client (or a service mesh's proxy) sends as a header: the request's id
+# when its body names none, and sent back.
+REQUEST_ID_HEADER = "x-request-id"
+_MAX_REQUEST_ID = 128
+
+
+def header_request_id(carrier) -> str:
+    """The x-request-id among a call's (key, value) pairs: printable ASCII, no spaces, at
+    most _MAX_REQUEST_ID characters ("": none, or one that is not)."""
+    value = next((v for k, v in carrier or () if k.lower() == REQUEST_ID_HEADER), "")
+    if isinstance(value, bytes) or not 0 < len(value) <= _MAX_REQUEST_ID:
+        return ""
+    return value if value.isascii() and value.isprintable() and " " not in value else ""
 
 # gen_ai.operation.name by prompt kind.
 _OPERATIONS = {"messages": "chat", "text": "text_completion", "token_ids": "text_completion"}
@@ -109,6 +122,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """`generate` for a gRPC call: a RequestError ends the call with its status."""
         if self.metrics is not None:
             self.metrics.received("grpc")
+        request_id = header_request_id(context.invocation_metadata())
+        if request_id:  # a mesh's id comes back to it, as Envoy's and vLLM's do
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
         try:
             async for delta in self.generate(lambda: convert.generate_request_from_pb(message),
                                              context.time_remaining, context.invocation_metadata(),
@@ -131,7 +147,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prepared = stream = None
         failure: RequestError | None = None
         try:
-            prepared = await self._prepare(read, span, time_remaining(), front)
+            prepared = await self._prepare(read, span, time_remaining(), front, header_request_id(carrier))
             stream = self._text_stream(prepared, time_remaining)
             async for delta in stream:
                 yield delta
@@ -153,16 +169,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     await stream.aclose()  # its workers' calls end now, not when it is collected
             finally:
                 if prepared is not None:
+                    logger.debug("request %s ended: %s", prepared.request_id,
+                                 "ok" if failure is None else failure.code.name)
                     self._in_flight.discard(prepared.request_id)
                     self.admission.release(prepared.request_id, prepared.outcome)
                     self._record_deadline(prepared)
                 self._end_span(span, failure)
 
     async def _prepare(self, read: Callable[[], GenerateRequest], span, time_remaining: float | None,
-                       front: str) -> PreparedRequest:
+                       front: str, header_id: str) -> PreparedRequest:
         """Read, validate, admit and tokenize; raises RequestError. The request is then in
         flight. `time_remaining`: seconds to the call's deadline (None: none), its SLO;
-        `front`: the front end it came by."""
+        `front`: the front end it came by; `header_id`: its x-request-id ("": none), its
+        id unless the request names one."""
         arrival = time.monotonic()
         deadline = None if time_remaining is None else arrival + time_remaining
         preparer = self.preparer
@@ -174,7 +193,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             request = read()
         except ValueError as error:
             raise RequestError.invalid(error) from None
-        request_id = request.request_id or f"{self._prefix}-{next(self._ids)}"
+        request_id = self._request_id(request.request_id, header_id)
+        logs.bind_request(request_id, span)  # this call's log lines name it (baton/runtime/logs.py)
         if request_id in self._in_flight:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
         self.admission.admit(request_id, front)  # before tokenizing: an overloaded gateway refuses at once
@@ -199,12 +219,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._in_flight.discard(request_id)
             self.admission.release(request_id)
             raise
-        if request.request_id:  # the client's own id: other gateways' clients may use it too
+        if request.request_id or header_id:  # the client's own id: other gateways' clients may use it too
             prepared.worker_request_id = f"{request_id}@{self._prefix}"
         if tracing.recording(span):
             tracing.set_request(span, self.info.model, prepared.params, _OPERATIONS[request.prompt_kind],
                                 request_id, len(prepared.prompt_token_ids), prepared.priority)
         return prepared
+
+    def _request_id(self, named: str, header_id: str) -> str:
+        """A request's id: the one it names, else its x-request-id (made unique while another
+        with it is here: a mesh retrying a request still running), else a new one."""
+        if named:
+            return named
+        ours = f"{self._prefix}-{next(self._ids)}"
+        if not header_id:
+            return ours
+        return header_id if header_id not in self._in_flight else f"{header_id}-{ours}"
 
     def _record_deadline(self, prepared: PreparedRequest) -> None:
         if self.metrics is None or prepared.deadline is None:

@@ -3,6 +3,7 @@ handoff and the decode worker: three real processes export OTLP to an in-test re
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -26,6 +27,7 @@ VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 BLOCK_SIZE = 4
 PREFILL_BUDGET = 8  # the prefill worker's tokens per step: long prompts run in chunks
 SPAN_NAMES = {"generate", "tokenize", "prefill", "decode", "kv_transfer"}
+JSON_LOGS = ["--log-format", "json", "--log-level", "DEBUG"]
 
 
 def caller_context() -> tuple[str, str, tuple[tuple[str, str], ...]]:
@@ -47,10 +49,10 @@ def traced(tmp_path_factory):
     deployment = start_deployment(
         path,
         tmp_path_factory.mktemp("logs"),
-        worker_args=["--dtype", "float64", "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "300"],
+        worker_args=["--dtype", "float64", "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "300", *JSON_LOGS],
         prefill_args=["--max-num-batched-tokens", str(PREFILL_BUDGET)],
         decode_args=["--verify-kv"],
-        gateway_args=["--max-prefill-queue-tokens", "0"],  # every prompt is handed off
+        gateway_args=["--max-prefill-queue-tokens", "0", *JSON_LOGS],  # every prompt is handed off
         http_port=0,
         env={
             "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
@@ -97,6 +99,21 @@ def traced(tmp_path_factory):
             assert answer.status_code == 200, answer.text
             run["http"] = dict(trace_id=trace_id, span_id=span_id)
 
+            # A mesh's x-request-id and no request id of its own: that is its id, and it comes back.
+            trace_id, span_id, metadata = caller_context()
+            _, call = stub.Generate.with_call(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=list(range(400, 430))),
+                sampling=pb.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)),
+                timeout=60, metadata=(*metadata, ("x-request-id", "mesh-grpc-1")))
+            run["mesh_grpc"] = dict(trace_id=trace_id, echoed=dict(call.initial_metadata()).get("x-request-id"))
+            trace_id, span_id, metadata = caller_context()
+            answer = httpx.post(f"http://{deployment.http}/v1/completions", timeout=60,
+                                headers={**dict(metadata), "X-Request-Id": "mesh-http-1"},
+                                json={"model": run["model"], "prompt": "Another prompt, with a mesh's request id.",
+                                      "max_tokens": 3, "ignore_eos": True})
+            assert answer.status_code == 200, answer.text
+            run["mesh_http"] = dict(trace_id=trace_id, echoed=answer.headers.get("x-request-id"))
+
             # No traceparent: Baton starts the trace.
             run["untraced"] = list(stub.GenerateStream(pb.GenerateRequest(
                 request_id="no-parent", token_ids=pb.TokenIds(ids=list(range(200, 230))),
@@ -128,6 +145,7 @@ def traced(tmp_path_factory):
         sink.stop()
     assert codes == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
     run["spans"] = sink.spans()
+    run["logs"] = {process.role: process.log() for process in deployment.processes}
     return run
 
 
@@ -306,3 +324,31 @@ def test_untraced_refused_and_cancelled_requests(traced):
 
     # Only request work is traced: no spans for health checks, stats polls or model info.
     assert {s.name for s in spans} == SPAN_NAMES
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("front", ["mesh_grpc", "mesh_http"])
+def test_json_log_lines_name_the_request_and_its_trace_in_every_process(traced, front):
+    """--log-format json: each line a JSON object; the lines a request's calls log carry its
+    id (a mesh's x-request-id, sent back to it) and the trace and span they belong to, the
+    very ids of the exported spans, in the gateway and both workers."""
+    request_id = front.replace("_", "-") + "-1"
+    run = traced[front]
+    assert run["echoed"] == request_id
+    spans = trace_of(traced["spans"], run["trace_id"])
+    generate = one(spans, "generate")
+    assert generate.attributes["baton.request_id"] == request_id
+    lines = {role: json_lines(text) for role, text in traced["logs"].items()}
+    assert all(lines.values())
+    for line in lines["gateway"][:5]:
+        assert {"time", "level", "logger", "message"} <= line.keys(), line
+    gateway = [line for line in lines["gateway"] if line.get("request_id") == request_id]
+    assert gateway and all((line["trace_id"], line["span_id"]) == (run["trace_id"], generate.span_id)
+                           for line in gateway), gateway
+    for role, span_name in (("prefill", "prefill"), ("decode", "decode")):
+        mine = [line for line in lines[role] if line.get("request_id", "").startswith(request_id + "@")]
+        assert mine and all(line["trace_id"] == run["trace_id"] for line in mine), (role, mine)
+        assert one(spans, span_name).span_id in {line["span_id"] for line in mine}, (role, mine)

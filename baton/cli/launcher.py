@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from baton.cli.local import Deployment, free_port, start_deployment
-from baton.runtime.server import configure_logging
+from baton.runtime.logs import LOG_FORMATS, configure_logging
 from baton.runtime.security import TlsConfig
 from baton.runtime.settings import (
     API_KEY_FILE_HELP,
@@ -32,6 +32,7 @@ from baton.runtime.settings import (
     DTYPE_HELP,
     GPU_MEMORY_UTILIZATION_HELP,
     KV_CACHE_MEMORY_SHOWN,
+    LOG_FORMAT_HELP,
     LOG_LEVELS,
     MODEL_HELP,
     REVISION_HELP,
@@ -93,6 +94,7 @@ class UpSettings:
                                        "had a host of its own (--threads is then one per core)",
                                 shown="off: every worker may use every core")
     log_level: str = setting("INFO", "logging level", choices=LOG_LEVELS)
+    log_format: str = setting("text", LOG_FORMAT_HELP, choices=LOG_FORMATS)
     metrics_port: int | None = setting(None, "serve the gateway's Prometheus metrics on this port (0: any free "
                                              "one); each worker then serves its own on a free port, all listed "
                                              "at startup", shown="off")
@@ -173,7 +175,7 @@ def up_command(args: argparse.Namespace) -> int:
 
     settings = from_args(UpSettings, args)
     check_model(settings.model, settings.revision, settings.tokenizer)
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     return up(settings)
 
 
@@ -189,7 +191,8 @@ class RoleArgs:
 
 
 def role_args(settings: UpSettings) -> RoleArgs:
-    worker = ["--log-level", settings.log_level, "--device", settings.device, "--dtype", settings.dtype,
+    logs = ["--log-level", settings.log_level, "--log-format", settings.log_format]  # every role's
+    worker = [*logs, "--device", settings.device, "--dtype", settings.dtype,
               "--gpu-memory-utilization", str(settings.gpu_memory_utilization), "--kv-transport", settings.kv_transport]
     prefill_device, decode_device = settings.worker_devices()
     prefill, decode = ["--device", prefill_device], ["--device", decode_device]
@@ -218,7 +221,7 @@ def role_args(settings: UpSettings) -> RoleArgs:
         if getattr(settings, name) is not None:
             model += ["--" + name.replace("_", "-"), getattr(settings, name)]
     worker += model
-    gateway = [*tls, *model]
+    gateway = [*logs, *tls, *model]
     if settings.metrics_port is not None:  # 0: a free port chosen here, so the banner can name it
         gateway += ["--metrics-port", str(settings.metrics_port or free_port())]
     if settings.api_key_file is not None:

@@ -124,11 +124,11 @@ def check_model(model: str, revision: str | None = None, tokenizer: str | None =
 
 def _serve_role(args: argparse.Namespace) -> int:
     """One role in this process, until SIGTERM."""
-    from baton.runtime.server import configure_logging
+    from baton.runtime.logs import configure_logging
 
     settings = from_args(ROLES[args.command], args)
     check_model(settings.model, settings.revision, settings.tokenizer, weights=args.command != "gateway")
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     if args.command == "gateway":
         from gateway.server import serve
     elif args.command == "prefill-worker":

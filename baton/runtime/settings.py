@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 from baton.runtime.addresses import parse_target
 from baton.runtime.discovery import AddressAllowlist
+from baton.runtime.logs import LOG_FORMATS
 from baton.runtime.security import TlsConfig, read_secret_file
 from baton.runtime.settings_base import (
     SettingsError,
@@ -75,6 +76,8 @@ TOKENIZER_HELP = "the tokenizer's own directory or hub id, when it is not --mode
 DEVICE_CHOICES = ("cpu", "cuda", "cuda:N")
 PREEMPTION_MODES = typing.get_args(PreemptionMode)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMAT_HELP = ("log lines as text, or as JSON objects (time, level, logger, message; request_id, trace_id "
+                   "and span_id on the lines of a request)")
 DEVICE_HELP = "where the engine runs: the CPU, or a CUDA GPU (cuda: the current one)"
 DTYPE_HELP = "weights' and KV cache's dtype (auto: float32 on CPU, bfloat16 on CUDA)"
 TLS_CERT_HELP = "PEM certificate chain this process serves and presents as a client (a TLS secret's tls.crt)"
@@ -228,6 +231,7 @@ class WorkerSettings:
     max_queued_tokens: int = setting(0, "prompt tokens waiting to be prefilled or received, beyond which "
                                         "calls are refused (0: 4x the KV cache's capacity in tokens)")
     log_level: str = setting("INFO", "logging level", choices=LOG_LEVELS)
+    log_format: str = setting("text", LOG_FORMAT_HELP, choices=LOG_FORMATS)
     tls_cert: str | None = setting(None, TLS_CERT_HELP, shown="plaintext")
     tls_key: str | None = setting(None, TLS_KEY_HELP)
     tls_ca: str | None = setting(None, TLS_CA_HELP, shown="no client certificates")
@@ -358,6 +362,7 @@ class GatewaySettings:
     max_queued_tokens: int = setting(0, "prompt tokens admitted and not yet prefilled, beyond which new "
                                         "requests are refused (0: no such bound)")
     log_level: str = setting("INFO", "logging level", choices=LOG_LEVELS)
+    log_format: str = setting("text", LOG_FORMAT_HELP, choices=LOG_FORMATS)
     # Security (baton/runtime/security.py).
     admin_listen: str | None = setting(None, "serve GatewayAdmin (baton status) here, with the workers' TLS "
                                              "(client certificates with --tls-ca), and not on --listen",

@@ -10,7 +10,7 @@ import time
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
-from baton.runtime import tracing
+from baton.runtime import logs, tracing
 from baton.runtime.addresses import advertise_address, normalize_address
 from baton.runtime.admission import AdmissionLimits, AdmissionQueue, Overloaded
 from baton.runtime.metrics import TransferTally, WorkerMetrics, engine_snapshot, serve_metrics
@@ -263,15 +263,19 @@ class WorkerBase:
 
     # ----------------------------------------------------------------- tracing
     def _start_span(self, name: str, context, request_id: str, attributes: dict | None = None):
-        """A SERVER span for one call, child of the caller's span (None: tracing off)."""
-        if not tracing.enabled():
-            return None
-        return tracing.start_span(name, tracing.extract(context.invocation_metadata()), tracing.SERVER, {
-            "baton.request_id": request_id,
-            "baton.worker_id": self.worker_id,
-            "gen_ai.request.model": self.model_info.model if self.model_info else "",
-            **(attributes or {}),
-        })
+        """A SERVER span for one call, child of the caller's span (None: tracing off); the
+        call's log lines name the request and the span from here on (baton/runtime/logs.py)."""
+        span = None
+        if tracing.enabled():
+            span = tracing.start_span(name, tracing.extract(context.invocation_metadata()), tracing.SERVER, {
+                "baton.request_id": request_id,
+                "baton.worker_id": self.worker_id,
+                "gen_ai.request.model": self.model_info.model if self.model_info else "",
+                **(attributes or {}),
+            })
+        logs.bind_request(request_id, span)
+        logger.debug("%s call for request %s", name, request_id)
+        return span
 
     @staticmethod
     def _observe(output: RequestOutput, span) -> None:

@@ -33,7 +33,7 @@ from gateway.errors import RequestError
 from gateway.http import protocol as api
 from gateway.http import translate
 from gateway.limits import MAX_REQUEST_BYTES
-from gateway.service import GenerationService
+from gateway.service import REQUEST_ID_HEADER, GenerationService, header_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
     app.get("/v1/models")(routes.models)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
-    return _BodyLimit(app)
+    return _BodyLimit(_EchoRequestId(app))
 
 
 async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -189,6 +189,29 @@ class _BodyLimit:
                 await JSONResponse(body.model_dump(), status_code=413)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _EchoRequestId:
+    """The ASGI app in front of FastAPI's: a request's X-Request-Id (its id when it names
+    none: GenerationService) comes back on its response, whatever the route or status."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        request_id = header_request_id((k.decode("latin-1"), v.decode("latin-1"))
+                                       for k, v in scope.get("headers", ())) if scope["type"] == "http" else ""
+        if not request_id:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != REQUEST_ID_HEADER.encode()]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER.encode(), request_id.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _Call:
