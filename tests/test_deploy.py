@@ -134,6 +134,10 @@ def test_ports_and_addresses_agree(rendered, mounted_files):
         service = services[name]
         assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
         service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+        if role_of(container) == "gateway":  # the OpenAI HTTP API too, open to clients
+            assert ports["http"] == settings.http_port == service_ports.pop("http")["port"]
+            opened = objects(docs, "NetworkPolicy")["baton-gateway"]["spec"]["ingress"][0]["ports"]
+            assert {"protocol": "TCP", "port": settings.http_port} in opened
         assert set(service_ports) == {"grpc", "metrics"}
         assert service_ports["grpc"]["targetPort"] == "grpc" and service_ports["grpc"]["port"] == port
         assert service_ports["metrics"]["targetPort"] == "metrics"
