@@ -302,7 +302,9 @@ def test_baton_up_secures_every_process_it_starts(pki, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(API_KEY)
     args = role_args(parse(UpSettings, ["--api-key-file", str(key_file)]))
-    assert args.gateway == ["--api-key-file", str(key_file)] and args.env == {}
+    # The gateway gets the logging flags every role does, and the key's file.
+    assert args.gateway == ["--log-level", "INFO", "--log-format", "text", "--api-key-file", str(key_file)]
+    assert args.env == {}
     with pytest.raises(SettingsError, match="--tls-key: cannot read"):
         parse(UpSettings, ["--tls-cert", str(pki.server.cert), "--tls-key", str(tmp_path / "nope")])
 
