@@ -58,3 +58,18 @@ def configure_logging(level: str = "INFO", log_format: str = "text") -> None:
         raise ValueError(f"log format {log_format!r} is not one of {', '.join(LOG_FORMATS)}")
     handler.addFilter(_RequestFields())
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
+    if log_format == "json":
+        _transformers_through_root()
+
+
+def _transformers_through_root() -> None:
+    """transformers writes through a handler of its own and draws progress bars (loading a
+    GGUF file): in JSON mode its lines go through ours instead, and no bar is drawn, so
+    that every line of stderr parses."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # a process that never loads transformers
+        return
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()
