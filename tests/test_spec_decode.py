@@ -1,0 +1,117 @@
+"""Speculative decoding's model-free parts (engine/spec_decode): prompt-lookup proposals,
+and acceptance that emits exactly the target's greedy tokens, or tokens distributed
+exactly as the target samples them (a chi-square test over many draws), repeatably for a
+seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.spec_decode.acceptance import accept_greedy, accept_sampled
+from engine.spec_decode.ngram import propose_ngram
+
+# Chi-square critical values at significance 0.001 by degrees of freedom: a correct
+# sampler fails one of these about once in a thousand runs; the draws are seeded, so a
+# run that passes passes every time.
+CHI2_CRITICAL_0_001 = {3: 16.27, 4: 18.47}
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    #           0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 6, 7]
+    # The suffix [6, 7] occurred at 1 and at 6: the latest one wins, followed by 3, 4, 6, 7.
+    assert propose_ngram(tokens, 3, max_n=2) == [3, 4, 6]
+    # No earlier run of the last 4 or 3 tokens ([4, 6, 7] occurs only at the end): n=2 matches.
+    assert propose_ngram(tokens, 2, max_n=4) == [3, 4]
+    assert propose_ngram([1, 2, 3, 1, 2, 3, 1, 2], 5, max_n=3) == [3, 1, 2]  # capped by what exists
+    assert propose_ngram([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert propose_ngram([4], 3) == [] and propose_ngram([], 3) == []
+    assert propose_ngram(tokens, 0) == []
+    assert propose_ngram(tokens, 3, max_n=4, min_n=3) == []  # no match of 3 or more
+
+
+def test_prompt_lookup_prefers_a_longer_match_over_a_later_shorter_one():
+    tokens = [1, 2, 3, 50, 51, 9, 3, 60, 1, 2, 3]
+    # [1, 2, 3] matched at 0 (then 50, 51); a later [3] at 6 would propose 60.
+    assert propose_ngram(tokens, 2, max_n=3) == [50, 51]
+    assert propose_ngram(tokens, 2, max_n=1) == [60, 1]
+
+
+def test_greedy_acceptance_takes_the_longest_agreeing_prefix_then_the_targets_token():
+    target = torch.tensor([4, 7, 2, 9])
+    assert accept_greedy(torch.tensor([4, 7, 2]), target).token_ids == [4, 7, 2, 9]  # all, and the bonus
+    outcome = accept_greedy(torch.tensor([4, 8, 2]), target)  # the 2 after a wrong 8 counts for nothing
+    assert (outcome.token_ids, outcome.num_accepted) == ([4, 7], 1)
+    assert accept_greedy(torch.tensor([5, 7, 2]), target).token_ids == [4]
+    assert accept_greedy(torch.tensor([], dtype=torch.int64), target[:1]).token_ids == [4]  # nothing proposed
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def sample_many(proposed, target, draft, trials: int, seed: int):
+    """The first token's counts, and the second's counts among runs that accepted the first.
+    With a draft distribution, each run's proposals are drawn from it (as a draft model's
+    are); without, `proposed` is the point mass prompt lookup proposes."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = target.shape[1]
+    first, second = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
+    for _ in range(trials):
+        if draft is not None:
+            proposed = torch.multinomial(draft, 1, generator=generator).squeeze(1)
+        outcome = accept_sampled(proposed, target, generator, draft)
+        first[outcome.token_ids[0]] += 1
+        if outcome.num_accepted >= 1:
+            second[outcome.token_ids[1]] += 1
+    return first, second
+
+
+def check_distribution(draft: torch.Tensor | None, seed: int) -> None:
+    target = torch.tensor([[0.10, 0.40, 0.20, 0.25, 0.05],   # p_1
+                           [0.30, 0.05, 0.15, 0.30, 0.20],   # p_2, after proposal 1 was accepted
+                           [0.20, 0.20, 0.20, 0.20, 0.20]], dtype=torch.float64)
+    proposed = torch.tensor([2, 0])
+    first, second = sample_many(proposed, target, draft, 20000, seed)
+    assert chi_square(first, target[0]) < CHI2_CRITICAL_0_001[4], first
+    # Given proposal 1 was accepted, the next token is distributed as p_2.
+    assert second.sum() > 1000
+    assert chi_square(second, target[1]) < CHI2_CRITICAL_0_001[4], second
+
+
+def test_rejection_sampling_keeps_the_targets_distribution_with_prompt_lookup_proposals():
+    check_distribution(None, seed=11)  # a point mass at each proposal
+
+
+def test_rejection_sampling_keeps_the_targets_distribution_with_a_draft_models_proposals():
+    draft = torch.tensor([[0.30, 0.10, 0.40, 0.10, 0.10],
+                          [0.50, 0.10, 0.10, 0.20, 0.10]], dtype=torch.float64)
+    check_distribution(draft, seed=12)
+
+
+def test_acceptance_rate_is_what_the_theory_says():
+    """With a point mass at d, proposal 1 is accepted with probability p_1(d)."""
+    target = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.25, 0.25]], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(3)
+    trials = 20000
+    accepted = sum(accept_sampled(torch.tensor([1]), target, generator).num_accepted for _ in range(trials))
+    assert abs(accepted / trials - 0.6) < 0.02
+
+
+def test_a_seeded_generator_repeats_every_outcome():
+    target = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64), -1)
+    proposed = torch.tensor([3, 17, 8])
+    runs = []
+    for _ in range(2):
+        generator = torch.Generator().manual_seed(1234)
+        runs.append([accept_sampled(proposed, target, generator).token_ids for _ in range(200)])
+    assert runs[0] == runs[1] and len({tuple(r) for r in runs[0]}) > 10
+
+
+def test_a_proposal_the_target_cannot_make_is_always_rejected():
+    target = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        outcome = accept_sampled(torch.tensor([0]), target, generator)
+        assert outcome.num_accepted == 0 and outcome.token_ids[0] in (1, 2)
