@@ -245,6 +245,21 @@ class KVCacheManager:
         self._release_table(request_id)
         return len(table)
 
+    def truncate(self, request_id: str, num_blocks: int) -> int:
+        """Cut the request's table to its first `num_blocks` blocks, freeing the rest (KV of
+        tokens it no longer has: rejected speculative proposals). Returns how many."""
+        table = self._tables[request_id]
+        dropped = table[num_blocks:]
+        if not dropped:
+            return 0
+        assert self._num_registered.get(request_id, 0) <= num_blocks, "a truncated block is cached"
+        del table[num_blocks:]
+        if self._deferring:
+            self._deferred.extend(dropped)
+        else:
+            self.pool.free(dropped)
+        return len(dropped)
+
     def defer_frees(self, defer: bool) -> None:
         """Overlapped steps: while `defer`, blocks the requests free stay out of the pool, as a
         step launched and still running may write into them (a request that ended has run

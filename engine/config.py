@@ -180,6 +180,35 @@ class SchedulerConfig:
             raise ValueError("max_decode_stretch must be a finite number >= 0")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode): a decoding row proposes up to
+    `num_speculative_tokens` tokens and one forward pass of the model checks them all.
+
+    - `method`: "ngram" (prompt lookup: the tokens after the latest earlier occurrence of
+      the row's last `prompt_lookup_max`..`prompt_lookup_min` tokens); None: off.
+    - Each row proposes as many tokens as its acceptance rate so far and the step-time
+      model make worth their cost (none when speculation would be slower).
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} "
+                             f"(or none), got {self.method!r}")
+        if self.num_speculative_tokens <= 0:
+            raise ValueError(f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}")
+        if not 0 < self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 0 < min <= max")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from."""
@@ -193,6 +222,7 @@ class EngineConfig:
     max_model_len: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     attention_backend: str = "auto"
     seed: int = 0
     # CUDA: decode steps replay CUDA graphs (engine/decode_graphs.py) unless this is set.
@@ -216,7 +246,7 @@ class EngineConfig:
 
 
 # Flat keyword names that differ from their field's: LLM(scheduler_policy=...) is SchedulerConfig.policy.
-_KEYWORD_ALIASES = {"scheduler_policy": "policy"}
+_KEYWORD_ALIASES = {"scheduler_policy": "policy", "speculative": "method"}
 
 
 def engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
@@ -225,15 +255,17 @@ def engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
     The names are the fields of EngineConfig (revision, tokenizer, served_model_name,
     device, dtype, max_model_len, attention_backend, seed), CacheConfig (block_size, num_kv_blocks, ...) and
     SchedulerConfig (max_num_seqs, max_num_batched_tokens, ...; its `policy`
-    also as `scheduler_policy`). What is not given keeps the dataclass's default.
+    also as `scheduler_policy`) and SpeculativeConfig (num_speculative_tokens,
+    prompt_lookup_max, prompt_lookup_min; its `method` as `speculative`). What is not given keeps the dataclass's default.
     Raises TypeError for any other name.
     """
-    sections: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+    sections: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {},
+                                            SpeculativeConfig: {}}
     owners = {
         f.name: cls
         for cls in sections
         for f in fields(cls)
-        if f.name not in ("model", "cache", "scheduler")  # given otherwise
+        if f.name not in ("model", "cache", "scheduler", "speculative")  # given otherwise
     }
     for keyword, value in kwargs.items():
         name = _KEYWORD_ALIASES.get(keyword, keyword)
@@ -247,5 +279,6 @@ def engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
         model=model,
         cache=CacheConfig(**sections[CacheConfig]),
         scheduler=SchedulerConfig(**sections[SchedulerConfig]),
+        speculative=SpeculativeConfig(**sections[SpeculativeConfig]),
         **sections[EngineConfig],
     )

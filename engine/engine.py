@@ -27,9 +27,11 @@ from engine.request_inputs import bad_word_ids, check_sampling_ids, check_token_
 from engine.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.spec_decode.speculator import Speculator
 from engine.step_time import StepTimeModel
+from engine.step_outputs import note_tokens, record_chunks
 from engine.thread_device import engine_device
-from engine.timeline import PrefillChunk, StepBatch
+from engine.timeline import StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +86,27 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.kv_manager, num_heads=arch.num_heads,
                                   seed=config.seed)
         self.graph_capture = self._capture_graphs() if graph_sizes else None
-        # Overlapped scheduling: the step launched last, its tokens not yet reported.
-        self.overlap = self.device.type == "cuda" if config.overlap_scheduling is None else config.overlap_scheduling
+        self.speculator = self._speculator()
+        self.overlap = self._overlaps()
         self._in_flight: _UnresolvedStep | None = None
         # Set (AsyncEngine): given a step's admissions with remote KV as it is scheduled, not in its output.
         self.on_kv_receives: Callable[[list[KvReceive]], None] | None = None
         self._request_counter = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
+
+    def _speculator(self) -> Speculator | None:
+        """Speculative decoding (engine/spec_decode): proposals before each step, acceptance after."""
+        spec = self.config.speculative
+        if spec.method is None:
+            return None
+        return Speculator(spec, self.step_time, self.max_model_len, self.vocab_size, self.config.dtype)
+
+    def _overlaps(self) -> bool:
+        """Overlapped scheduling (the step launched last, its tokens not yet reported: see
+        `step`): as configured, else on CUDA. Not while speculating: a row's proposals follow
+        its last token, which must be on the host."""
+        overlap = self.config.overlap_scheduling
+        return (self.device.type == "cuda" if overlap is None else overlap) and self.speculator is None
 
     def _capture_graphs(self) -> GraphCapture:
         """Capture the decode steps' CUDA graphs; warn if they took more memory than sizing kept."""
@@ -330,6 +346,8 @@ class LLMEngine:
 
     def _launch(self) -> _UnresolvedStep:
         scheduler = self.scheduler
+        if self.speculator is not None:
+            self.speculator.propose(scheduler.running)
         sched_out = scheduler.schedule()
         kv_receives = [
             KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)),
@@ -343,7 +361,7 @@ class LLMEngine:
         traced = [
             (request, request.num_computed_tokens, num_new, len(request.all_token_ids))
             for request, num_new in zip(sched_out.requests, sched_out.num_scheduled_tokens)
-            if request.events is not None
+            if request.events is not None and request.request_id not in sched_out.spec_token_ids
         ]
         previous = self._in_flight
         launched = self.runner.launch(sched_out, previous.launched if previous is not None else None)
@@ -358,7 +376,7 @@ class LLMEngine:
             )
             # Recorded at launch, in order with the next schedule's events (on CUDA the
             # chunk may still be running: its time is when it was launched).
-            _record_chunks(traced, batch)
+            record_chunks(traced, batch)
         return _UnresolvedStep(sched_out, launched, positions, batch, kv_receives)
 
     def _complete(self, step: _UnresolvedStep, started: float) -> StepOutput:
@@ -366,23 +384,33 @@ class LLMEngine:
         that began at perf_counter `started`)."""
         runner_out = step.launched.result()
         prompt_logprobs.record(runner_out.prompt_logprobs)
+        requests, proposals = runner_out.requests, step.scheduled.spec_token_ids
         # Requests that ended while the step ran (aborted, or stopped by the step before) get nothing.
-        live = [not request.is_finished for request in runner_out.requests]
-        finished = self.scheduler.resolve(runner_out.requests, runner_out.token_ids, step.positions)
-        finished_ids = {request.request_id for request in finished}
+        live = [not request.is_finished for request in requests]
+        # Each request's tokens: one, or those a row checking proposals keeps (engine/spec_decode).
+        kept = [(row, 1) for row in range(len(requests))] if self.speculator is None else self.speculator.accept(
+            requests, runner_out.token_ids, runner_out.sample_counts, proposals)
+        emitted = [runner_out.token_ids[row:row + count] for row, count in kept]
+        if step.launched.generator_states:
+            self.speculator.rewind(step.launched.generator_states,
+                                   {request.request_id: count for request, (_, count) in zip(requests, kept)})
+        finished = {request.request_id for request in self.scheduler.resolve(requests, emitted, step.positions,
+                                                                             proposals)}
         outputs: list[RequestOutput] = []
         sampler_out, now = runner_out.sampler_output, time.monotonic()
-        for index, (request, token_id) in enumerate(zip(runner_out.requests, runner_out.token_ids)):
+        all_logprobs = sampler_out.logprobs if sampler_out is not None and sampler_out.logprobs else None
+        for index, request in enumerate(requests):
             if not live[index]:
                 continue
-            wants_logprob = request.logprobs is not None and sampler_out is not None and sampler_out.logprobs
-            logprob = sampler_out.logprobs[index] if wants_logprob else None
-            request.note_token(logprob, now, step.batch)
-            new_logprobs = None if logprob is None else [logprob]
-            if self._matches_stop_string(request, token_id) or request.request_id in finished_ids:
-                outputs.append(self._final_output(request, [token_id], new_logprobs))
+            row, token_ids = kept[index][0], emitted[index]
+            logprobs = None
+            if request.logprobs is not None and all_logprobs is not None:
+                logprobs = all_logprobs[row:row + len(token_ids)]
+            stopped = note_tokens(self.scheduler, request, token_ids, logprobs, now, step.batch)
+            if stopped or request.request_id in finished:
+                outputs.append(self._final_output(request, token_ids, logprobs))
             else:
-                outputs.append(self._running_output(request, token_id, new_logprobs))
+                outputs.append(self._running_output(request, token_ids, logprobs))
         # On CUDA the swap copies are not timed apart from the step: learn from steps without.
         if not (runner_out.swap_bytes and self.device.type == "cuda"):
             self.step_time.observe(runner_out, step.scheduled, time.perf_counter() - started)
@@ -390,28 +418,14 @@ class LLMEngine:
             self.cost_model.observe_swap(num_bytes, seconds)
         return StepOutput(outputs=outputs)
 
-    def _matches_stop_string(self, request: Request, token_id: int) -> bool:
-        """Add the token to the request's text (every token, also one that ended it by length
-        or EOS this step: the text must include it); True if that completed a stop string,
-        which ends the request unless the scheduler already has (its status then stays: its
-        finish_reason reads the string)."""
-        detokenizer = request.detokenizer
-        if detokenizer is None or detokenizer.stop_matched is not None:
-            return False
-        detokenizer.append([token_id])
-        if detokenizer.stop_matched is None:
-            return False
-        self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)  # no-op if already ended
-        return True
-
-    def _running_output(self, request: Request, token_id: int, new_logprobs: list | None) -> RequestOutput:
+    def _running_output(self, request: Request, token_ids: list[int], new_logprobs: list | None) -> RequestOutput:
         """The output of a request that goes on (or waits, HELD, for its KV to be pulled)."""
         kv_block_ids = None
         if request.status == RequestStatus.HELD:
             kv_block_ids = list(self.kv_manager.get_block_ids(request.request_id))
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=[token_id],
+            new_token_ids=token_ids,
             finished=False,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
@@ -476,17 +490,3 @@ class _UnresolvedStep:
     positions: list[int | None]  # Scheduler.advance: where each sampled token goes
     batch: StepBatch | None  # traced steps only
     kv_receives: list[KvReceive]
-
-
-def _record_chunks(traced: list[tuple[Request, int, int, int]], batch: StepBatch) -> None:
-    """A PrefillChunk event for each traced request that prefilled in the step just run:
-    where the chunk started, its tokens, whether it recomputes KV the request had before
-    (after a recompute preemption or a failed handoff), and the batch it ran in."""
-    for request, start, num_new, num_tokens_before in traced:
-        if num_new > 1 or start < request.num_prompt_tokens:
-            request.record(PrefillChunk(
-                start=start,
-                num_tokens=num_new,
-                is_recompute=num_tokens_before > request.num_prompt_tokens,
-                batch=batch,
-            ))

@@ -33,8 +33,11 @@ class ForwardBatch:
     positions: torch.Tensor  # [N] int64
     attn: AttentionBatch
     sample_indices: torch.Tensor  # [S] int64: rows of the hidden states to sample from
-    sample_requests: list[Request]  # [S], in sample_indices order
-    num_prefill_tokens: int
+    sample_requests: list[Request]  # in sample_indices order
+    num_prefill_tokens: int  # prompt (or recompute) tokens: not the decodes', not the proposals checked
+    # Rows of sample_indices per sample request: 1, or 1 + k for a row checking k proposals
+    # (each of its tokens is sampled); None: 1 for every request.
+    sample_counts: tuple[int, ...] | None = None
     # Decode rows whose input token a step still in flight sampled (PENDING_TOKEN on the
     # host): input_ids[pending_rows[i]] is that step's sampled token pending_sources[i].
     pending_rows: torch.Tensor | None = None  # [P] int64
@@ -99,7 +102,7 @@ def prepare_forward_batch(
     chunks = ([(r, n) for r, n in zip(requests, num_scheduled) if n != 1 or wants_rows(r)]
               if len(decodes) != len(requests) else [])
     d = decode_rows(decodes, kv)
-    rows = _StepRows.gather(d, decodes, chunks, kv)
+    rows = _StepRows.gather(d, decodes, chunks, kv, out.spec_token_ids)
     num_seqs, num_pending = len(decodes) + len(chunks), len(d.pending_rows)
     layout = PackedLayout({
         "input_ids": rows.num_tokens, "positions": rows.num_tokens, "slots": rows.num_tokens,
@@ -115,7 +118,8 @@ def prepare_forward_batch(
         attn=rows.attention_batch(on_device, chunks, len(decodes), kv.block_size),
         sample_indices=on_device["samples"],
         sample_requests=rows.sample_requests,
-        num_prefill_tokens=rows.num_tokens - len(decodes),
+        num_prefill_tokens=rows.num_tokens - len(decodes) - rows.num_spec_tokens,
+        sample_counts=tuple(rows.sample_counts) if rows.num_spec_tokens else None,
         pending_rows=on_device["pending_rows"] if num_pending else None,
         pending_sources=on_device["pending_sources"] if num_pending else None,
         prompt_rows=tuple(rows.prompt_rows),
@@ -139,10 +143,12 @@ class _StepRows:
     sample_requests: list[Request]
     prompt_rows: list[PromptRows]  # of the chunks that ask for prompt logprobs
     num_tokens: int
+    sample_counts: list[int]  # rows sampled per sample request (ForwardBatch.sample_counts)
+    num_spec_tokens: int = 0  # proposals checked
 
     @classmethod
     def gather(cls, d: DecodeRows, decodes: list[Request], chunks: list[tuple[Request, int]],
-               kv: KVCacheManager) -> _StepRows:
+               kv: KVCacheManager, proposals: dict[str, list[int]]) -> _StepRows:
         block_size, num_decodes = kv.block_size, len(decodes)
         decode_max_seq_len = int(d.positions.max()) + 1 if num_decodes else 0
         chunk_rows = np.fromiter((kv.get_row(r.request_id) for r, _ in chunks), np.int64, len(chunks))
@@ -153,10 +159,30 @@ class _StepRows:
         rows = cls(tables, chunk_ends, max_seq_len, decode_max_seq_len, [d.token_ids], [d.positions], [d.slots],
                    list(range(num_decodes + 1)), sample_indices,
                    list(decodes) if len(sample_indices) == num_decodes else [decodes[i] for i in sample_indices],
-                   [], num_decodes)
+                   [], num_decodes, [1] * len(sample_indices))
         for index, (request, num_new) in enumerate(chunks):
-            rows._add_chunk(request, num_new, tables[num_decodes + index], block_size)
+            spec = proposals.get(request.request_id) if proposals else None
+            if spec:
+                rows._add_proposals(request, spec, tables[num_decodes + index], block_size)
+            else:
+                rows._add_chunk(request, num_new, tables[num_decodes + index], block_size)
         return rows
+
+    def _add_proposals(self, request: Request, spec: list[int], table: np.ndarray, block_size: int) -> None:
+        """A decoding row checking its proposals: its last token and them, as one chunk
+        whose every token is sampled (the token after each)."""
+        start = request.num_computed_tokens
+        positions = np.arange(start, start + 1 + len(spec), dtype=np.int64)
+        block_idx = positions // block_size
+        self.ids.append(np.asarray([request.all_token_ids[start], *spec], dtype=np.int64))
+        self.positions.append(positions)
+        self.slots.append(table[block_idx] * block_size + (positions - block_idx * block_size))
+        self.sample_indices.extend(range(self.num_tokens, self.num_tokens + len(positions)))
+        self.sample_requests.append(request)
+        self.sample_counts.append(len(positions))
+        self.num_tokens += len(positions)
+        self.num_spec_tokens += len(spec)
+        self.query_start.append(self.num_tokens)
 
     def _add_chunk(self, request: Request, num_new: int, table: np.ndarray, block_size: int) -> None:
         """One prefill chunk's rows (and the prompt-logprob rows it gives, if it asks)."""
@@ -176,6 +202,7 @@ class _StepRows:
         if end == len(request.all_token_ids):
             self.sample_requests.append(request)
             self.sample_indices.append(self.num_tokens - 1)
+            self.sample_counts.append(1)
         if request.prompt_logprobs is not None and (found := prompt_rows(request, first_row, start, end)) is not None:
             self.prompt_rows.append(found)
 

@@ -25,7 +25,7 @@ class ModelRunnerOutput:
     """The tokens sampled in one step, one per request that caught up."""
 
     requests: list[Request]
-    token_ids: list[int]
+    token_ids: list[int]  # one per sampled row: a request checking k proposals has k+1 rows
     sampler_output: SamplerOutput | None
     swap_bytes: int = 0
     swap_seconds: float = 0.0  # host clock; 0 on CUDA, where swaps are asynchronous
@@ -33,6 +33,8 @@ class ModelRunnerOutput:
     seconds: float = 0.0  # the step's time on the device (CUDA events), or on the host clock (CPU)
     wait_seconds: float = 0.0  # host time `LaunchedStep.result` spent waiting for the device
     prompt_logprobs: list = ()  # its prefill chunks' prompt logprobs (engine.prompt_logprobs.record)
+    sample_counts: tuple[int, ...] | None = None  # rows per request (ForwardBatch.sample_counts)
+    num_spec_tokens: int = 0  # proposals checked
 
 
 class LaunchedStep:
@@ -44,7 +46,8 @@ class LaunchedStep:
     """
 
     __slots__ = ("requests", "sampled", "swap_bytes", "swap_seconds", "num_prefill_tokens", "events",
-                 "host_seconds", "deferred", "prompt_logprobs", "_output")
+                 "host_seconds", "deferred", "prompt_logprobs", "sample_counts", "num_spec_tokens",
+                 "generator_states", "_output")
 
     def __init__(self, requests: list[Request], sampled: SampledTokens | None, swap_bytes: int,
                  swap_seconds: float, num_prefill_tokens: int, events: tuple | None, host_seconds: float) -> None:
@@ -61,6 +64,11 @@ class LaunchedStep:
         # them first): (logits, sampling batch, last token ids); None: launched.
         self.deferred: tuple | None = None
         self.prompt_logprobs: PendingPromptLogprobs | None = None
+        self.sample_counts: tuple[int, ...] | None = None  # ForwardBatch.sample_counts
+        self.num_spec_tokens = 0
+        # Seeded rows that checked proposals: (request, its generator's state before the
+        # step's draws), for the engine to rewind it past the draws of rejected tokens.
+        self.generator_states: list[tuple[Request, torch.Tensor]] = []
         self._output: ModelRunnerOutput | None = None
 
     @property
@@ -91,6 +99,8 @@ class LaunchedStep:
                 seconds,
                 wait_seconds,
                 () if self.prompt_logprobs is None else self.prompt_logprobs.result(),
+                self.sample_counts,
+                self.num_spec_tokens,
             )
         return self._output
 
@@ -150,9 +160,10 @@ class ModelRunner:
             events[0].record()
         started = time.perf_counter()
         swap_bytes, swap_seconds = self._swap(out)
-        sampled = deferred = prompt_logprobs = None
+        sampled = deferred = prompt_logprobs = sample_counts = None
         sample_requests: list[Request] = []
-        num_prefill_tokens = 0
+        num_prefill_tokens = num_spec_tokens = 0
+        generator_states: list[tuple[Request, torch.Tensor]] = []
         if out.requests:
             static = self.static_decode.prepare(out) if self.static_decode is not None else None
             if static is not None:
@@ -164,10 +175,12 @@ class ModelRunner:
                 logits = self.static_decode.run(batch, graph_key)
             else:
                 logits, prompt_logprobs = self._forward(batch)
-            sample_requests = batch.sample_requests
+            sample_requests, sample_counts = batch.sample_requests, batch.sample_counts
             num_prefill_tokens = batch.num_prefill_tokens
+            row_requests, generator_states = _sample_rows(sample_requests, sample_counts)
+            num_spec_tokens = len(row_requests) - len(sample_requests)
             if sample_requests:
-                sampling = sampling_batch(sample_requests, self.device)
+                sampling = sampling_batch(row_requests, self.device)
                 last_token_ids = (batch.input_ids.index_select(0, batch.sample_indices) if sampling.needs_last_token
                                   else None)
                 if previous is not None and any(r.grammar is not None for r in sample_requests):
@@ -175,13 +188,15 @@ class ModelRunner:
                     # samples this step once it has those tokens (its one wait on the device).
                     deferred = (logits, sampling, last_token_ids)
                 else:
-                    sampled = self._sample(sample_requests, logits, sampling, last_token_ids)
+                    sampled = self._sample(row_requests, logits, sampling, last_token_ids)
         if events is not None and deferred is None:
             events[1].record()
         step = LaunchedStep(sample_requests, sampled, swap_bytes, swap_seconds, num_prefill_tokens, events,
                             time.perf_counter() - started)
         step.deferred = deferred
         step.prompt_logprobs = prompt_logprobs
+        step.sample_counts, step.num_spec_tokens, step.generator_states = sample_counts, num_spec_tokens, \
+            generator_states
         return step
 
     @torch.inference_mode()
@@ -257,3 +272,15 @@ class ModelRunner:
             finished.append((num_bytes, seconds))
             self._swap_timings.popleft()
         return finished
+
+
+def _sample_rows(requests: list[Request], counts: tuple[int, ...] | None
+                 ) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
+    """The request of each sampled row (a row checking k proposals samples k+1 times), and
+    the state of each such seeded row's generator before the step draws from it."""
+    if counts is None:
+        return requests, []
+    rows = [request for request, count in zip(requests, counts) for _ in range(count)]
+    states = [(request, request.generator.get_state()) for request, count in zip(requests, counts)
+              if count > 1 and request.generator is not None and not request.sampling_params.is_greedy]
+    return rows, states

@@ -159,6 +159,13 @@ class Request:
         "grammar": "Its structured output's matcher (engine.grammar.GrammarState); None: free text.",
         "prompt_logprobs": "The prompt logprobs computed so far, until its first answer takes them "
                            "(engine.prompt_logprobs); None: not asked, or taken.",
+        "spec_token_ids": "Speculative decoding: the tokens proposed to follow its last one, for the next "
+                          "step to check (engine/spec_decode); empty: none.",
+        "spec_num_checked": "Its proposals the model has checked (up to and including each step's first "
+                            "rejection), and of those",
+        "spec_num_accepted": "the ones accepted: its acceptance rate so far.",
+        "spec_idle_steps": "Decode steps since it last proposed (it proposes now and then even when "
+                           "speculating does not pay, to learn whether it has started to).",
     }
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
@@ -206,6 +213,10 @@ class Request:
         self.bad_word_ids: tuple[tuple[int, ...], ...] = ()
         self.grammar = None
         self.prompt_logprobs: list | None = [] if sampling_params.prompt_logprobs is not None else None
+        self.spec_token_ids: list[int] = []
+        self.spec_num_checked = 0
+        self.spec_num_accepted = 0
+        self.spec_idle_steps = 0
 
     @property
     def num_tokens(self) -> int:

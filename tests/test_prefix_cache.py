@@ -340,8 +340,8 @@ def test_a_block_waits_for_its_pending_token_before_it_is_cached():
     later = s.advance(second, [request])
     s.end_step(second)
     assert s.kv.num_registered("a") == 1, "the block with the pending token is not cached yet"
-    s.resolve([request], [40], positions)
-    s.resolve([request], [41], later)
+    s.resolve([request], [[40]], positions)
+    s.resolve([request], [[41]], later)
     third = s.schedule()
     s.advance(third, [])
     assert s.kv.num_registered("a") == 2

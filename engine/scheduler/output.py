@@ -14,7 +14,8 @@ class SchedulerOutput:
     """What to run in one step.
 
     `requests[i]` gets `num_scheduled_tokens[i]` tokens of work, starting at its
-    `num_computed_tokens`. The runner runs `swap_out` copies, then `swap_in`
+    `num_computed_tokens` (a row in `spec_token_ids`: its last token and its proposals,
+    whose KV holds only as far as they are accepted). The runner runs `swap_out` copies, then `swap_in`
     copies, then the forward pass (freed blocks may be reused in the same step).
     """
 
@@ -24,5 +25,8 @@ class SchedulerOutput:
     swap_out: list[BlockCopy] = field(default_factory=list)
     swap_in: list[BlockCopy] = field(default_factory=list)
     preempted: list[tuple[Request, PreemptionKind]] = field(default_factory=list)
+    # Speculative decoding: the decoding rows that check proposals this step, and those
+    # proposals (the row's tokens are its last token, then these; each is sampled).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Requests admitted this step whose prompt KV must now be received into their blocks.
     kv_receives: list[Request] = field(default_factory=list)

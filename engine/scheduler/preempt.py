@@ -47,6 +47,7 @@ def preempt(scheduler: Preempting, request: Request, out: SchedulerOutput) -> No
         request.record(Preempted(kind=kind, num_blocks=len(kv.get_block_ids(request_id)),
                                  num_computed_tokens=request.num_computed_tokens))
     scheduler.running.remove(request)
+    request.spec_token_ids = []
     request.num_preemptions += 1
     out.preempted.append((request, kind))
     if kind is PreemptionKind.SWAP:

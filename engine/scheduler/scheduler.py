@@ -35,12 +35,13 @@ from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongErr
                             by_sort_key, deadline_key)
 from engine.scheduler.budget import UNLIMITED, prefill_limit
 from engine.scheduler.continuous import ContinuousAdmission
-from engine.scheduler.handoff import KvHandoffs
+from engine.scheduler.handoff import KvHandoffs, complete_kv_receive, release_held
 from engine.scheduler.integrity import check_scheduler_integrity
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import AdmissionPolicy
 from engine.scheduler.preempt import preempt
 from engine.scheduler.prefix import PrefixMatcher
+from engine.scheduler.speculative import schedule_proposals, settle_proposals
 from engine.scheduler.static import StaticAdmission
 from engine.scheduler.stopping import ends_by_length, stop_status
 from engine.scheduler.stats import SchedulerCounters, SchedulerStats, snapshot_stats
@@ -237,6 +238,9 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if remaining == 1 and request.spec_token_ids:
+                # Its proposals, as far as the budget leaves each row after it its token.
+                num_new += schedule_proposals(self, out, request, budget - (len(running) - i))
             while not kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 victim = running[-1]
                 self._preempt(victim, out)
@@ -289,35 +293,8 @@ class Scheduler:
         """Blocks kept free so the running batch can grow for a few decode steps."""
         return cdiv(len(self.running) * self.config.admission_reserve_steps, self.block_size)
 
-    def release_held(self, request_id: str) -> Request | None:
-        """End a HELD request whose KV was handed off (or given up); frees its blocks."""
-        request = self.handoffs.held.get(request_id)
-        if request is not None:
-            self.finish_request(request, RequestStatus.FINISHED_HANDED_OFF)
-        return request
-
-    def complete_kv_receive(self, request_id: str, ok: bool, fence_id: str | None = None,
-                            landing: str | None = None) -> Request | None:
-        """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here). With
-        `fence_id`, the failed receive's blocks go under that fence (KVCacheManager.fence).
-        `landing`: the ticket it received into; None: admitted from the queue (a receive
-        for another request of the same id changes nothing)."""
-        request = self.handoffs.receiving.get(request_id)
-        if request is None or request.landing != landing:
-            return None
-        if fence_id is not None:
-            assert not ok, "a completed receive has nothing to fence"
-            # The reused prefix was never written: only the blocks being received are in doubt.
-            self.kv.fence(request_id, fence_id, start=request.num_reused_blocks)
-        if request.abort_requested:
-            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
-            return None
-        self.handoffs.end_receive(request, ok)
-        if ok:
-            bisect.insort(self.running, request, key=by_sort_key)
-        else:
-            self.policy.add(request)
-        return request
+    release_held = release_held  # (handoff.py)
+    complete_kv_receive = complete_kv_receive
 
     def _admit_chosen(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
         """Admit the waiting requests the policy chooses, one by one (it sees each admission
@@ -410,7 +387,7 @@ class Scheduler:
         Returns the requests that finished in this step.
         """
         positions = self.advance(out, sampled_requests)
-        finished = self.resolve(sampled_requests, sampled_token_ids, positions)
+        finished = self.resolve(sampled_requests, [[token_id] for token_id in sampled_token_ids], positions)
         self.end_step(out)
         return finished
 
@@ -427,8 +404,11 @@ class Scheduler:
         """
         caching = self.kv.enable_prefix_caching  # (cache_computed checks it too: here no call at all when off)
         cache_computed = self.prefix.cache_computed
+        proposals = out.spec_token_ids
         for request, num_new in zip(out.requests, out.num_scheduled_tokens):
-            request.num_computed_tokens += num_new
+            # A row's proposals count as computed once accepted (resolve).
+            request.num_computed_tokens += num_new - len(proposals[request.request_id]) if proposals and \
+                request.request_id in proposals else num_new
             if caching:
                 cache_computed(request)
         positions: list[int | None] = []
@@ -446,29 +426,36 @@ class Scheduler:
                 request.pending_sample_index = index
         return positions
 
-    def resolve(self, sampled_requests: list[Request], sampled_token_ids: list[int],
-                positions: list[int | None]) -> list[Request]:
-        """Put a launched step's sampled tokens in place (`advance` said where) and finish
-        what they stop. A request that ended meanwhile (aborted, or stopped by the token
-        of the step before) is skipped: its token reaches no one.
-
-        Returns the requests that finished.
+    def resolve(self, sampled_requests: list[Request], emitted: list[list[int]], positions: list[int | None],
+                proposals: dict[str, list[int]] | None = None) -> list[Request]:
+        """Put a launched step's tokens in place (`advance` said where the first goes) and
+        finish what they stop. `emitted`: each request's tokens, one or, for a row that
+        checked `proposals`, its accepted proposals and the model's next token; a list is
+        cut after a token that ends its request (what follows reaches no one). A request
+        that ended meanwhile (aborted, or stopped by the token of the step before) is
+        skipped: its token reaches no one. Returns the requests that finished.
         """
         finished: list[Request] = []
-        for request, token_id, position in zip(sampled_requests, sampled_token_ids, positions):
+        for request, tokens, position in zip(sampled_requests, emitted, positions):
             if request.is_finished:
                 continue
             token_ids = request.all_token_ids
-            if position is None:
-                token_ids.append(token_id)
-                num_tokens = len(token_ids)
+            for index, token_id in enumerate(tokens):
+                if index == 0 and position is not None:
+                    token_ids[position] = token_id
+                    num_tokens = position + 1
+                else:
+                    token_ids.append(token_id)
+                    num_tokens = len(token_ids)
+                status = stop_status(request, token_id, num_tokens, self.max_model_len)
+                if status is not None:
+                    del tokens[index + 1:]
+                    self.finish_request(request, status)
+                    finished.append(request)
+                    break
             else:
-                token_ids[position] = token_id
-                num_tokens = position + 1
-            status = stop_status(request, token_id, num_tokens, self.max_model_len)
-            if status is not None:
-                self.finish_request(request, status)
-                finished.append(request)
+                if proposals and request.request_id in proposals:
+                    settle_proposals(self, request, len(tokens) - 1)
         return finished
 
     def end_step(self, out: SchedulerOutput) -> None:
