@@ -190,14 +190,16 @@ class SpeculativeConfig:
 
     - `method`: "ngram" (prompt lookup: the tokens after the latest earlier occurrence of
       the row's last `prompt_lookup_max`..`prompt_lookup_min` tokens); None: off.
-    - Each row proposes as many tokens as its acceptance rate so far and the step-time
-      model make worth their cost (none when speculation would be slower).
+    - `adaptive`: each row proposes as many tokens (up to num_speculative_tokens) as its
+      acceptance rate so far and the step-time model make worth their cost (none when
+      speculation would be slower: the off-switch); False: always as many as it can.
     """
 
     method: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:

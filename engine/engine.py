@@ -474,8 +474,9 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- metrics
     def get_metrics(self, with_queue_times: bool = True) -> SchedulerStats:
-        """Scheduler counters, step-time model; `with_queue_times`: the latest queue times too."""
-        return replace(self.scheduler.stats(with_queue_times), **self.step_time.estimate()._asdict())
+        """Scheduler counters, step-time model, speculation; `with_queue_times`: the latest queue times too."""
+        stats = replace(self.scheduler.stats(with_queue_times), **self.step_time.estimate()._asdict())
+        return stats.with_speculation(self.speculator.stats()) if self.speculator is not None else stats
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

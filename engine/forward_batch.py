@@ -99,11 +99,15 @@ def prepare_forward_batch(
     requests, num_scheduled = out.requests, out.num_scheduled_tokens
     # A one-token step is a decode row, but for a prompt position whose logprobs are asked.
     decodes = [r for r, n in zip(requests, num_scheduled) if n == 1 and not wants_rows(r)]
-    chunks = ([(r, n) for r, n in zip(requests, num_scheduled) if n != 1 or wants_rows(r)]
-              if len(decodes) != len(requests) else [])
-    d = decode_rows(decodes, kv)
-    rows = _StepRows.gather(d, decodes, chunks, kv, out.spec_token_ids)
-    num_seqs, num_pending = len(decodes) + len(chunks), len(d.pending_rows)
+    proposals = out.spec_token_ids
+    checks = [(r, proposals[r.request_id]) for r in requests if r.request_id in proposals] if proposals else []
+    chunks = ([(r, n) for r, n in zip(requests, num_scheduled)
+               if (n != 1 or wants_rows(r)) and not (proposals and r.request_id in proposals)]
+              if len(decodes) + len(checks) != len(requests) else [])
+    d = decode_rows(decodes, kv, checks)
+    num_entries = len(d.positions)
+    rows = _StepRows.gather(d, decodes, chunks, kv)
+    num_seqs, num_pending = num_entries + len(chunks), len(d.pending_rows)
     layout = PackedLayout({
         "input_ids": rows.num_tokens, "positions": rows.num_tokens, "slots": rows.num_tokens,
         "query_start": num_seqs + 1, "seq_lens": num_seqs, "block_tables": rows.tables.size,
@@ -115,11 +119,11 @@ def prepare_forward_batch(
     return ForwardBatch(
         input_ids=on_device["input_ids"],
         positions=on_device["positions"],
-        attn=rows.attention_batch(on_device, chunks, len(decodes), kv.block_size),
+        attn=rows.attention_batch(on_device, chunks, num_entries, kv.block_size),
         sample_indices=on_device["samples"],
         sample_requests=rows.sample_requests,
-        num_prefill_tokens=rows.num_tokens - len(decodes) - rows.num_spec_tokens,
-        sample_counts=tuple(rows.sample_counts) if rows.num_spec_tokens else None,
+        num_prefill_tokens=rows.num_tokens - num_entries,
+        sample_counts=tuple(rows.sample_counts) if checks else None,
         pending_rows=on_device["pending_rows"] if num_pending else None,
         pending_sources=on_device["pending_sources"] if num_pending else None,
         prompt_rows=tuple(rows.prompt_rows),
@@ -144,45 +148,24 @@ class _StepRows:
     prompt_rows: list[PromptRows]  # of the chunks that ask for prompt logprobs
     num_tokens: int
     sample_counts: list[int]  # rows sampled per sample request (ForwardBatch.sample_counts)
-    num_spec_tokens: int = 0  # proposals checked
 
     @classmethod
     def gather(cls, d: DecodeRows, decodes: list[Request], chunks: list[tuple[Request, int]],
-               kv: KVCacheManager, proposals: dict[str, list[int]]) -> _StepRows:
-        block_size, num_decodes = kv.block_size, len(decodes)
+               kv: KVCacheManager) -> _StepRows:
+        block_size, num_decodes = kv.block_size, len(d.positions)
         decode_max_seq_len = int(d.positions.max()) + 1 if num_decodes else 0
         chunk_rows = np.fromiter((kv.get_row(r.request_id) for r, _ in chunks), np.int64, len(chunks))
         chunk_ends = np.fromiter((r.num_computed_tokens + n for r, n in chunks), np.int64, len(chunks))
         max_seq_len = max(decode_max_seq_len, int(chunk_ends.max()) if len(chunks) else 0)
         tables = kv.block_tables[np.concatenate([d.table_rows, chunk_rows]), :cdiv(max_seq_len, block_size)]
-        sample_indices = d.sample_rows
+        plain = d.num_plain_samples
+        sample_requests = (list(decodes) if plain == len(decodes) else [decodes[i] for i in d.sample_rows[:plain]])
         rows = cls(tables, chunk_ends, max_seq_len, decode_max_seq_len, [d.token_ids], [d.positions], [d.slots],
-                   list(range(num_decodes + 1)), sample_indices,
-                   list(decodes) if len(sample_indices) == num_decodes else [decodes[i] for i in sample_indices],
-                   [], num_decodes, [1] * len(sample_indices))
+                   list(range(num_decodes + 1)), d.sample_rows, sample_requests + [r for r, _ in d.checks],
+                   [], num_decodes, [1] * plain + [len(spec) + 1 for _, spec in d.checks])
         for index, (request, num_new) in enumerate(chunks):
-            spec = proposals.get(request.request_id) if proposals else None
-            if spec:
-                rows._add_proposals(request, spec, tables[num_decodes + index], block_size)
-            else:
-                rows._add_chunk(request, num_new, tables[num_decodes + index], block_size)
+            rows._add_chunk(request, num_new, tables[num_decodes + index], block_size)
         return rows
-
-    def _add_proposals(self, request: Request, spec: list[int], table: np.ndarray, block_size: int) -> None:
-        """A decoding row checking its proposals: its last token and them, as one chunk
-        whose every token is sampled (the token after each)."""
-        start = request.num_computed_tokens
-        positions = np.arange(start, start + 1 + len(spec), dtype=np.int64)
-        block_idx = positions // block_size
-        self.ids.append(np.asarray([request.all_token_ids[start], *spec], dtype=np.int64))
-        self.positions.append(positions)
-        self.slots.append(table[block_idx] * block_size + (positions - block_idx * block_size))
-        self.sample_indices.extend(range(self.num_tokens, self.num_tokens + len(positions)))
-        self.sample_requests.append(request)
-        self.sample_counts.append(len(positions))
-        self.num_tokens += len(positions)
-        self.num_spec_tokens += len(spec)
-        self.query_start.append(self.num_tokens)
 
     def _add_chunk(self, request: Request, num_new: int, table: np.ndarray, block_size: int) -> None:
         """One prefill chunk's rows (and the prompt-logprob rows it gives, if it asks)."""
@@ -248,31 +231,55 @@ class _StepRows:
 
 @dataclass(frozen=True, slots=True)
 class DecodeRows:
-    """The inputs of a step's decodes (one new token each), gathered from the requests
-    and the KV manager's block tables, vectorized over the group."""
+    """The inputs of a step's decode entries (one query token each), gathered from the
+    requests and the KV manager's block tables, vectorized over the group: the decodes,
+    then one entry per token of each row checking proposals (its last token, then each
+    proposal: the entry at position p attends to positions 0..p, as a decode at p would,
+    over the row's block table; all of the row's KV is written before attention runs)."""
 
     positions: np.ndarray  # [D] int64: the new token's position
     table_rows: np.ndarray  # [D] int64: each one's row of the block tables
     token_ids: np.ndarray  # [D] int64: the input token; PENDING_TOKEN when still on the device
     slots: np.ndarray  # [D] int64: where the new token's K/V goes
-    sample_rows: list[int]  # the rows that sample (all but one-token chunks of longer prompts)
+    # The entries that sample: the decodes' (all but one-token chunks of longer prompts),
+    # then every entry of the checking rows.
+    sample_rows: list[int]
     # The rows whose input is PENDING_TOKEN, and each one's row among the sampled tokens
     # of the step in flight.
     pending_rows: np.ndarray  # [P] int64
     pending_sources: np.ndarray  # [P] int64
+    checks: list[tuple[Request, list[int]]] = ()  # the rows checking proposals, and those
+    num_plain_samples: int = 0  # sample_rows of the decodes (the first ones)
 
 
-def decode_rows(decodes: list[Request], kv: KVCacheManager) -> DecodeRows:
+def decode_rows(decodes: list[Request], kv: KVCacheManager,
+                checks: list[tuple[Request, list[int]]] | None = None) -> DecodeRows:
     num_decodes = len(decodes)
     block_size = kv.block_size
     get_row = kv.get_row
     positions = np.fromiter((r.num_computed_tokens for r in decodes), np.int64, num_decodes)
     table_rows = np.fromiter((get_row(r.request_id) for r in decodes), np.int64, num_decodes)
     token_ids = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r in decodes), np.int64, num_decodes)
+    sample_rows = [i for i, r in enumerate(decodes) if r.num_computed_tokens + 1 == len(r.all_token_ids)]
+    num_plain_samples = len(sample_rows)
+    if checks:
+        lengths = [len(spec) + 1 for _, spec in checks]
+        starts = np.repeat([r.num_computed_tokens for r, _ in checks], lengths)
+        positions = np.concatenate([positions, starts + _ranges(lengths)])
+        table_rows = np.concatenate([table_rows, np.repeat([get_row(r.request_id) for r, _ in checks], lengths)])
+        token_ids = np.concatenate([token_ids, np.fromiter(
+            (t for r, spec in checks for t in (r.all_token_ids[r.num_computed_tokens], *spec)), np.int64)])
+        sample_rows += range(num_decodes, len(positions))
     block_index = positions // block_size
     slots = kv.block_tables[table_rows, block_index] * block_size + (positions - block_index * block_size)
-    sample_rows = [i for i, r in enumerate(decodes) if r.num_computed_tokens + 1 == len(r.all_token_ids)]
     pending_rows = np.flatnonzero(token_ids == PENDING_TOKEN)
     pending_sources = np.fromiter((decodes[row].pending_sample_index for row in pending_rows), np.int64,
                                   len(pending_rows))
-    return DecodeRows(positions, table_rows, token_ids, slots, sample_rows, pending_rows, pending_sources)
+    return DecodeRows(positions, table_rows, token_ids, slots, sample_rows, pending_rows, pending_sources,
+                      checks or [], num_plain_samples)
+
+
+def _ranges(lengths: list[int]) -> np.ndarray:
+    """0..n-1 for each n of `lengths`, concatenated."""
+    ends = np.cumsum(lengths)
+    return np.arange(ends[-1]) - np.repeat(ends - lengths, lengths)

@@ -4,6 +4,8 @@ A statistic is a field of `EngineStats` (or of `RecentStats`, the same over the 
 window) declared with `stat()`: its name and type, what it means, whether it is a level
 (GAUGE: read as it is, summed or maxed across workers) or a running total (COUNTER: read
 as a rate), its field number on the wire, and the Prometheus family it is exported as.
+A tuple statistic (a count per position) is a repeated field on the wire and one series
+per position in its family, labelled by its `index_label`.
 Every layer above reads the declaration instead of listing the fields again:
 
     Scheduler.stats()     SchedulerStats(EngineStats): computes each field, plus the engine's own
@@ -36,13 +38,16 @@ class StatSpec:
     # tells it from the other statistics of its family, if it shares one.
     metric: str | None = None
     label: tuple[str, str] | None = None
+    # A statistic that is a tuple of counts (one per position): the label whose value is
+    # each count's position, from 1, in its family's series.
+    index_label: str | None = None
 
 
 def stat(kind: str, help: str, number: int, metric: str | None = None, label: tuple[str, str] | None = None,
-         default: object = 0) -> typing.Any:
+         default: object = 0, index_label: str | None = None) -> typing.Any:
     """A statistic's field (see the module's docstring)."""
     assert kind in (GAUGE, COUNTER), kind
-    return field(default=default, metadata={"stat": StatSpec(kind, help, number, metric, label)})
+    return field(default=default, metadata={"stat": StatSpec(kind, help, number, metric, label, index_label)})
 
 
 def declared(cls: type) -> list[tuple[str, StatSpec]]:
@@ -55,7 +60,20 @@ def values(record: object, cls: type) -> dict[str, object]:
     return {name: getattr(record, name) for name, _ in declared(cls)}
 
 
+def repeated(cls: type) -> list[str]:
+    """The statistics `cls` declares that are tuples (repeated fields on the wire)."""
+    hints = typing.get_type_hints(cls)
+    return [name for name, _ in declared(cls) if typing.get_origin(hints[name]) is tuple]
+
+
 _PROTO_TYPES = {int: "uint64", float: "double", bool: "bool"}
+
+
+def _proto_type(hint: typing.Any) -> str:
+    """int: uint64, ...; tuple[int, ...]: repeated uint64."""
+    if typing.get_origin(hint) is tuple:
+        return "repeated " + _PROTO_TYPES[typing.get_args(hint)[0]]
+    return _PROTO_TYPES[hint]
 
 
 def proto_fields(cls: type) -> list[str]:
@@ -65,7 +83,7 @@ def proto_fields(cls: type) -> list[str]:
     lines = []
     for name, spec in declared(cls):
         lines += ["  // " + line for line in textwrap.wrap(spec.help, 86)]
-        lines.append(f"  {_PROTO_TYPES[hints[name]]} {name} = {spec.number};")
+        lines.append(f"  {_proto_type(hints[name])} {name} = {spec.number};")
     return lines
 
 
@@ -115,6 +133,19 @@ class RecentStats:
     def mean_swap_blocks(self) -> float:
         """Blocks moved out per swap preemption."""
         return self.num_swapped_blocks_out / self.num_preemptions_swap if self.num_preemptions_swap else 0.0
+
+
+class SpeculationCounts(typing.Protocol):
+    """What EngineStats reads of speculative decoding's counts (the speculator's SpecStats,
+    engine/spec_decode/speculator.py, which says what each is)."""
+
+    num_checks: int
+    num_proposed: int
+    num_accepted: int
+    num_emitted: int
+    proposed_by_position: tuple[int, ...]
+    accepted_by_position: tuple[int, ...]
+    plain_steps_saved: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,8 +205,64 @@ class EngineStats:
     decode_step_per_seq_s: float = stat(GAUGE, "Its part per sequence.", 43, "baton_decode_step_per_seq_seconds")
     prefill_s_per_token: float = stat(GAUGE, "Seconds a prompt token takes to prefill (moving average over steps "
                                       "that are mostly prefill).", 44, "baton_prefill_seconds_per_token")
+    # Speculative decoding (engine/spec_decode; off: all zero, the per-position counts
+    # empty). vLLM's vllm:spec_decode_* name the like.
+    num_speculative_tokens: int = stat(GAUGE, "Most tokens a decoding row proposes a step (--num-speculative-tokens; "
+                                       "0: speculative decoding off).", 48)
+    spec_num_checks: int = stat(COUNTER, "Rows that checked proposals, one per row and step.", 49,
+                                "baton_spec_decode_checks")
+    spec_num_proposed: int = stat(COUNTER, "Proposed tokens checked by the model.", 50,
+                                  "baton_spec_decode_proposed_tokens")
+    spec_num_accepted: int = stat(COUNTER, "Proposed tokens accepted (the model's own sample agreed).", 51,
+                                  "baton_spec_decode_accepted_tokens")
+    spec_num_emitted: int = stat(COUNTER, "Tokens the checking rows emitted: the accepted proposals and one of the "
+                                 "model's own per check.", 52, "baton_spec_decode_emitted_tokens")
+    spec_check_cost_steps: float = stat(COUNTER, "What the checks cost, in decode steps (by the step-time model: one "
+                                        "each, plus each proposed token's share of a step); emitted tokens over "
+                                        "this is the speed-up, as plain decoding takes a step a token.", 53,
+                                        "baton_spec_decode_check_cost_steps")
+    spec_proposed_by_position: tuple[int, ...] = stat(COUNTER, "Per position i (1..num_speculative_tokens): "
+                                                      "checks that proposed an i-th token.", 54,
+                                                      "baton_spec_decode_proposed_tokens_per_pos", default=(),
+                                                      index_label="position")
+    spec_accepted_by_position: tuple[int, ...] = stat(COUNTER, "Per position i: checks whose i-th proposed token "
+                                                      "was accepted.", 55, "baton_spec_decode_accepted_tokens_per_pos",
+                                                      default=(), index_label="position")
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         queried = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / queried if queried else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of the proposed tokens accepted (0.0: none proposed)."""
+        return self.spec_num_accepted / self.spec_num_proposed if self.spec_num_proposed else 0.0
+
+    @property
+    def spec_acceptance_by_position(self) -> tuple[float, ...]:
+        """Per position: the share of the proposals there that were accepted."""
+        return tuple(accepted / proposed if proposed else 0.0
+                     for accepted, proposed in zip(self.spec_accepted_by_position, self.spec_proposed_by_position))
+
+    def with_speculation(self, spec: SpeculationCounts) -> typing.Self:
+        """This snapshot with the speculator's counts (SpecStats) as its spec_* fields."""
+        return dataclasses.replace(
+            self,
+            num_speculative_tokens=len(spec.proposed_by_position),
+            spec_num_checks=spec.num_checks,
+            spec_num_proposed=spec.num_proposed,
+            spec_num_accepted=spec.num_accepted,
+            spec_num_emitted=spec.num_emitted,
+            # Plain decoding takes a step a token: the checks cost what they emitted, less what they saved.
+            spec_check_cost_steps=spec.num_emitted - spec.plain_steps_saved,
+            spec_proposed_by_position=spec.proposed_by_position,
+            spec_accepted_by_position=spec.accepted_by_position,
+        )
+
+    @property
+    def spec_speedup(self) -> float:
+        """Speculation's speed-up since start: the plain decode steps its emitted tokens would
+        have taken over what its checks cost in decode steps, num_emitted / (num_emitted -
+        plain_steps_saved) in the speculator's terms (1.0: break-even; 0.0: no check yet)."""
+        return self.spec_num_emitted / self.spec_check_cost_steps if self.spec_check_cost_steps > 0 else 0.0

@@ -10,12 +10,14 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.cli.local import start_deployment
-from baton.runtime.metrics import GatewayMetrics
+from baton.runtime.metrics import GatewayMetrics, WorkerMetrics
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
+from engine import LLM, SamplingParams
 from engine.tokenizer import load_tokenizer
 from gateway.service import GenerationService
 from gateway.workers import RoutingPolicy, WorkerPool
@@ -188,3 +190,62 @@ async def in_flight_gauge() -> None:
     service.admission.release("unknown")
     assert (in_flight("grpc"), in_flight("http")) == (1, 1)
     assert service.admission.queue.num_requests == 2  # the gauge is admission's count, split by front end
+
+
+def test_a_speculating_engine_reports_its_proposals_in_its_stats_and_metrics(tmp_path):
+    """An engine proposing n-gram tokens on prompts that repeat: its get_metrics carries the
+    speculator's counts, and a worker's /metrics has them as counters (per position too),
+    with the acceptance ratio and speed-up; an engine that does not speculate reports none."""
+    _, path = make_tiny_model(tmp_path, dtype=torch.float64)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12] + [9, 10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm = LLM(path, dtype="float64", block_size=4, speculative="ngram", prompt_lookup_min=1, num_speculative_tokens=3)
+    llm.generate(prompts, params)
+    stats = llm.get_metrics()
+    spec = llm.engine.speculator.stats()
+    assert stats.num_speculative_tokens == 3 and stats.spec_num_checks > 0
+    assert stats.spec_num_proposed > stats.spec_num_accepted > 0  # some accepted, some not
+    assert (stats.spec_num_checks, stats.spec_num_proposed, stats.spec_num_accepted, stats.spec_num_emitted) == (
+        spec.num_checks, spec.num_proposed, spec.num_accepted, spec.num_emitted)
+    assert stats.spec_acceptance_rate == spec.acceptance_rate
+    assert stats.spec_proposed_by_position == spec.proposed_by_position and len(spec.proposed_by_position) == 3
+    assert sum(stats.spec_accepted_by_position) == stats.spec_num_accepted
+    assert stats.spec_num_emitted == stats.spec_num_accepted + stats.spec_num_checks  # one of the model's per check
+    # num_emitted / (num_emitted - plain_steps_saved): a check costs at least a decode step.
+    assert stats.spec_speedup == pytest.approx(spec.num_emitted / (spec.num_emitted - spec.plain_steps_saved))
+    assert 0 < stats.spec_speedup <= stats.spec_num_emitted / stats.spec_num_checks
+
+    samples = worker_samples(stats)
+    assert value(samples, "baton_spec_decode_checks_total") == stats.spec_num_checks
+    assert value(samples, "baton_spec_decode_proposed_tokens_total") == stats.spec_num_proposed
+    assert value(samples, "baton_spec_decode_accepted_tokens_total") == stats.spec_num_accepted
+    assert value(samples, "baton_spec_decode_emitted_tokens_total") == stats.spec_num_emitted
+    assert value(samples, "baton_spec_decode_check_cost_steps_total") == pytest.approx(stats.spec_check_cost_steps)
+    for position in (1, 2, 3):
+        for name, counts in (("proposed", stats.spec_proposed_by_position),
+                             ("accepted", stats.spec_accepted_by_position)):
+            assert value(samples, f"baton_spec_decode_{name}_tokens_per_pos_total",
+                         position=str(position)) == counts[position - 1]
+    assert value(samples, "baton_spec_decode_acceptance_ratio") == pytest.approx(stats.spec_acceptance_rate)
+    assert value(samples, "baton_spec_decode_speedup") == pytest.approx(stats.spec_speedup)
+
+    plain = LLM(path, dtype="float64", block_size=4)
+    plain.generate(prompts[:1], params)
+    off = plain.get_metrics()
+    assert (off.num_speculative_tokens, off.spec_num_proposed, off.spec_proposed_by_position) == (0, 0, ())
+    samples = worker_samples(off)
+    assert value(samples, "baton_spec_decode_proposed_tokens_total") == 0
+    assert total(samples, "baton_spec_decode_accepted_tokens_per_pos_total") == 0  # no series
+    assert not [name for name, _ in samples if name in ("baton_spec_decode_speedup",  # off: no ratios
+                                                        "baton_spec_decode_acceptance_ratio")]
+
+
+def worker_samples(stats) -> dict[tuple[str, tuple], float]:
+    """A worker's /metrics text for an engine snapshot, parsed as scrape() parses it."""
+    metrics = WorkerMetrics("m", "decode", CollectorRegistry())
+    metrics.watch_engine(lambda: stats)
+    samples = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples

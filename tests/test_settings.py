@@ -28,7 +28,7 @@ from baton.runtime.values import (
     parse_cpu_list,
     parse_size,
 )
-from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
 
 def parse(cls, argv: list[str], env: dict[str, str] | None = None):
@@ -237,6 +237,36 @@ def test_baton_up_lays_the_workers_out_on_gpus():
         parse(UpSettings, [], {"BATON_KV_TRANSPORT": "tcp"})
 
 
+def test_speculative_decoding_is_the_decode_workers_and_baton_up_passes_it_to_them():
+    from baton.cli.launcher import UpSettings, role_args
+
+    decode = parse(DecodeWorkerSettings, ["--speculative", "ngram", "--num-speculative-tokens", "3"])
+    assert decode.speculative == "ngram"
+    assert decode.engine.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert parse(DecodeWorkerSettings, [], {"BATON_SPECULATIVE": "ngram"}).engine.speculative.method == "ngram"
+    off = parse(DecodeWorkerSettings, ["--speculative", "none"], {"BATON_SPECULATIVE": "ngram"})
+    assert off.speculative is None and off.engine.speculative == SpeculativeConfig()  # "none" is off
+    assert parse(DecodeWorkerSettings, []).engine.speculative.method is None  # off by default
+    with pytest.raises(SettingsError, match="num_speculative_tokens must be positive, got 0"):
+        parse(DecodeWorkerSettings, ["--speculative", "ngram", "--num-speculative-tokens", "0"])
+    # A prefill worker only prefills: it has no such setting, and reads no such variable.
+    assert parse(PrefillWorkerSettings, [], {"BATON_SPECULATIVE": "ngram"}).engine.speculative.method is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prefill-worker", "--speculative", "ngram"])
+
+    roles = role_args(parse(UpSettings, ["--speculative", "ngram", "--num-speculative-tokens", "6"]))
+    assert roles.decode[-4:] == ["--speculative", "ngram", "--num-speculative-tokens", "6"]
+    assert "--speculative" not in roles.worker + roles.prefill + roles.gateway
+    assert "--speculative" not in role_args(parse(UpSettings, ["--speculative", "none"])).decode
+    with pytest.raises(SettingsError, match="--num-speculative-tokens must be positive"):
+        parse(UpSettings, ["--num-speculative-tokens", "-1"])
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for command in ("decode-worker", "up"):
+        text = " ".join(commands[command].format_help().split())
+        assert "--speculative {none,ngram}" in text and "(default: off; env BATON_SPECULATIVE)" in text
+        assert "--num-speculative-tokens N" in text
+
+
 # ------------------------------------------------------------------ choices, sizes, --version
 CHOICES = {  # flag: (a valid value, spelled loosely, as read; a value of no name; the names listed)
     "--device": ("CUDA:01", "cuda:1", "gpu", "cpu, cuda, cuda:N"),
@@ -245,6 +275,7 @@ CHOICES = {  # flag: (a valid value, spelled loosely, as read; a value of no nam
     "--attention-backend": ("Torch", "torch", "flash", "auto, cpu, torch, triton"),
     "--preemption-mode": (" swap ", "swap", "never", "auto, recompute, swap"),
     "--log-level": ("debug", "DEBUG", "verbose", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    "--speculative": ("NGram", "ngram", "eagle", "none, ngram"),
 }
 
 

@@ -23,7 +23,9 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert propose_ngram(tokens, 3, max_n=2) == [3, 4, 6]
     # No earlier run of the last 4 or 3 tokens ([4, 6, 7] occurs only at the end): n=2 matches.
     assert propose_ngram(tokens, 2, max_n=4) == [3, 4]
-    assert propose_ngram([1, 2, 3, 1, 2, 3, 1, 2], 5, max_n=3) == [3, 1, 2]  # capped by what exists
+    # A match that overlaps the end continues the repeat.
+    assert propose_ngram([1, 2, 3, 1, 2, 3, 1, 2], 5, max_n=3) == [3, 1, 2, 3, 1]
+    assert propose_ngram([4, 9, 9, 9], 3, max_n=2) == [9, 9, 9]
     assert propose_ngram([1, 2, 3, 4], 3) == []  # nothing repeats
     assert propose_ngram([4], 3) == [] and propose_ngram([], 3) == []
     assert propose_ngram(tokens, 0) == []

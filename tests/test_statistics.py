@@ -30,6 +30,8 @@ def distinct_values(cls: type) -> dict[str, object]:
     for i, f in enumerate(dataclasses.fields(cls), start=1):
         kind = hints[f.name]
         made[f.name] = True if kind is bool else i + 0.5 if kind is float else i if kind is int else None
+        if kind == tuple[int, ...]:  # a count per position
+            made[f.name] = (i, i + 1, i + 2)
     return made
 
 
@@ -71,6 +73,8 @@ def test_every_declared_statistic_reaches_get_stats_metrics_and_status():
     shown = json.loads(to_json(DeploymentStatus("m", (WorkerStatus("a:1", "decode", True, True, "", record),)), []))
     worker = shown["status"]["workers"][0]["stats"]
     for name, value in declared.items():
+        if isinstance(value, tuple):
+            value = [str(v) for v in value]
         assert worker[name] in (value, str(value)), name  # 64-bit integers are strings in protobuf's JSON
     for name, value in statistics.values(engine.recent, RecentStats).items():
         assert worker["recent"][name] in (value, str(value)), name
@@ -82,6 +86,11 @@ def test_every_declared_statistic_reaches_get_stats_metrics_and_status():
             continue
         sample = spec.metric + ("_total" if spec.kind == COUNTER else "")
         labels = {"model_name": "m", **dict([spec.label] if spec.label else [])}
+        if spec.index_label:  # a series per position, from 1
+            for position, count in enumerate(declared[name], start=1):
+                assert metrics.registry.get_sample_value(
+                    sample, {**labels, spec.index_label: str(position)}) == float(count), (name, position)
+            continue
         assert metrics.registry.get_sample_value(sample, labels) == float(declared[name]), name
 
 

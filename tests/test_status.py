@@ -244,3 +244,19 @@ def test_render_shows_admission_and_diagnoses_its_refusals_and_misses():
     deployment = DeploymentStatus("m", (status(stats()),), troubled)
     assert stats_convert.deployment_status_from_pb(stats_convert.deployment_status_to_pb(deployment)) == deployment
     assert stats_convert.deployment_status_to_json(deployment)["admission"]["num_refused_deadline"] == "3"
+
+
+def test_render_shows_speculation_on_a_worker_that_speculates():
+    speculating = stats(worker_id="spec", num_speculative_tokens=3, spec_num_checks=100, spec_num_proposed=250,
+                        spec_num_accepted=150, spec_num_emitted=250, spec_check_cost_steps=125.0,
+                        spec_proposed_by_position=(100, 90, 60), spec_accepted_by_position=(80, 45, 25))
+    fresh = stats(worker_id="fresh", num_speculative_tokens=4)
+    workers = (status(speculating), status(fresh), status(stats(worker_id="off")))
+    text = render(DeploymentStatus(model="m", workers=workers), [])
+    assert ("  speculation up to 3 proposed tokens a row and step: 60% accepted (150 of 250; by position 80% 50% "
+            "42%), 250 tokens in 100 checks, 2.00x plain decoding's speed") in text
+    assert "  speculation up to 4 proposed tokens a row and step; none checked yet" in text
+    assert text.count("speculation") == 2  # the worker that does not speculate shows no line
+    # The per-position counts cross the wire as repeated fields and come back as tuples.
+    assert stats_convert.worker_stats_from_pb(stats_convert.worker_stats_to_pb(speculating)) == speculating
+    assert problems(speculating) == []

@@ -5,7 +5,9 @@ machine, stopped together.
 On CPU the workers share the cores. On CUDA they share one GPU (`--device cuda`), its
 memory split between the roles by `--prefill-memory-fraction`, or each role has its own
 (`--devices 0,1`); a role's workers on one GPU divide its part of it. Either way they are
-on one host, so KV moves over ipc unless `--kv-transport` says otherwise."""
+on one host, so KV moves over ipc unless `--kv-transport` says otherwise.
+`--speculative ngram` (and `--num-speculative-tokens`) reaches the decode workers only:
+the prefill workers' rows only prefill, so they have nothing to speculate on."""
 
 from __future__ import annotations
 
@@ -35,7 +37,10 @@ from baton.runtime.settings import (
     LOG_FORMAT_HELP,
     LOG_LEVELS,
     MODEL_HELP,
+    NUM_SPECULATIVE_TOKENS_HELP,
     REVISION_HELP,
+    SPECULATIVE_CHOICES,
+    SPECULATIVE_HELP,
     TLS_CA_HELP,
     TLS_CERT_HELP,
     TLS_KEY_HELP,
@@ -49,7 +54,7 @@ from baton.runtime.settings import (
     setting,
 )
 from baton.runtime.values import format_size, parse_list
-from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, device_type
+from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SpeculativeConfig, device_type
 from kvtransfer.endpoint import IPC, TRANSPORT_CHOICES
 
 STARTUP_TIMEOUT_S = 900.0
@@ -82,6 +87,9 @@ class UpSettings:
     kv_transport: str = setting("auto", "how KV moves from the prefill to the decode worker: auto (ipc: they "
                                         "share this host), ipc, nccl (two GPUs) or gloo (CPU)",
                                 choices=TRANSPORT_CHOICES)
+    speculative: str | None = setting(None, SPECULATIVE_HELP, choices=SPECULATIVE_CHOICES, shown="off")
+    num_speculative_tokens: int = setting(default_of(SpeculativeConfig, "num_speculative_tokens"),
+                                          NUM_SPECULATIVE_TOKENS_HELP)
     colocated: bool = setting(False, "no prefill worker: the decode workers prefill")
     num_prefill_workers: int = setting(1, "prefill workers (none with --colocated)")
     num_decode_workers: int = setting(1, "decode workers")
@@ -114,6 +122,10 @@ class UpSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tls", load_tls(self))
         object.__setattr__(self, "bearer_key", load_api_key(self.api_key, self.api_key_file))
+        if self.speculative == "none":
+            object.__setattr__(self, "speculative", None)
+        if self.num_speculative_tokens <= 0:
+            raise SettingsError("--num-speculative-tokens must be positive")
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
             raise SettingsError("--num-prefill-workers and --num-decode-workers must be at least 1")
         if self.colocated and self.num_prefill_workers != 1:
@@ -204,6 +216,9 @@ def role_args(settings: UpSettings) -> RoleArgs:
         if settings.num_prefill:
             prefill += ["--gpu-memory-utilization", f"{prefill_share:.4f}"]
         decode += ["--gpu-memory-utilization", f"{decode_share:.4f}"]
+    if settings.speculative is not None:  # the decode workers speculate; prefill workers only prefill
+        decode += ["--speculative", settings.speculative,
+                   "--num-speculative-tokens", str(settings.num_speculative_tokens)]
     if settings.kv_cache_memory is not None:
         worker += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
     if settings.max_model_len is not None:
@@ -296,6 +311,8 @@ def up(settings: UpSettings) -> int:
     if settings.num_prefill > 1 or settings.num_decode_workers > 1:
         prefill_workers = f"{settings.num_prefill} prefill + " if settings.num_prefill else ""
         mode += f", {prefill_workers}{settings.num_decode_workers} decode workers"
+    if settings.speculative is not None:
+        mode += f", speculative decoding: {settings.speculative} (up to {settings.num_speculative_tokens} tokens)"
     client_flags = "".join([
         f" --tls-ca {settings.tls_ca}" if settings.tls_ca else "",
         " --api-key <key>" if settings.bearer_key else "",

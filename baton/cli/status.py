@@ -19,6 +19,9 @@ What is diagnosed, per worker (thresholds below):
   admitted requests, or the age of the oldest request still waiting;
 - failing KV transfers and expiring KV leases.
 
+A decode worker that speculates (--speculative) also shows its acceptance rate, in all
+and by position, and the speed-up it earns.
+
 And for the deployment: the gateway's admission, and its latest requests' times to
 first and second token by phase (baton/runtime/latency.py), naming the phase with the
 largest share of the time from the first token to the second, and what shortens it.
@@ -285,6 +288,8 @@ def _render_worker(worker: WorkerStatus) -> list[str]:
         window = f" in the last {recent.window_seconds:.0f} s" if recent is not None else ""
         lines.append(f"  recent      idle: no steps{window}")
     lines.append(_prefix_cache_line(stats))
+    if stats.num_speculative_tokens:
+        lines.append(_speculation_line(stats))
     for transport in stats.kv_transports:
         rate = (transport.num_transferred_bytes / transport.transfer_seconds / 1e9
                 if transport.transfer_seconds > 0 else 0.0)
@@ -309,6 +314,18 @@ def _prefix_cache_line(stats: WorkerStats) -> str:
         line += (f"; {stats.prefix_cache_reused_blocks} of {stats.prefix_cache_received_blocks} handed-off "
                  "prompt blocks held already")
     return line
+
+
+def _speculation_line(stats: WorkerStats) -> str:
+    """Speculative decoding, since start: the share of proposed tokens accepted, in all and
+    by position, and the speed-up (emitted tokens over what the checks cost in decode steps)."""
+    line = f"  speculation up to {stats.num_speculative_tokens} proposed tokens a row and step"
+    if not stats.spec_num_checks:
+        return line + "; none checked yet"
+    by_position = " ".join(f"{rate:.0%}" for rate in stats.spec_acceptance_by_position)
+    return (f"{line}: {stats.spec_acceptance_rate:.0%} accepted ({stats.spec_num_accepted} of "
+            f"{stats.spec_num_proposed}; by position {by_position}), {stats.spec_num_emitted} tokens in "
+            f"{stats.spec_num_checks} checks, {stats.spec_speedup:.2f}x plain decoding's speed")
 
 
 def _render_latency(latency: LatencyStatus) -> list[str]:

@@ -14,8 +14,10 @@ on the workers, torch's). What each process measures is what it sees:
 - workers: the engine's state, read at scrape time: every statistic
   engine/statistics.py declares with a metric name (requests running, waiting and
   swapped, KV blocks, preemptions by kind, steps, prefix caching, the step-time
-  model), plus the KV cache's usage and the prefix cache's recent hit ratio; each request's
-  queue time and prefill time, from the timings on its last output; and, on the
+  model, speculative decoding's proposals and acceptance, per position too), plus the KV
+  cache's usage, the prefix cache's recent hit ratio and, when speculating, the acceptance
+  ratio and speed-up; each request's queue time and prefill time, from the timings on
+  its last output; and, on the
   transfer path, KV bytes, transfer time and failures, each with a `transport`
   label (ipc, gloo, nccl), and channels refused for want of a transport.
 
@@ -276,8 +278,14 @@ class _EngineCollector(Collector):
             if family is None:
                 kind = GaugeMetricFamily if spec.kind == statistics.GAUGE else CounterMetricFamily
                 labels = ["model_name"] + ([spec.label[0]] if spec.label else [])
+                labels += [spec.index_label] if spec.index_label else []
                 family = families[spec.metric] = kind(spec.metric, spec.help.rstrip("."), labels=labels)
-            family.add_metric([self.model] + ([spec.label[1]] if spec.label else []), getattr(stats, name))
+            label_values = [self.model] + ([spec.label[1]] if spec.label else [])
+            if spec.index_label:  # a count per position, from 1
+                for position, count in enumerate(getattr(stats, name), start=1):
+                    family.add_metric([*label_values, str(position)], count)
+            else:
+                family.add_metric(label_values, getattr(stats, name))
         yield from families.values()
         # Ratios of the declared statistics, for dashboards that want them ready-made.
         usage = GaugeMetricFamily("baton_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
@@ -289,6 +297,26 @@ class _EngineCollector(Collector):
                                  "of steps", labels=["model_name"])
         hits.add_metric([self.model], stats.recent.prefix_cache_hit_rate)
         yield hits
+        if stats.num_speculative_tokens:  # speculative decoding on
+            yield from _speculation_ratios(self.model, stats)
+
+
+def _speculation_ratios(model: str, stats: EngineStats) -> Iterator:
+    """Speculative decoding's acceptance and speed-up since start, ready-made (over a window:
+    the ratios of the rates of the counters they divide)."""
+    acceptance = GaugeMetricFamily("baton_spec_decode_acceptance_ratio", "Proposed tokens accepted per proposed "
+                                   "token since start (baton_spec_decode_accepted_tokens over "
+                                   "baton_spec_decode_proposed_tokens)", labels=["model_name"])
+    acceptance.add_metric([model], stats.spec_acceptance_rate)
+    yield acceptance
+    speedup = GaugeMetricFamily("baton_spec_decode_speedup", "Speculative decoding's speed-up since start: the plain "
+                                "decode steps its emitted tokens would have taken (one a token) over what its checks "
+                                "cost in decode steps, by the step-time model: num_emitted / (num_emitted - "
+                                "plain_steps_saved), baton_spec_decode_emitted_tokens over "
+                                "baton_spec_decode_check_cost_steps (1: break-even; 0: no check yet)",
+                                labels=["model_name"])
+    speedup.add_metric([model], stats.spec_speedup)
+    yield speedup
 
 
 def engine_snapshot(engine, loop: asyncio.AbstractEventLoop, timeout_s: float = 2.0) -> Callable[[], object]:

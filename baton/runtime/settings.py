@@ -55,7 +55,9 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     PreemptionMode,
+    SPECULATIVE_METHODS,
     SchedulerConfig,
+    SpeculativeConfig,
     engine_config,
 )
 from kvtransfer.endpoint import TRANSPORT_CHOICES, receiver_shares_cache
@@ -89,6 +91,12 @@ API_KEY_HELP = "clients must send 'authorization: Bearer <key>'"
 API_KEY_FILE_HELP = "read the API key from this file (a mounted secret)"
 HEALTH_PORT_HELP = ("also serve grpc.health.v1 alone, in plaintext, on this port of the listen address "
                     "(Kubernetes' gRPC probes speak no TLS)")
+# --speculative: "none" is off (None), as the engine's SpeculativeConfig.method.
+SPECULATIVE_CHOICES = ("none", *SPECULATIVE_METHODS)
+SPECULATIVE_HELP = ("speculative decoding, on decode workers: ngram proposes a row's next tokens from its prompt "
+                    "and output so far (prompt lookup), one forward pass checks them, and the tokens are those "
+                    "decoding without it gives")
+NUM_SPECULATIVE_TOKENS_HELP = "most tokens a row proposes a step, with --speculative (fewer when they do not pay)"
 GPU_MEMORY_UTILIZATION_HELP = ("CUDA: fraction of the GPU's memory for weights, activations and the KV cache, "
                                "which gets what the rest leaves")
 
@@ -280,7 +288,12 @@ class WorkerSettings:
             enforce_eager=self.enforce_eager,
             overlap_scheduling=self.overlap_scheduling,
             shareable=receiver_shares_cache(self.kv_transport) and self.role == "decode",
+            **self.role_engine_options(),
         ))
+
+    def role_engine_options(self) -> dict[str, Any]:
+        """engine_config's keywords of the role's own settings."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -301,16 +314,26 @@ class DecodeWorkerSettings(WorkerSettings):
                                                            "as they advertise them) whose KV handles are accepted; "
                                                            "a handle naming another is refused",
                                                            shown="any address, open")
+    # Speculative decoding: a decode worker's alone (a prefill worker's rows only prefill,
+    # and a speculating engine schedules no step while the one before runs).
+    speculative: str | None = setting(None, SPECULATIVE_HELP, choices=SPECULATIVE_CHOICES, shown="off")
+    num_speculative_tokens: int = setting(default_of(SpeculativeConfig, "num_speculative_tokens"),
+                                          NUM_SPECULATIVE_TOKENS_HELP)
     # Built from the settings above (validated on construction).
     prefill_allowlist: AddressAllowlist = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.speculative == "none":
+            object.__setattr__(self, "speculative", None)
         super().__post_init__()
         try:
             allowlist = AddressAllowlist(self.allowed_prefill_workers)
         except ValueError as error:
             raise ValueError(f"--allowed-prefill-workers: {error}") from None
         object.__setattr__(self, "prefill_allowlist", allowlist)
+
+    def role_engine_options(self) -> dict[str, Any]:
+        return dict(speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens)
 
 
 @dataclass(frozen=True)

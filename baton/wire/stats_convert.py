@@ -11,7 +11,8 @@ from baton.wire.internal.v1 import admin_pb2, worker_pb2
 from baton.wire.kv_convert import kv_endpoint_from_pb, kv_endpoint_to_pb
 from baton.wire.records import (AdmissionStatus, DeploymentStatus, KvTransportStats, LatencyStatus, PhaseLatency,
                                 WorkerStats, WorkerStatus)
-from engine.statistics import RecentStats
+from engine import statistics
+from engine.statistics import EngineStats, RecentStats
 
 
 def _values(source: object, record: type, leave_out: tuple[str, ...] = ()) -> dict:
@@ -47,8 +48,12 @@ def worker_stats_to_pb(stats: WorkerStats) -> worker_pb2.WorkerStats:
     return message
 
 
+_REPEATED = tuple(statistics.repeated(EngineStats))  # counts per position: tuples in the record
+
+
 def worker_stats_from_pb(message: worker_pb2.WorkerStats) -> WorkerStats:
     values = _values(message, WorkerStats, _NESTED)
+    values.update((name, tuple(values[name])) for name in _REPEATED)
     recent = recent_stats_from_pb(message.recent) if message.HasField("recent") else None
     transports = tuple(KvTransportStats(**_values(t, KvTransportStats))
                        for t in message.kv_transports)

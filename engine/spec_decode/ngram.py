@@ -12,7 +12,9 @@ import numpy as np
 def propose_ngram(token_ids: Sequence[int] | np.ndarray, num_tokens: int, max_n: int = 4,
                   min_n: int = 1) -> list[int]:
     """Up to `num_tokens` proposals: for the longest n in max_n..min_n whose last-n tokens
-    occurred earlier, the tokens after the latest such occurrence ([]: none found)."""
+    occurred earlier, the tokens after the latest such occurrence ([]: none found). A match
+    that overlaps the end goes on as the repeat it is (the copy reads its own output, as
+    in LZ77): after ... 7 8 7 8 7, it proposes 8 7 8 7, not only the one 8 that follows."""
     if num_tokens <= 0 or not 0 < min_n <= max_n:
         return []
     ids = np.asarray(token_ids, dtype=np.int64)
@@ -22,5 +24,6 @@ def propose_ngram(token_ids: Sequence[int] | np.ndarray, num_tokens: int, max_n:
         hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n  # what followed the latest match
-            return ids[start:start + num_tokens].tolist()
+            period = len(ids) - start  # the copy's distance back
+            return np.resize(ids[start:], min(num_tokens, period * num_tokens)).tolist()
     return []

@@ -97,8 +97,9 @@ class Speculator:
             request.spec_token_ids = []
             if not can_speculate(request):
                 continue
-            k = best_num_proposals(self.row_acceptance(request), num_rows, step_s, token_s,
-                                   config.num_speculative_tokens)
+            k = config.num_speculative_tokens
+            if config.adaptive:
+                k = best_num_proposals(self.row_acceptance(request), num_rows, step_s, token_s, k)
             if k == 0:
                 request.spec_idle_steps += 1
                 if request.spec_idle_steps < PROBE_STEPS:
