@@ -21,6 +21,9 @@ Cases (`--cases`), each with its target for speculative / plain output tokens pe
 
     copy-b1     the copy prompts one at a time (batch 1)                    >= 1.8x
     open-b1     the open prompts one at a time (batch 1)                    >= 0.95x
+    open-sampled-b1  the same, sampled at temperature 1 (seed 0): a small
+                model's greedy stories repeat themselves, its sampled ones
+                much less, so here proposals mostly fail                     >= 0.95x
     mixed-b32   `--batch` (32) mixed prompts at once, one generate() call   >= 1.0x
     copy-b32    `--batch` copy prompts at once (not run by default)         >= 1.0x
 
@@ -34,8 +37,8 @@ disturbance of the machine that lasts a while falls on both); the acceptance rat
 that were accepted); tokens emitted per check; the speculator's own estimate of its
 speed-up on the rows that checked (`est.`: emitted tokens over what its step-time model
 says the checks cost, in decode steps); and the steps each engine took (median round).
-Greedy outputs must be identical with and without speculation: every round's are
-compared, and any difference is reported loudly, with the plain model's top-2 logprob gap
+Outputs must be identical with and without speculation (greedy; and seeded sampling,
+which speculation keeps token for token): every round's are compared, and any difference is reported loudly, with the plain model's top-2 logprob gap
 at the first differing token (near 0: a numerical near-tie between two shapes of forward
 pass; a wide one: a bug).
 
@@ -64,15 +67,17 @@ class Case:
     workload: str  # copy, open or mixed
     batched: bool  # all prompts in one generate() call (else one at a time)
     target: float  # speculative / plain output tokens per second, at least
+    temperature: float = 0.0  # 0: greedy; else sampled with seed 0
 
 
 CASES = {
     "copy-b1": Case("copy", False, 1.8),
     "open-b1": Case("open", False, 0.95),
+    "open-sampled-b1": Case("open", False, 0.95, temperature=1.0),
     "mixed-b32": Case("mixed", True, 1.0),
     "copy-b32": Case("copy", True, 1.0),
 }
-DEFAULT_CASES = "copy-b1,open-b1,mixed-b32"
+DEFAULT_CASES = "copy-b1,open-b1,open-sampled-b1,mixed-b32"
 
 PASSAGES = [
     "The old lighthouse stood at the edge of the cliff for more than a century. Every night its keeper climbed the "
@@ -227,7 +232,8 @@ def run_case(args: argparse.Namespace, name: str, case: Case) -> dict:
     plain, spec = build(args, False), build(args, True)
     count = args.batch if case.batched else args.prompts
     prompts = [render(plain, message) for message in workload_messages(case.workload, count)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=case.temperature, max_tokens=args.max_tokens,
+                            seed=0 if case.temperature else None)
     engines = {"plain": plain, "ngram": spec}
     found: list[dict] = []
     # Warm-up: the batch's shapes (or a single prompt), and the step-time model's first samples.
@@ -290,7 +296,7 @@ def print_report(results: list[dict], args: argparse.Namespace) -> None:
     print(f"\nmodel {args.model} ({args.dtype}, {args.device}, {args.threads} threads), greedy, "
           f"max_tokens {args.max_tokens}, num_speculative_tokens {args.num_speculative_tokens}, "
           f"median of {args.repeats} rounds" + (" [smoke: targets not enforced]" if args.smoke else ""))
-    print(f"{'case':<10} {'prompts':>7} {'plain tok/s':>11} {'ngram tok/s':>11} {'ratio':>6} {'target':>7} "
+    print(f"{'case':<15} {'prompts':>7} {'plain tok/s':>11} {'ngram tok/s':>11} {'ratio':>6} {'target':>7} "
           f"{'accept':>6} {'by position':<23} {'tok/check':>9} {'est.':>5} {'steps plain/ngram':>17} "
           f"{'greedy':>8} result")
     for r in results:
@@ -299,7 +305,7 @@ def print_report(results: list[dict], args: argparse.Namespace) -> None:
         estimate = "-" if r["engine_estimated_speedup"] is None else f"{r['engine_estimated_speedup']:.2f}x"
         step_counts = f"{statistics.median(r['steps']['plain']):.0f}/{statistics.median(r['steps']['ngram']):.0f}"
         greedy = "same" if not r["greedy_mismatches"] else f"{len(r['greedy_mismatches'])} DIFF"
-        print(f"{r['case']:<10} {r['num_prompts']:>7} {r['plain_tokens_per_s']:>11.1f} "
+        print(f"{r['case']:<15} {r['num_prompts']:>7} {r['plain_tokens_per_s']:>11.1f} "
               f"{r['ngram_tokens_per_s']:>11.1f} {r['ratio']:>5.2f}x {'>=' + format(r['target'], '.2f'):>7} "
               f"{r['acceptance_rate']:>6.2f} {positions:<23} {per_check:>9} {estimate:>5} {step_counts:>17} "
               f"{greedy:>8} {'PASS' if r['passed'] else 'FAIL'}")

@@ -8,9 +8,11 @@
   coefficients are clamped at zero.
 - prefill: seconds per prompt token, the preemption cost model's moving average over
   steps that are mostly prefill (engine/preemption.py).
-- speculative decoding: seconds per proposal checked, a moving average of what decode steps
-  with proposals took beyond the decode line, per proposal (the line's per-row slope
-  until such a step is seen).
+- decode entries (speculative decoding): a decode step of e entries, a decoding row's one
+  token each and one more per proposal it checks (engine/forward_batch.py `decode_rows`),
+  takes about `base_s + per_seq_s * e`: the same least squares over every decode-only
+  step, proposals or not. Its slope is what one more proposal costs. Until the entries
+  vary (and so give a slope) the decode line stands in for it.
 
 A prefill step's seconds are those the engine times it by (ModelRunnerOutput.seconds:
 on CUDA the device's time; on CPU the host's). A decode step's are the whole
@@ -40,8 +42,6 @@ logger = logging.getLogger(__name__)
 DECODE_WINDOW = 256  # decode-only steps the fit spans
 # The engine learns the prefill rate from steps of at least this many prefill tokens.
 MIN_PREFILL_SAMPLE_TOKENS = 64
-# Weight of each new decode step with proposals in the moving average of a proposal's cost.
-SPEC_TOKEN_EMA = 0.1
 
 
 class StepLine(NamedTuple):
@@ -92,7 +92,7 @@ class StepTimeModel:
     def __init__(self, cost_model: PreemptionCostModel) -> None:
         self.cost_model = cost_model
         self.decode = DecodeStepFit()
-        self._spec_token_s: float | None = None  # seconds per proposal checked (moving average)
+        self.entries = DecodeStepFit()  # decode steps by entries (see the module's docstring)
 
     def observe(self, output: ModelRunnerOutput, scheduled: SchedulerOutput, wall_s: float) -> None:
         """Learn from a finished step, scheduled as `scheduled`, reported by a
@@ -104,24 +104,15 @@ class StepTimeModel:
             self.cost_model.observe_prefill(num_prefill, seconds)
         elif num_prefill == 0 and scheduled.requests:
             seconds = max(seconds, wall_s - output.swap_seconds)
-            if output.num_spec_tokens:
-                self._observe_proposals(len(scheduled.requests), output.num_spec_tokens, seconds)
-            else:
+            if not output.num_spec_tokens:
                 self.decode.observe(len(scheduled.requests), seconds)
+            self.entries.observe(len(scheduled.requests) + output.num_spec_tokens, seconds)
 
-    def _observe_proposals(self, num_seqs: int, num_spec_tokens: int, seconds: float) -> None:
-        line_s = self.decode.line().seconds(num_seqs)
-        if line_s <= 0:
-            return  # (no decode line yet to measure the extra time against)
-        sample = max(seconds - line_s, 0.0) / num_spec_tokens
-        previous = self._spec_token_s
-        self._spec_token_s = sample if previous is None else previous + SPEC_TOKEN_EMA * (sample - previous)
-
-    def spec_token_seconds(self) -> float:
-        """What checking one more proposal adds to a decode step (see the module's docstring)."""
-        if self._spec_token_s is not None:
-            return self._spec_token_s
-        return self.decode.line().per_seq_s
+    def entry_line(self) -> StepLine:
+        """Seconds of a decode step by its entries (see the module's docstring): the fit over
+        decode steps with and without proposals once it has a slope, else the decode line."""
+        line = self.entries.line()
+        return line if line.per_seq_s > 0 else self.decode.line()
 
     def estimate(self) -> StepTimeEstimate:
         line = self.decode.line()

@@ -89,6 +89,26 @@ def test_the_window_keeps_the_last_steps_and_calibration_adopts_its_medians():
     assert fit.prior_weight > 0
 
 
+def test_decode_steps_with_proposals_give_a_proposals_cost():
+    from engine.model_runner import ModelRunnerOutput
+    from engine.scheduler import SchedulerOutput
+    from engine.step_time import StepTimeModel
+
+    model = StepTimeModel(PreemptionCostModel(bytes_per_block=1))
+    one_row = SchedulerOutput(requests=[object()], num_scheduled_tokens=[1], total_num_scheduled_tokens=1)
+    # Batch 1 only: the decode line has no slope, so a proposal's cost is unknown (0) ...
+    for _ in range(4):
+        model.observe(ModelRunnerOutput([], [], None, seconds=0.020), one_row, 0.020)
+    assert model.entry_line().per_seq_s == 0.0
+    # ... until steps check proposals: 5 ms each on top of a 20 ms step.
+    for num_spec in (1, 4, 2, 3):
+        output = ModelRunnerOutput([], [], None, seconds=0.020 + 0.005 * num_spec, num_spec_tokens=num_spec)
+        model.observe(output, one_row, 0.0)
+    line = model.entry_line()
+    assert line.per_seq_s == pytest.approx(0.005) and line.seconds(1) == pytest.approx(0.020)
+    assert model.decode.line().seconds(1) == pytest.approx(0.020)  # the decode line saw plain steps only
+
+
 def test_the_first_prefill_measurement_replaces_the_default_guess():
     model = PreemptionCostModel(bytes_per_block=1, smoothing=0.2)
     assert model.measured_prefill_seconds_per_token == 0.0  # the guess is not published

@@ -20,8 +20,8 @@ ways the sampler reads from the request (repetition, presence and frequency pena
 bad words, min_tokens not yet reached, a grammar) decode one token at a time, as do rows
 still prefilling. Every other decoding row proposes as many tokens as pay: with its
 acceptance rate a, k proposals yield E(k) = 1 + a + ... + a^k tokens for k extra tokens of
-step time, and the step-time model (engine/step_time.py) knows a step of n rows
-(decode line) and an extra token (what steps with proposals took beyond it). A row picks
+step time, and the step-time model (engine/step_time.py) knows both: a step of e decode
+entries (a row's token, or a proposal) takes base + per_entry * e. A row picks
 the k that maximises the batch's tokens per second; 0 when speculating would be slower
 (the off-switch), after which it still proposes one token every PROBE_STEPS steps, to
 notice when its output starts copying.
@@ -89,8 +89,8 @@ class Speculator:
         """Give each decoding row of the batch about to be scheduled its proposals
         (`Request.spec_token_ids`; empty for the rows that do not speculate)."""
         num_rows = len(running)
-        step_s = self.step_time.decode.line().seconds(num_rows)
-        token_s = self.step_time.spec_token_seconds()
+        line = self.step_time.entry_line()
+        step_s, token_s = line.seconds(num_rows), line.per_seq_s
         self._relative_cost = token_s / step_s if step_s > 0 else 0.0
         config = self.config
         for request in running:
