@@ -166,6 +166,7 @@ class Request:
         "spec_num_accepted": "the ones accepted: its acceptance rate so far.",
         "spec_idle_steps": "Decode steps since it last proposed (it proposes now and then even when "
                            "speculating does not pay, to learn whether it has started to).",
+        "spec_index": "Its prompt-lookup index (engine/spec_decode/ngram.py NgramIndex), once it proposes.",
     }
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
@@ -217,6 +218,7 @@ class Request:
         self.spec_num_checked = 0
         self.spec_num_accepted = 0
         self.spec_idle_steps = 0
+        self.spec_index = None
 
     @property
     def num_tokens(self) -> int:

@@ -6,9 +6,11 @@ seeded generator."""
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.spec_decode.acceptance import accept_greedy, accept_sampled
-from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.ngram import NgramIndex, propose_ngram
 
 # Chi-square critical values at significance 0.001 by degrees of freedom: a correct
 # sampler fails one of these about once in a thousand runs; the draws are seeded, so a
@@ -117,3 +119,18 @@ def test_a_proposal_the_target_cannot_make_is_always_rejected():
     for _ in range(200):
         outcome = accept_sampled(torch.tensor([0]), target, generator)
         assert outcome.num_accepted == 0 and outcome.token_ids[0] in (1, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3), st.integers(0, 3), st.integers(2, 20), st.integers(0, 2**31))
+def test_the_lookup_index_proposes_what_the_search_does(min_n, extra_n, vocab_size, seed):
+    import random
+
+    rng = random.Random(seed)
+    max_n = min_n + extra_n
+    index = NgramIndex(max_n, min_n)
+    tokens = [rng.randrange(vocab_size) for _ in range(rng.randrange(3))]
+    for _ in range(30):  # a row's tokens grow by a step's accepted tokens at a time
+        num_tokens = rng.randrange(6)
+        assert index.propose(tokens, num_tokens) == propose_ngram(tokens, num_tokens, max_n, min_n)
+        tokens += [rng.randrange(vocab_size) for _ in range(rng.randint(1, 4))]

@@ -37,7 +37,7 @@ import torch
 from engine.config import SpeculativeConfig
 from engine.request import PENDING_TOKEN, Request
 from engine.sampler import skip_sample_draw
-from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.ngram import NgramIndex
 from engine.step_time import StepTimeModel
 
 # A row that chose not to speculate proposes one token after this many steps.
@@ -110,8 +110,9 @@ class Speculator:
             left = min(request.sampling_params.max_tokens - request.num_output_tokens, self.max_model_len - num_tokens)
             k = min(k, left - 1)
             if k > 0:
-                request.spec_token_ids = propose_ngram(request.all_token_ids, k, config.prompt_lookup_max,
-                                                       config.prompt_lookup_min)
+                if request.spec_index is None:
+                    request.spec_index = NgramIndex(config.prompt_lookup_max, config.prompt_lookup_min)
+                request.spec_token_ids = request.spec_index.propose(request.all_token_ids, k)
                 if request.spec_token_ids:
                     request.spec_idle_steps = 0
 
