@@ -50,7 +50,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.block_pool import KVCacheManager
-from engine.forward_batch import ForwardBatch, PackedLayout, decode_rows
+from engine.forward_batch import DecodeRows, ForwardBatch, PackedLayout, decode_rows
 from engine.prompt_logprobs import wants_rows
 from engine.scheduler import SchedulerOutput
 
@@ -218,20 +218,44 @@ class StaticDecode:
 
     def prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, GraphKey] | None:
         """Write a decode-only step into the buffer (one copy) and return its batch, cut to
-        its n real rows, and its graph (padded size, splits); None if the step is not one
-        of those."""
-        requests = out.requests
-        num_seqs = len(requests)
-        size = padded_batch_size(self.batch_sizes, num_seqs)
-        if size is None or out.total_num_scheduled_tokens != num_seqs or any(map(wants_rows, requests)):
+        its n real entries, and its graph (padded size, splits); None if the step is not one
+        of those. A row checking k proposals is k+1 decode entries (forward_batch.decode_rows),
+        so such a step replays the graph of its entries' padded size."""
+        requests, proposals = out.requests, out.spec_token_ids
+        num_entries = out.total_num_scheduled_tokens
+        size = padded_batch_size(self.batch_sizes, num_entries)
+        if size is None or any(map(wants_rows, requests)):
             return None
+        decodes, checks = requests, []
+        if proposals:
+            decodes = [r for r in requests if r.request_id not in proposals]
+            checks = [(r, proposals[r.request_id]) for r in requests if r.request_id in proposals]
+        if len(decodes) + sum(len(spec) + 1 for _, spec in checks) != num_entries:
+            return None  # a prefill chunk
+        d = decode_rows(decodes, self.kv, checks)
+        key = self.graph_key(size, int(d.positions.max()) + 1)
+        self._write(d, size)
+        full, _ = self._views(key)
+        num_sampled, num_pending, plain = len(d.sample_rows), len(d.pending_rows), d.num_plain_samples
+        batch = ForwardBatch(
+            input_ids=full.input_ids,
+            positions=full.positions,
+            attn=full.attn,
+            sample_indices=full.sample_indices[:num_sampled],
+            sample_requests=[decodes[i] for i in d.sample_rows[:plain]] + [r for r, _ in checks],
+            num_prefill_tokens=0,
+            sample_counts=tuple([1] * plain + [len(spec) + 1 for _, spec in checks]) if checks else None,
+            pending_rows=full.pending_rows[:num_pending] if num_pending else None,
+            pending_sources=full.pending_sources[:num_pending] if num_pending else None,
+        )
+        return batch, key
+
+    def _write(self, d: DecodeRows, size: int) -> None:
+        """The step's entries into the persistent buffer (one copy), padded to `size`."""
         kv = self.kv
-        d = decode_rows(requests, kv)
-        num_pending = len(d.pending_rows)
+        num_seqs, num_pending = len(d.positions), len(d.pending_rows)
         max_seq_len = int(d.positions.max()) + 1
         width = (max_seq_len - 1) // kv.block_size + 1
-        sample_rows = d.sample_rows
-
         layout = graph_layout(size, width)
         host = layout.host_buffer(self.device)
         h = layout.views(host.numpy())
@@ -243,7 +267,7 @@ class StaticDecode:
         h["slots"][num_seqs:] = -1
         h["seq_lens"][:num_seqs] = d.positions + 1
         h["seq_lens"][num_seqs:] = 1
-        h["samples"][: len(sample_rows)] = sample_rows
+        h["samples"][: len(d.sample_rows)] = d.sample_rows
         h["pending_rows"][:num_pending] = d.pending_rows
         h["pending_sources"][:num_pending] = d.pending_sources
         h["table_stride"][0] = width
@@ -251,21 +275,6 @@ class StaticDecode:
         table_part[:num_seqs] = kv.block_tables[d.table_rows, :width]
         table_part[num_seqs:] = 0
         self.buffer[: len(host)].copy_(host, non_blocking=True)
-
-        key = self.graph_key(size, max_seq_len)
-        full, _ = self._views(key)
-        num_sampled = len(sample_rows)
-        batch = ForwardBatch(
-            input_ids=full.input_ids,
-            positions=full.positions,
-            attn=full.attn,
-            sample_indices=full.sample_indices[:num_sampled],
-            sample_requests=[requests[i] for i in sample_rows],
-            num_prefill_tokens=0,
-            pending_rows=full.pending_rows[:num_pending] if num_pending else None,
-            pending_sources=full.pending_sources[:num_pending] if num_pending else None,
-        )
-        return batch, key
 
     # --------------------------------------------------------------- running
     def run(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
@@ -280,7 +289,7 @@ class StaticDecode:
             hidden = graph[1]
         else:
             hidden = self._forward(key)
-        if len(batch.sample_requests) != key.size:
+        if len(batch.sample_indices) != key.size:
             hidden = hidden.index_select(0, batch.sample_indices)
         return self.model.compute_logits(hidden)
 

@@ -171,6 +171,37 @@ def test_static_path_gives_the_normal_paths_tokens(tiny_triton):
     assert llm.engine.kv_manager.num_free_blocks == 40
 
 
+def test_steps_that_check_proposals_replay_the_graph_of_their_entries(tiny_triton):
+    """Speculative decoding: a row checking k proposals is k+1 decode entries, so its step
+    runs on the static path (a graph of the entries' padded size) and gives the normal
+    path's tokens and transformers'."""
+    from tests.test_spec_engine import copying_prompts
+
+    hf_model, model_dir = tiny_triton
+    hf_model = hf_model.to(DEVICE)
+    prompts = copying_prompts(hf_model.config.vocab_size, 5, seed=2)
+    with torch.device(DEVICE):
+        expected = [hf_greedy(hf_model, p, 14) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    spec = dict(speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False, max_num_seqs=8)
+    llm = make_llm(model_dir, static=True, **spec)
+    checked = []
+    prepare = llm.engine.runner.static_decode.prepare
+
+    def counting_prepare(out):
+        prepared = prepare(out)
+        if prepared is not None and prepared[0].sample_counts is not None:
+            checked.append((prepared[1].size, sum(prepared[0].sample_counts)))
+        return prepared
+
+    llm.engine.runner.static_decode.prepare = counting_prepare
+    static = llm.generate(prompts, params)
+    assert [o.token_ids for o in static] == expected
+    assert checked and all(entries <= size for size, entries in checked), checked
+    assert llm.engine.speculator.stats().num_accepted > 0
+    llm.engine.check_integrity()
+
+
 # ------------------------------------------------------------------ split-KV per step
 def split_backend(num_sms: int = 132):
     """The Triton backend as if on a GPU of num_sms SMs: only its split counts change (the
