@@ -46,6 +46,8 @@ def calibrate_step_time(engine: LLMEngine) -> float:
     scheduler.counters = SchedulerCounters(kv.prefix_stats)
     kv.enable_prefix_caching = False
     engine.step_time.decode.samples.clear()  # the warm-up's steps, first-call costs and all
+    # Plain decode steps only: speculation (its counts, its rows' acceptance) starts with the traffic.
+    speculator, engine.speculator = engine.speculator, None
     rng = random.Random(0)
     try:
         config = scheduler.config
@@ -56,6 +58,7 @@ def calibrate_step_time(engine: LLMEngine) -> float:
         line = engine.step_time.decode.adopt_samples_as_prior()
         _measure_prefill(engine, line.seconds(batch) / batch, rng)
     finally:
+        engine.speculator = speculator
         scheduler.counters = counters
         kv.enable_prefix_caching = prefix_caching
         kv.pool.sort_free()

@@ -176,6 +176,16 @@ def test_calibration_measures_the_model_and_leaves_no_trace(tiny, overlap):
         assert engine.kv_manager.get_block_ids("first") == [0, 1, 2, 3, 4]
 
 
+def test_calibration_runs_plain_decode_steps_on_a_speculating_engine(tiny):
+    from engine.config import SpeculativeConfig
+
+    engine = build_engine(replace(config(tiny), speculative=SpeculativeConfig(method="ngram")))
+    stats = engine.get_metrics()
+    assert stats.decode_step_base_s + stats.decode_step_per_seq_s > 0
+    assert engine.speculator is not None and engine.speculator.stats().num_checks == 0  # counts start with traffic
+    assert stats.spec_num_checks == 0
+
+
 def test_calibration_fits_small_engines(tiny):
     # A cache of a few blocks, one sequence at a time, a step budget too small to learn a prefill rate from.
     engine = build_engine(replace(config(tiny, max_num_seqs=1, max_num_batched_tokens=32),
