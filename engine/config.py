@@ -180,7 +180,7 @@ class SchedulerConfig:
             raise ValueError("max_decode_stretch must be a finite number >= 0")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,9 @@ class SpeculativeConfig:
     `num_speculative_tokens` tokens and one forward pass of the model checks them all.
 
     - `method`: "ngram" (prompt lookup: the tokens after the latest earlier occurrence of
-      the row's last `prompt_lookup_max`..`prompt_lookup_min` tokens); None: off.
+      the row's last `prompt_lookup_max`..`prompt_lookup_min` tokens), "draft" (the
+      `draft_model`, a small model with the target's tokenizer, drafts them greedily from a
+      KV cache of `draft_num_kv_blocks` blocks, None: as many as the target's); None: off.
     - `adaptive`: each row proposes as many tokens (up to num_speculative_tokens) as its
       acceptance rate so far and the step-time model make worth their cost (none when
       speculation would be slower: the off-switch); False: always as many as it can.
@@ -200,11 +202,17 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     adaptive: bool = True
+    draft_model: str | None = None
+    draft_num_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} "
                              f"(or none), got {self.method!r}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("a draft model is given with speculative method 'draft', and only then")
+        if self.draft_num_kv_blocks is not None and self.draft_num_kv_blocks <= 0:
+            raise ValueError("draft_num_kv_blocks must be positive")
         if self.num_speculative_tokens <= 0:
             raise ValueError(f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}")
         if not 0 < self.prompt_lookup_min <= self.prompt_lookup_max:

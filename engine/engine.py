@@ -27,6 +27,7 @@ from engine.request_inputs import bad_word_ids, check_sampling_ids, check_token_
 from engine.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.spec_decode.draft import DraftProposer
 from engine.spec_decode.speculator import Speculator
 from engine.step_time import StepTimeModel
 from engine.step_outputs import note_tokens, record_chunks
@@ -96,10 +97,12 @@ class LLMEngine:
 
     def _speculator(self) -> Speculator | None:
         """Speculative decoding (engine/spec_decode): proposals before each step, acceptance after."""
-        spec = self.config.speculative
-        if spec.method is None:
-            return None
-        return Speculator(spec, self.step_time, self.max_model_len, self.vocab_size, self.config.dtype)
+        config, spec = self.config, self.config.speculative
+        draft = None if spec.method != "draft" else DraftProposer(
+            spec.draft_model, config.dtype, self.max_model_len, self.vocab_size, self.device, config.cache.block_size,
+            spec.draft_num_kv_blocks or self.kv_manager.pool.num_blocks, config.attention_backend, config.seed)
+        return None if spec.method is None else Speculator(spec, self.step_time, self.max_model_len,
+                                                           self.vocab_size, config.dtype, draft)
 
     def _overlaps(self) -> bool:
         """Overlapped scheduling (the step launched last, its tokens not yet reported: see
@@ -442,6 +445,8 @@ class LLMEngine:
     def _final_output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list | None = None
     ) -> RequestOutput:
+        if self.speculator is not None:
+            self.speculator.forget(request)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,

@@ -263,8 +263,15 @@ def test_speculative_decoding_is_the_decode_workers_and_baton_up_passes_it_to_th
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     for command in ("decode-worker", "up"):
         text = " ".join(commands[command].format_help().split())
-        assert "--speculative {none,ngram}" in text and "(default: off; env BATON_SPECULATIVE)" in text
-        assert "--num-speculative-tokens N" in text
+        assert "--speculative {none,ngram,draft}" in text and "(default: off; env BATON_SPECULATIVE)" in text
+        assert "--num-speculative-tokens N" in text and "--draft-model TEXT" in text
+    # A draft model: named on the decode worker, passed by baton up.
+    draft = parse(DecodeWorkerSettings, ["--speculative", "draft", "--draft-model", "/models/draft"], {})
+    assert draft.engine.speculative == SpeculativeConfig(method="draft", draft_model="/models/draft")
+    with pytest.raises(ValueError, match="draft model"):
+        parse(DecodeWorkerSettings, ["--speculative", "draft"], {})
+    up = role_args(parse(UpSettings, ["--speculative", "draft", "--draft-model", "/models/draft"]))
+    assert up.decode[-2:] == ["--draft-model", "/models/draft"]
 
 
 # ------------------------------------------------------------------ choices, sizes, --version
@@ -275,7 +282,7 @@ CHOICES = {  # flag: (a valid value, spelled loosely, as read; a value of no nam
     "--attention-backend": ("Torch", "torch", "flash", "auto, cpu, torch, triton"),
     "--preemption-mode": (" swap ", "swap", "never", "auto, recompute, swap"),
     "--log-level": ("debug", "DEBUG", "verbose", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
-    "--speculative": ("NGram", "ngram", "eagle", "none, ngram"),
+    "--speculative": ("NGram", "ngram", "eagle", "none, ngram, draft"),
 }
 
 

@@ -137,8 +137,8 @@ def exact_sequence_probs(hf_model, prompt: list[int], length: int, temperature: 
     return probs
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.3, 8), (1.0, 4)])
-def test_unseeded_sampling_keeps_the_models_distribution(temperature, top_k, tmp_path):
+@pytest.mark.parametrize("temperature,top_k,method", [(1.3, 8, "ngram"), (1.0, 4, "ngram"), (1.0, 4, "draft")])
+def test_unseeded_sampling_keeps_the_models_distribution(temperature, top_k, method, tmp_path):
     # A vocabulary of 8 and a prompt that is the model's own greedy output: after almost
     # any first token the prompt lookup proposes two, and they are accepted about as often
     # as rejected.
@@ -146,9 +146,10 @@ def test_unseeded_sampling_keeps_the_models_distribution(temperature, top_k, tmp
     prompt = [3, *hf_greedy(hf_model, [3], 14)]
     length, trials = 3, 4000
     probs = exact_sequence_probs(hf_model, prompt, length, temperature, top_k)
+    # The draft: the model itself, greedy, whose proposals a sampled row accepts only in part.
+    draft = dict(draft_model=model_dir) if method == "draft" else dict(prompt_lookup_min=1)
     llm = LLM(model_dir, dtype="float64", block_size=4, max_num_seqs=512, max_num_batched_tokens=4096, seed=7,
-              enable_prefix_caching=False, speculative="ngram", prompt_lookup_min=1, num_speculative_tokens=3,
-              adaptive=False)
+              enable_prefix_caching=False, speculative=method, num_speculative_tokens=3, adaptive=False, **draft)
     # One token more than counted: a row proposes no further than its max_tokens, and its
     # first decode step should check proposals for both the second and the third token.
     params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=length + 1, ignore_eos=True)
@@ -216,6 +217,42 @@ def test_logprobs_and_min_tokens_are_those_of_plain_decoding(tmp_path):
             assert mine.token_id == theirs.token_id
             assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-9)
             assert [t for t, _ in mine.top_logprobs] == [t for t, _ in theirs.top_logprobs]
+
+
+@pytest.mark.parametrize("draft", ["target", "small"])
+def test_a_draft_models_proposals_give_transformers_tokens(draft, tmp_path):
+    """Draft models: the target itself (every greedy proposal accepted) and a smaller random
+    model (few accepted); either way greedy tokens are transformers', under chunking and
+    preemption, and seeded ones those of plain decoding; the draft's cache is empty after."""
+    hf_model, model_dir = make_tiny_model(tmp_path / "target", dtype=torch.float64)
+    draft_dir = model_dir if draft == "target" else make_tiny_model(
+        tmp_path / "draft", dtype=torch.float64, hidden_size=32, num_layers=1, seed=5)[1]
+    prompts = copying_prompts(hf_model.config.vocab_size, 10, seed=8)
+    expected = [hf_greedy(hf_model, p, 24) for p in prompts]
+    seeded = [SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=50 + i) for i in range(10)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 10
+    kwargs = dict(dtype="float64", block_size=4, max_num_batched_tokens=24, num_kv_blocks=28, num_swap_blocks=8,
+                  admission_reserve_steps=0)
+    plain = run_checked(LLM(model_dir, **kwargs).engine, prompts, seeded)
+    llm = LLM(model_dir, speculative="draft", draft_model=draft_dir, adaptive=False, **kwargs)
+    engine = llm.engine
+    assert [r.output_token_ids for r in run_checked(engine, prompts, greedy)] == expected
+    stats = engine.speculator.stats()
+    assert stats.num_proposed > 0
+    if draft == "target":  # its greedy drafts are the target's greedy tokens
+        assert stats.num_accepted == stats.num_proposed
+    assert [r.output_token_ids for r in run_checked(engine, prompts, seeded)] == [r.output_token_ids for r in plain]
+    assert llm.get_metrics().num_preemptions_swap + llm.get_metrics().num_preemptions_recompute > 0
+    assert engine.speculator.draft.kv.num_used_blocks == 0 and not engine.speculator.draft.shadows
+
+
+def test_a_draft_model_must_share_the_targets_vocabulary(tmp_path):
+    _, model_dir = make_tiny_model(tmp_path / "target", dtype=torch.float64)
+    _, other = make_tiny_model(tmp_path / "draft", dtype=torch.float64, vocab_size=96)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(model_dir, dtype="float64", speculative="draft", draft_model=other)
+    with pytest.raises(ValueError, match="draft model"):
+        LLM(model_dir, dtype="float64", speculative="draft")
 
 
 def test_rows_whose_sampling_reads_their_history_do_not_speculate(tmp_path):

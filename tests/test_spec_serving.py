@@ -1,5 +1,5 @@
 """Speculative decoding over real processes: decode workers started with `--speculative
-ngram`, disaggregated (every prompt prefilled by the prefill worker and handed off) and
+ngram` (or `draft`, with a draft model), disaggregated (every prompt prefilled by the prefill worker and handed off) and
 colocated. Greedy streams equal transformers' greedy tokens, seeded ones the tokens an
 engine without speculation samples; and with a decode worker killed (-9) mid-stream, the
 streams it had move to the other decode worker, which replays their tokens and goes on
@@ -74,12 +74,15 @@ def accepted(deployment) -> int:
     return sum(deployment.stats(p).spec_num_accepted for p in deployment.workers("decode"))
 
 
-@pytest.mark.parametrize("prefill", [True, False], ids=["disaggregated", "colocated"])
-def test_speculating_decode_workers_serve_the_tokens_of_plain_decoding(tiny, prefill, tmp_path):
+@pytest.mark.parametrize("prefill,method", [(True, "ngram"), (False, "ngram"), (True, "draft")],
+                         ids=["disaggregated", "colocated", "disaggregated-draft"])
+def test_speculating_decode_workers_serve_the_tokens_of_plain_decoding(tiny, prefill, method, tmp_path):
     _, model_dir = tiny
     want = expected_tokens(tiny)
+    # The draft: the served model itself (what matters here is the path, not the speed).
+    spec_args = SPEC_ARGS if method == "ngram" else ["--speculative", "draft", "--draft-model", model_dir]
     deployment = start_deployment(model_dir, tmp_path, prefill=prefill, num_decode=2, worker_args=WORKER_ARGS,
-                                  decode_args=SPEC_ARGS, gateway_args=GATEWAY_ARGS)
+                                  decode_args=spec_args, gateway_args=GATEWAY_ARGS)
     try:
         undisturbed = Streams(requests(), timeout_s=120)
         asyncio.run(undisturbed.run(deployment.gateway))

@@ -37,6 +37,7 @@ from baton.runtime.settings import (
     LOG_FORMAT_HELP,
     LOG_LEVELS,
     MODEL_HELP,
+    DRAFT_MODEL_HELP,
     NUM_SPECULATIVE_TOKENS_HELP,
     REVISION_HELP,
     SPECULATIVE_CHOICES,
@@ -90,6 +91,7 @@ class UpSettings:
     speculative: str | None = setting(None, SPECULATIVE_HELP, choices=SPECULATIVE_CHOICES, shown="off")
     num_speculative_tokens: int = setting(default_of(SpeculativeConfig, "num_speculative_tokens"),
                                           NUM_SPECULATIVE_TOKENS_HELP)
+    draft_model: str | None = setting(None, DRAFT_MODEL_HELP, shown="none")
     colocated: bool = setting(False, "no prefill worker: the decode workers prefill")
     num_prefill_workers: int = setting(1, "prefill workers (none with --colocated)")
     num_decode_workers: int = setting(1, "decode workers")
@@ -219,6 +221,8 @@ def role_args(settings: UpSettings) -> RoleArgs:
     if settings.speculative is not None:  # the decode workers speculate; prefill workers only prefill
         decode += ["--speculative", settings.speculative,
                    "--num-speculative-tokens", str(settings.num_speculative_tokens)]
+        if settings.draft_model is not None:
+            decode += ["--draft-model", settings.draft_model]
     if settings.kv_cache_memory is not None:
         worker += ["--kv-cache-memory", format_size(settings.kv_cache_memory)]
     if settings.max_model_len is not None:

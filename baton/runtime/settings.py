@@ -94,8 +94,10 @@ HEALTH_PORT_HELP = ("also serve grpc.health.v1 alone, in plaintext, on this port
 # --speculative: "none" is off (None), as the engine's SpeculativeConfig.method.
 SPECULATIVE_CHOICES = ("none", *SPECULATIVE_METHODS)
 SPECULATIVE_HELP = ("speculative decoding, on decode workers: ngram proposes a row's next tokens from its prompt "
-                    "and output so far (prompt lookup), one forward pass checks them, and the tokens are those "
-                    "decoding without it gives")
+                    "and output so far (prompt lookup), draft has --draft-model draft them; one forward pass "
+                    "checks them, and the tokens are those decoding without it gives")
+DRAFT_MODEL_HELP = ("with --speculative draft: a small model with the served model's tokenizer (as --model names "
+                    "one), run beside it with a KV cache of its own")
 NUM_SPECULATIVE_TOKENS_HELP = "most tokens a row proposes a step, with --speculative (fewer when they do not pay)"
 GPU_MEMORY_UTILIZATION_HELP = ("CUDA: fraction of the GPU's memory for weights, activations and the KV cache, "
                                "which gets what the rest leaves")
@@ -319,6 +321,7 @@ class DecodeWorkerSettings(WorkerSettings):
     speculative: str | None = setting(None, SPECULATIVE_HELP, choices=SPECULATIVE_CHOICES, shown="off")
     num_speculative_tokens: int = setting(default_of(SpeculativeConfig, "num_speculative_tokens"),
                                           NUM_SPECULATIVE_TOKENS_HELP)
+    draft_model: str | None = setting(None, DRAFT_MODEL_HELP, shown="none")
     # Built from the settings above (validated on construction).
     prefill_allowlist: AddressAllowlist = field(init=False, repr=False, compare=False)
 
@@ -333,7 +336,8 @@ class DecodeWorkerSettings(WorkerSettings):
         object.__setattr__(self, "prefill_allowlist", allowlist)
 
     def role_engine_options(self) -> dict[str, Any]:
-        return dict(speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens)
+        return dict(speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                    draft_model=self.draft_model)
 
 
 @dataclass(frozen=True)

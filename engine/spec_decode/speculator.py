@@ -1,6 +1,6 @@
 """The engine's speculation: before each step it gives the decoding rows proposals
-(prompt lookup), and after it keeps, per row, the proposals the model's own samples
-agree with.
+(prompt lookup, or a draft model: engine/spec_decode/draft.py), and after it keeps, per
+row, the proposals the model's own samples agree with.
 
 Checking. A row with proposals d_1..d_k runs its last token and them in one forward
 pass and samples every position with the ordinary sampler: t_1..t_{k+1}, t_i being what
@@ -37,6 +37,7 @@ import torch
 from engine.config import SpeculativeConfig
 from engine.request import PENDING_TOKEN, Request
 from engine.sampler import skip_sample_draw
+from engine.spec_decode.draft import DraftProposer
 from engine.spec_decode.ngram import NgramIndex
 from engine.step_time import StepTimeModel
 
@@ -69,8 +70,9 @@ class Speculator:
     """Proposals before a step, acceptance after it (see the module's docstring)."""
 
     def __init__(self, config: SpeculativeConfig, step_time: StepTimeModel, max_model_len: int,
-                 vocab_size: int, logits_dtype: torch.dtype) -> None:
+                 vocab_size: int, logits_dtype: torch.dtype, draft: DraftProposer | None = None) -> None:
         self.config = config
+        self.draft = draft  # the draft model's proposals (method "draft"), else prompt lookup
         self.step_time = step_time
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -93,6 +95,7 @@ class Speculator:
         step_s, token_s = line.seconds(num_rows), line.per_seq_s
         self._relative_cost = token_s / step_s if step_s > 0 else 0.0
         config = self.config
+        chosen: list[tuple[Request, int]] = []
         for request in running:
             request.spec_token_ids = []
             if not can_speculate(request):
@@ -108,13 +111,22 @@ class Speculator:
             # Tokens it may still emit past the next one, and positions the model has.
             num_tokens = len(request.all_token_ids)
             left = min(request.sampling_params.max_tokens - request.num_output_tokens, self.max_model_len - num_tokens)
-            k = min(k, left - 1)
-            if k > 0:
+            if min(k, left - 1) > 0:
+                chosen.append((request, min(k, left - 1)))
+        if self.draft is not None:
+            self.draft.propose([request for request, _ in chosen], [k for _, k in chosen])
+        for request, k in chosen:
+            if self.draft is None:
                 if request.spec_index is None:
                     request.spec_index = NgramIndex(config.prompt_lookup_max, config.prompt_lookup_min)
                 request.spec_token_ids = request.spec_index.propose(request.all_token_ids, k)
-                if request.spec_token_ids:
-                    request.spec_idle_steps = 0
+            if request.spec_token_ids:
+                request.spec_idle_steps = 0
+
+    def forget(self, request: Request) -> None:
+        """A request ended: what the proposer keeps for it goes (a draft's shadow and blocks)."""
+        if self.draft is not None:
+            self.draft.release(request.request_id)
 
     def row_acceptance(self, request: Request) -> float:
         """The row's acceptance rate so far, pulled toward the engine's."""
