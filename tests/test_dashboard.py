@@ -31,7 +31,12 @@ def exported() -> dict[str, set[str]]:
     gateway = GatewayMetrics("m")
     gateway.watch_in_flight(lambda front: 0)
     worker = WorkerMetrics("m", "decode")
-    engine = SimpleNamespace(**statistics.values(EngineStats(), EngineStats), recent=RecentStats())
+    # A speculating engine: its per-position families have a series each (labelled position).
+    speculating = EngineStats(num_speculative_tokens=2, spec_proposed_by_position=(2, 1),
+                              spec_accepted_by_position=(1, 0))
+    engine = SimpleNamespace(**statistics.values(speculating, EngineStats), recent=RecentStats(),
+                             spec_acceptance_rate=speculating.spec_acceptance_rate,
+                             spec_speedup=speculating.spec_speedup)
     worker.watch_engine(lambda: engine)
     worker.record_transfer("ipc", 1, 0.1)  # the labelled families get a series each
     worker.record_transfer_failure("ipc")
