@@ -50,7 +50,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.block_pool import KVCacheManager
-from engine.forward_batch import DecodeRows, ForwardBatch, PackedLayout, decode_rows
+from engine.forward_batch import DecodeRows, ForwardBatch, PackedLayout, decode_rows, split_checks
 from engine.prompt_logprobs import wants_rows
 from engine.scheduler import SchedulerOutput
 
@@ -226,25 +226,23 @@ class StaticDecode:
         size = padded_batch_size(self.batch_sizes, num_entries)
         if size is None or any(map(wants_rows, requests)):
             return None
-        decodes, checks = requests, []
-        if proposals:
-            decodes = [r for r in requests if r.request_id not in proposals]
-            checks = [(r, proposals[r.request_id]) for r in requests if r.request_id in proposals]
+        checks = split_checks(requests, proposals)
+        decodes = [r for r in requests if r.request_id not in proposals] if checks else requests
         if len(decodes) + sum(len(spec) + 1 for _, spec in checks) != num_entries:
             return None  # a prefill chunk
         d = decode_rows(decodes, self.kv, checks)
         key = self.graph_key(size, int(d.positions.max()) + 1)
         self._write(d, size)
         full, _ = self._views(key)
-        num_sampled, num_pending, plain = len(d.sample_rows), len(d.pending_rows), d.num_plain_samples
+        num_sampled, num_pending = len(d.sample_rows), len(d.pending_rows)
         batch = ForwardBatch(
             input_ids=full.input_ids,
             positions=full.positions,
             attn=full.attn,
             sample_indices=full.sample_indices[:num_sampled],
-            sample_requests=[decodes[i] for i in d.sample_rows[:plain]] + [r for r, _ in checks],
+            sample_requests=d.sample_requests(decodes),
             num_prefill_tokens=0,
-            sample_counts=tuple([1] * plain + [len(spec) + 1 for _, spec in checks]) if checks else None,
+            sample_counts=tuple(d.sample_counts()) if checks else None,
             pending_rows=full.pending_rows[:num_pending] if num_pending else None,
             pending_sources=full.pending_sources[:num_pending] if num_pending else None,
         )

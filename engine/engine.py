@@ -391,8 +391,8 @@ class LLMEngine:
         # Requests that ended while the step ran (aborted, or stopped by the step before) get nothing.
         live = [not request.is_finished for request in requests]
         # Each request's tokens: one, or those a row checking proposals keeps (engine/spec_decode).
-        kept = [(row, 1) for row in range(len(requests))] if self.speculator is None else self.speculator.accept(
-            requests, runner_out.token_ids, runner_out.sample_counts, proposals)
+        kept = [(row, 1) for row in range(len(requests))] if runner_out.sample_counts is None else \
+            self.speculator.accept(requests, runner_out.token_ids, runner_out.sample_counts, proposals)
         emitted = [runner_out.token_ids[row:row + count] for row, count in kept]
         if step.launched.generator_states:
             self.speculator.rewind(step.launched.generator_states,

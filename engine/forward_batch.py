@@ -100,7 +100,7 @@ def prepare_forward_batch(
     # A one-token step is a decode row, but for a prompt position whose logprobs are asked.
     decodes = [r for r, n in zip(requests, num_scheduled) if n == 1 and not wants_rows(r)]
     proposals = out.spec_token_ids
-    checks = [(r, proposals[r.request_id]) for r in requests if r.request_id in proposals] if proposals else []
+    checks = split_checks(requests, proposals)
     chunks = ([(r, n) for r, n in zip(requests, num_scheduled)
                if (n != 1 or wants_rows(r)) and not (proposals and r.request_id in proposals)]
               if len(decodes) + len(checks) != len(requests) else [])
@@ -158,11 +158,9 @@ class _StepRows:
         chunk_ends = np.fromiter((r.num_computed_tokens + n for r, n in chunks), np.int64, len(chunks))
         max_seq_len = max(decode_max_seq_len, int(chunk_ends.max()) if len(chunks) else 0)
         tables = kv.block_tables[np.concatenate([d.table_rows, chunk_rows]), :cdiv(max_seq_len, block_size)]
-        plain = d.num_plain_samples
-        sample_requests = (list(decodes) if plain == len(decodes) else [decodes[i] for i in d.sample_rows[:plain]])
         rows = cls(tables, chunk_ends, max_seq_len, decode_max_seq_len, [d.token_ids], [d.positions], [d.slots],
-                   list(range(num_decodes + 1)), d.sample_rows, sample_requests + [r for r, _ in d.checks],
-                   [], num_decodes, [1] * plain + [len(spec) + 1 for _, spec in d.checks])
+                   list(range(num_decodes + 1)), d.sample_rows, d.sample_requests(decodes), [], num_decodes,
+                   d.sample_counts())
         for index, (request, num_new) in enumerate(chunks):
             rows._add_chunk(request, num_new, tables[num_decodes + index], block_size)
         return rows
@@ -250,6 +248,22 @@ class DecodeRows:
     pending_sources: np.ndarray  # [P] int64
     checks: list[tuple[Request, list[int]]] = ()  # the rows checking proposals, and those
     num_plain_samples: int = 0  # sample_rows of the decodes (the first ones)
+
+    def sample_requests(self, decodes: list[Request]) -> list[Request]:
+        """The requests that sample, in order: the decodes' (of `decodes`, those gathered),
+        then each checking row once."""
+        plain = self.num_plain_samples
+        sampling = list(decodes) if plain == len(decodes) else [decodes[i] for i in self.sample_rows[:plain]]
+        return sampling + [request for request, _ in self.checks]
+
+    def sample_counts(self) -> list[int]:
+        """Sampled rows per sample request: 1 a decode, 1 + k a row checking k proposals."""
+        return [1] * self.num_plain_samples + [len(spec) + 1 for _, spec in self.checks]
+
+
+def split_checks(requests: list[Request], proposals: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+    """The step's rows that check proposals (SchedulerOutput.spec_token_ids), with them."""
+    return [(r, proposals[r.request_id]) for r in requests if r.request_id in proposals] if proposals else []
 
 
 def decode_rows(decodes: list[Request], kv: KVCacheManager,

@@ -34,7 +34,11 @@ class ModelRunnerOutput:
     wait_seconds: float = 0.0  # host time `LaunchedStep.result` spent waiting for the device
     prompt_logprobs: list = ()  # its prefill chunks' prompt logprobs (engine.prompt_logprobs.record)
     sample_counts: tuple[int, ...] | None = None  # rows per request (ForwardBatch.sample_counts)
-    num_spec_tokens: int = 0  # proposals checked
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposals checked: the rows sampled beyond one per request."""
+        return 0 if self.sample_counts is None else sum(self.sample_counts) - len(self.sample_counts)
 
 
 class LaunchedStep:
@@ -46,7 +50,7 @@ class LaunchedStep:
     """
 
     __slots__ = ("requests", "sampled", "swap_bytes", "swap_seconds", "num_prefill_tokens", "events",
-                 "host_seconds", "deferred", "prompt_logprobs", "sample_counts", "num_spec_tokens",
+                 "host_seconds", "deferred", "prompt_logprobs", "sample_counts",
                  "generator_states", "_output")
 
     def __init__(self, requests: list[Request], sampled: SampledTokens | None, swap_bytes: int,
@@ -65,7 +69,6 @@ class LaunchedStep:
         self.deferred: tuple | None = None
         self.prompt_logprobs: PendingPromptLogprobs | None = None
         self.sample_counts: tuple[int, ...] | None = None  # ForwardBatch.sample_counts
-        self.num_spec_tokens = 0
         # Seeded rows that checked proposals: (request, its generator's state before the
         # step's draws), for the engine to rewind it past the draws of rejected tokens.
         self.generator_states: list[tuple[Request, torch.Tensor]] = []
@@ -100,7 +103,6 @@ class LaunchedStep:
                 wait_seconds,
                 () if self.prompt_logprobs is None else self.prompt_logprobs.result(),
                 self.sample_counts,
-                self.num_spec_tokens,
             )
         return self._output
 
@@ -162,7 +164,7 @@ class ModelRunner:
         swap_bytes, swap_seconds = self._swap(out)
         sampled = deferred = prompt_logprobs = sample_counts = None
         sample_requests: list[Request] = []
-        num_prefill_tokens = num_spec_tokens = 0
+        num_prefill_tokens = 0
         generator_states: list[tuple[Request, torch.Tensor]] = []
         if out.requests:
             static = self.static_decode.prepare(out) if self.static_decode is not None else None
@@ -178,7 +180,6 @@ class ModelRunner:
             sample_requests, sample_counts = batch.sample_requests, batch.sample_counts
             num_prefill_tokens = batch.num_prefill_tokens
             row_requests, generator_states = _sample_rows(sample_requests, sample_counts)
-            num_spec_tokens = len(row_requests) - len(sample_requests)
             if sample_requests:
                 sampling = sampling_batch(row_requests, self.device)
                 last_token_ids = (batch.input_ids.index_select(0, batch.sample_indices) if sampling.needs_last_token
@@ -195,8 +196,7 @@ class ModelRunner:
                             time.perf_counter() - started)
         step.deferred = deferred
         step.prompt_logprobs = prompt_logprobs
-        step.sample_counts, step.num_spec_tokens, step.generator_states = sample_counts, num_spec_tokens, \
-            generator_states
+        step.sample_counts, step.generator_states = sample_counts, generator_states
         return step
 
     @torch.inference_mode()

@@ -102,7 +102,8 @@ def test_decode_steps_with_proposals_give_a_proposals_cost():
     assert model.entry_line().per_seq_s == 0.0
     # ... until steps check proposals: 5 ms each on top of a 20 ms step.
     for num_spec in (1, 4, 2, 3):
-        output = ModelRunnerOutput([], [], None, seconds=0.020 + 0.005 * num_spec, num_spec_tokens=num_spec)
+        output = ModelRunnerOutput([], [], None, seconds=0.020 + 0.005 * num_spec,
+                                   sample_counts=(1 + num_spec,))
         model.observe(output, one_row, 0.0)
     line = model.entry_line()
     assert line.per_seq_s == pytest.approx(0.005) and line.seconds(1) == pytest.approx(0.020)

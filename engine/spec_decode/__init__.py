@@ -1,3 +1,3 @@
-"""Speculative decoding's parts that need no model: proposals by prompt lookup (ngram.py)
-and acceptance that keeps the target's distribution exactly (acceptance.py). The decode
-step that verifies a row's k proposals in one forward pass builds on them."""
+"""Speculative decoding: proposals by prompt lookup (ngram.py) or a draft model (draft.py),
+the speculator that sizes them per row before a step and keeps what the target agrees
+with after it (speculator.py), and model-free rejection sampling (acceptance.py)."""

@@ -13,6 +13,7 @@ emits between 1 and k+1 tokens, and its first token is distributed as p_1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +29,17 @@ class Accepted:
     num_accepted: int
 
 
-def accept_greedy(proposed: Tensor, target_argmax: Tensor) -> Accepted:
-    """Greedy: proposals accepted while they equal the target's argmax, then the target's
-    own next token. `proposed`: [k]; `target_argmax`: [k+1]."""
-    k = proposed.numel()
-    matches = (proposed == target_argmax[:k]).to(torch.int64)
-    num_accepted = int(matches.cumprod(0).sum()) if k else 0
-    return Accepted(target_argmax[: num_accepted + 1].tolist(), num_accepted)
+def accept_agreeing(proposed: Sequence[int], target_tokens: Sequence[int]) -> Accepted:
+    """Proposals accepted while they equal the target's own tokens, then the target's next
+    token. The target's tokens are its argmax (greedy), or its samples: for point-mass
+    proposals that is rejection sampling above, p_i(d_i) to keep d_i and the residual on a
+    miss (engine/spec_decode/speculator.py). `proposed`: [k]; `target_tokens`: [k+1]."""
+    if isinstance(proposed, Tensor):
+        proposed = proposed.tolist()
+    if isinstance(target_tokens, Tensor):
+        target_tokens = target_tokens.tolist()
+    num_accepted = next((i for i, (d, t) in enumerate(zip(proposed, target_tokens)) if d != t), len(proposed))
+    return Accepted(list(target_tokens[:num_accepted + 1]), num_accepted)
 
 
 def accept_sampled(proposed: Tensor, target_probs: Tensor, generator: torch.Generator | None = None,

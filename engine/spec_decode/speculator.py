@@ -37,6 +37,7 @@ import torch
 from engine.config import SpeculativeConfig
 from engine.request import PENDING_TOKEN, Request
 from engine.sampler import skip_sample_draw
+from engine.spec_decode.acceptance import accept_agreeing
 from engine.spec_decode.draft import DraftProposer
 from engine.spec_decode.ngram import NgramIndex
 from engine.step_time import StepTimeModel
@@ -134,23 +135,18 @@ class Speculator:
                 / (request.spec_num_checked + PRIOR_PROPOSALS))
 
     # ------------------------------------------------------------ acceptance
-    def accept(self, requests: Sequence[Request], token_ids: Sequence[int], counts: Sequence[int] | None,
+    def accept(self, requests: Sequence[Request], token_ids: Sequence[int], counts: Sequence[int],
                proposals: dict[str, list[int]]) -> list[tuple[int, int]]:
-        """Each request's kept tokens after a step, as (first row, how many) in the step's
-        sampled `token_ids` (`counts`: rows per request, ForwardBatch.sample_counts; None:
-        one each). Rewinds the generators of seeded rows that checked proposals past the
-        draws of the tokens dropped (`rewind`)."""
-        if counts is None:
-            return [(row, 1) for row in range(len(requests))]
+        """Each request's kept tokens after a step that checked proposals, as (first row, how
+        many) in the step's sampled `token_ids` (`counts`: rows per request,
+        ForwardBatch.sample_counts): a checking row keeps what `accept_agreeing` accepts."""
         kept: list[tuple[int, int]] = []
         row = 0
         for request, count in zip(requests, counts):
             num_kept = 1
             if count > 1:
                 spec = proposals[request.request_id]
-                num_accepted = 0
-                while num_accepted < len(spec) and token_ids[row + num_accepted] == spec[num_accepted]:
-                    num_accepted += 1
+                num_accepted = accept_agreeing(spec, token_ids[row:row + count]).num_accepted
                 self._record(request, len(spec), num_accepted)
                 num_kept = num_accepted + 1
             kept.append((row, num_kept))
