@@ -104,6 +104,20 @@ def busiest_decode(deployment: Deployment) -> Process:
     return max(deployment.workers("decode"), key=lambda p: deployment.stats(p).num_running)
 
 
+class DecodeKill:
+    """Streams.run's disturbance: kill -9 on the busier decode worker (`victim` after)."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+        self.victim: Process | None = None
+
+    def __call__(self) -> float:
+        self.victim = busiest_decode(self.deployment)
+        assert self.deployment.stats(self.victim).num_running > 0
+        os.kill(self.victim.popen.pid, signal.SIGKILL)
+        return time.monotonic()
+
+
 @pytest.mark.parametrize("role,signum", [
     ("decode", signal.SIGKILL), ("decode", signal.SIGSTOP),
     ("prefill", signal.SIGKILL), ("prefill", signal.SIGSTOP),
@@ -154,21 +168,13 @@ def test_long_greedy_streams_survive_a_decode_worker_killed(cluster, long_refere
     (each has 100): all 8 complete, none refused on the way (a stream moved off the lost
     worker is not new work to admission, here or on the worker it moves to), with
     transformers' greedy tokens."""
-    victim: Process | None = None
-
-    def kill() -> float:
-        nonlocal victim
-        victim = busiest_decode(cluster)
-        assert cluster.stats(victim).num_running > 0
-        os.kill(victim.popen.pid, signal.SIGKILL)
-        return time.monotonic()
-
+    kill = DecodeKill(cluster)
     streams = Streams(long_requests(), timeout_s=600)
     killed_at = asyncio.run(streams.run(cluster.gateway, kill, when_tokens=100))
     print(f"\ndecode SIGKILL under {NUM_LONG_STREAMS} streams of {LONG_MAX_TOKENS}: "
           f"recovery {streams.longest_gap_after(killed_at):.2f} s")
     assert streams.tokens == long_reference, cluster.logs()
-    cluster.restart(victim)
+    cluster.restart(kill.victim)
     cluster.wait_idle()
 
 

@@ -8,9 +8,6 @@ speculating: every stream equals the undisturbed run's."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 
 import pytest
 import torch
@@ -19,7 +16,7 @@ from baton.cli.local import start_deployment
 from baton.wire.v1 import generation_pb2 as pb
 from benchmarks.chaos import Streams
 from engine import LLM, SamplingParams
-from tests.test_chaos import GATEWAY_ARGS, WORKER_ARGS, busiest_decode
+from tests.test_chaos import GATEWAY_ARGS, WORKER_ARGS, DecodeKill
 from tests.tiny_models import hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -93,22 +90,14 @@ def test_speculating_decode_workers_serve_the_tokens_of_plain_decoding(tiny, pre
             assert handoffs >= NUM_STREAMS, "every prompt was prefilled on the prefill worker and handed off"
         if not prefill:
             return
-        victim = None
-
-        def kill() -> float:
-            nonlocal victim
-            victim = busiest_decode(deployment)
-            assert deployment.stats(victim).num_running > 0
-            os.kill(victim.popen.pid, signal.SIGKILL)
-            return time.monotonic()
-
+        kill = DecodeKill(deployment)
         survivor_accepted = {p.address: deployment.stats(p).spec_num_accepted for p in deployment.workers("decode")}
         disturbed = Streams(requests(), timeout_s=120)
         asyncio.run(disturbed.run(deployment.gateway, kill, when_tokens=20))
         assert disturbed.tokens == want, deployment.logs()
-        survivor = next(p for p in deployment.workers("decode") if p is not victim)
+        survivor = next(p for p in deployment.workers("decode") if p is not kill.victim)
         assert deployment.stats(survivor).spec_num_accepted > survivor_accepted[survivor.address]
-        deployment.restart(victim)
+        deployment.restart(kill.victim)
         deployment.wait_idle()
     finally:
         deployment.stop()

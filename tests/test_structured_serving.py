@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import time
 
 import jsonschema
 import pytest
@@ -22,7 +19,7 @@ from baton.wire.v1 import generation_pb2 as pb
 from benchmarks.chaos import Streams
 from engine.dummy_models import DummyModel
 from engine.tokenizer import dummy_tokenizer
-from tests.test_chaos import GATEWAY_ARGS, WORKER_ARGS, busiest_decode
+from tests.test_chaos import GATEWAY_ARGS, WORKER_ARGS, DecodeKill
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -73,19 +70,11 @@ def test_constrained_streams_survive_the_handoff_and_a_decode_worker_killed(clus
     handoffs = sum(cluster.stats(p).num_transfers for p in cluster.workers("decode"))
     assert handoffs >= NUM_STREAMS, "every prompt was prefilled on the prefill worker and handed off"
 
-    victim = None
-
-    def kill() -> float:
-        nonlocal victim
-        victim = busiest_decode(cluster)
-        assert cluster.stats(victim).num_running > 0
-        os.kill(victim.popen.pid, signal.SIGKILL)
-        return time.monotonic()
-
+    kill = DecodeKill(cluster)
     disturbed = Streams(requests(), timeout_s=120)
     asyncio.run(disturbed.run(cluster.gateway, kill, when_tokens=30))
     assert disturbed.tokens == undisturbed.tokens, cluster.logs()
     for text in texts(disturbed):
         jsonschema.validate(json.loads(text), SCHEMA)
-    cluster.restart(victim)
+    cluster.restart(kill.victim)
     cluster.wait_idle()
