@@ -171,6 +171,8 @@ def build(args: argparse.Namespace, speculative: bool):
     from engine import LLM
 
     extra = {"speculative": "ngram", "num_speculative_tokens": args.num_speculative_tokens} if speculative else {}
+    if args.device.startswith("cuda"):  # two engines share the GPU: each a fixed cache, not a share of it
+        extra.update(kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), max_model_len=args.max_model_len)
     return LLM(args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
                max_num_seqs=max(args.batch, 1), **extra)
 
@@ -330,6 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=len(PASSAGES), help="prompts of a batch-1 case")
     parser.add_argument("--batch", type=int, default=32, help="prompts of a batched case, sent at once")
+    parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="on CUDA: each engine's KV cache")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="on CUDA: each engine's")
     parser.add_argument("--smoke", action="store_true",
                         help="dummy:tiny (random weights), 16 tokens, 2 prompts, batch 4, 1 round: the machinery only")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

@@ -38,7 +38,7 @@ KERNEL_TESTS = {
 }
 ENGINE_TESTS = {
     "cuda": ["tests/test_gpu.py", "-m", "not gpu_servers", "tests/test_triton_engine.py", "tests/test_gpu_sampling.py",
-             "tests/test_decode_graphs.py", "-n", "4"],
+             "tests/test_decode_graphs.py", "tests/test_gpu_spec.py", "-n", "4"],
     "cpu": ["tests/test_triton_engine.py::test_triton_backend_greedy_parity[llama3-rope-gqa-hd16]",
             "tests/test_decode_graphs.py::test_a_step_is_written_as_the_layout_says",
             "tests/test_decode_graphs.py::test_graphs_at_llama_8b_shapes_follow_the_longest_context",
