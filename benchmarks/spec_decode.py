@@ -260,6 +260,9 @@ def run_case(args: argparse.Namespace, name: str, case: Case) -> dict:
         print(f"  {name} round {round_index}: plain {rates['plain'][-1]:.1f} tok/s, "
               f"ngram {rates['ngram'][-1]:.1f} tok/s ({tokens[-1]} tokens)", flush=True)
     counts = counts_since(before, spec_counts(spec))
+    # What the speculating engine's step-time model learnt: a step of the batch, and each proposal's share.
+    line = spec.engine.step_time.entry_line()
+    counts["step_model_ms"] = {"step": line.seconds(count) * 1e3, "per_proposal": line.per_seq_s * 1e3}
     gaps: dict[tuple[int, int], float | None] = {}
     for item in found:  # the plain model's margin at the first differing token (plain greedy repeats itself)
         key = (item["prompt"], item["position"])

@@ -22,7 +22,7 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine import prompt_logprobs
 from engine.preemption import PreemptionCostModel
-from engine.request import PENDING_TOKEN, InvalidRequestError, Request, RequestStatus
+from engine.request import InvalidRequestError, Request
 from engine.request_inputs import bad_word_ids, check_sampling_ids, check_token_ids, start_grammar
 from engine.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.spec_decode.draft import DraftProposer
 from engine.spec_decode.speculator import Speculator
 from engine.step_time import StepTimeModel
-from engine.step_outputs import note_tokens, record_chunks
+from engine.step_outputs import note_tokens, record_chunks, running_output
 from engine.thread_device import engine_device
 from engine.timeline import StepBatch
 
@@ -89,6 +89,8 @@ class LLMEngine:
         self.graph_capture = self._capture_graphs() if graph_sizes else None
         self.speculator = self._speculator()
         self.overlap = self._overlaps()
+        if self.speculator is not None:
+            self.speculator.backoff_empty = self.overlap
         self._in_flight: _UnresolvedStep | None = None
         # Set (AsyncEngine): given a step's admissions with remote KV as it is scheduled, not in its output.
         self.on_kv_receives: Callable[[list[KvReceive]], None] | None = None
@@ -106,10 +108,9 @@ class LLMEngine:
 
     def _overlaps(self) -> bool:
         """Overlapped scheduling (the step launched last, its tokens not yet reported: see
-        `step`): as configured, else on CUDA. Not while speculating: a row's proposals follow
-        its last token, which must be on the host."""
+        `step`): as configured, else on CUDA. Speculating, the steps that check proposals run plain."""
         overlap = self.config.overlap_scheduling
-        return (self.device.type == "cuda" if overlap is None else overlap) and self.speculator is None
+        return self.device.type == "cuda" if overlap is None else overlap
 
     def _capture_graphs(self) -> GraphCapture:
         """Capture the decode steps' CUDA graphs; warn if they took more memory than sizing kept."""
@@ -320,11 +321,19 @@ class LLMEngine:
         A request that step N ends (EOS, a stop token or string) has then also run in
         step N+1: that token reaches no one, and its blocks are freed with the request,
         but go back to the pool only once step N+1 has ended (KVCacheManager.defer_frees).
+        Speculating, a step whose rows check proposals needs their last tokens: the step
+        in flight is completed first and this one runs plain.
         """
         started = time.perf_counter()
-        launched = self._launch() if self.scheduler.has_schedulable_requests() else None
+        step_output = StepOutput()
+        plan = self.speculator.plan(self.scheduler.running) if self.speculator is not None else []
+        if plan and self._in_flight is not None:
+            step_output.outputs.extend(self._drain())
+            started = time.perf_counter()
+        launched = self._launch(plan) if self.scheduler.has_schedulable_requests() else None
         done = [launched]
-        if self.overlap:
+        overlap = self.overlap and not plan
+        if overlap:
             done = [self._in_flight]
             self._in_flight = launched
             if launched is not None and not launched.scheduled.requests:
@@ -332,11 +341,10 @@ class LLMEngine:
                 done.append(launched)
                 self._in_flight = None
             self.kv_manager.defer_frees(self._in_flight is not None)
-        step_output = StepOutput()
         for step in done:
             if step is not None:
                 step_output.outputs.extend(self._complete(step, started).outputs)
-        if self.overlap:
+        if overlap:
             self.kv_manager.free_deferred()  # freed while the steps just completed ran
         if launched is not None and launched.launched.deferred is not None:
             self.runner.sample_deferred(launched.launched)  # its grammars have seen the tokens just completed
@@ -347,10 +355,18 @@ class LLMEngine:
             self._aborted_outputs = []
         return step_output
 
-    def _launch(self) -> _UnresolvedStep:
+    def _drain(self) -> list[RequestOutput]:
+        """Complete the step in flight now (not timed: its time is the last call's)."""
+        step, self._in_flight = self._in_flight, None
+        self.kv_manager.defer_frees(False)
+        outputs = self._complete(step, None).outputs
+        self.kv_manager.free_deferred()
+        return outputs
+
+    def _launch(self, plan: list) -> _UnresolvedStep:
         scheduler = self.scheduler
         if self.speculator is not None:
-            self.speculator.propose(scheduler.running)
+            self.speculator.propose(scheduler.running, plan)
         sched_out = scheduler.schedule()
         kv_receives = [
             KvReceive(request.request_id, list(self.kv_manager.get_block_ids(request.request_id)),
@@ -382,9 +398,9 @@ class LLMEngine:
             record_chunks(traced, batch)
         return _UnresolvedStep(sched_out, launched, positions, batch, kv_receives)
 
-    def _complete(self, step: _UnresolvedStep, started: float) -> StepOutput:
+    def _complete(self, step: _UnresolvedStep, started: float | None) -> StepOutput:
         """Wait for a launched step's tokens and turn them into outputs (in the `step` call
-        that began at perf_counter `started`)."""
+        that began at perf_counter `started`; None: not timed)."""
         runner_out = step.launched.result()
         prompt_logprobs.record(runner_out.prompt_logprobs)
         requests, proposals = runner_out.requests, step.scheduled.spec_token_ids
@@ -413,34 +429,13 @@ class LLMEngine:
             if stopped or request.request_id in finished:
                 outputs.append(self._final_output(request, token_ids, logprobs))
             else:
-                outputs.append(self._running_output(request, token_ids, logprobs))
+                outputs.append(running_output(request, token_ids, logprobs, self.kv_manager))
         # On CUDA the swap copies are not timed apart from the step: learn from steps without.
-        if not (runner_out.swap_bytes and self.device.type == "cuda"):
+        if started is not None and not (runner_out.swap_bytes and self.device.type == "cuda"):
             self.step_time.observe(runner_out, step.scheduled, time.perf_counter() - started)
         for num_bytes, seconds in self.runner.finished_swaps():
             self.cost_model.observe_swap(num_bytes, seconds)
         return StepOutput(outputs=outputs)
-
-    def _running_output(self, request: Request, token_ids: list[int], new_logprobs: list | None) -> RequestOutput:
-        """The output of a request that goes on (or waits, HELD, for its KV to be pulled)."""
-        kv_block_ids = None
-        if request.status == RequestStatus.HELD:
-            kv_block_ids = list(self.kv_manager.get_block_ids(request.request_id))
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=token_ids,
-            finished=False,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            # Not the next step's token, already PENDING when overlapped.
-            num_output_tokens=request.num_output_tokens - (request.all_token_ids[-1] == PENDING_TOKEN),
-            new_logprobs=new_logprobs,
-            prompt_logprobs=prompt_logprobs.take(request),
-            kv_block_ids=kv_block_ids,
-            timings=None if kv_block_ids is None else request.take_timings(),
-            decode_timings=request.take_decode_timings(),
-            events=None if request.events is None else request.take_events(),
-        )
 
     def _final_output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list | None = None

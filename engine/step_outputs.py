@@ -1,15 +1,18 @@
 """What a step leaves in its requests: their new tokens, noted in order (logprobs, times),
-each added to its text, which may complete a stop string and end the request there; and
-the prefill chunks of traced requests."""
+each added to its text, which may complete a stop string and end the request there; the
+output of a request that goes on; and the prefill chunks of traced requests."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.request import RequestStatus
+from engine import prompt_logprobs
+from engine.outputs import RequestOutput
+from engine.request import PENDING_TOKEN, RequestStatus
 from engine.timeline import PrefillChunk
 
 if TYPE_CHECKING:
+    from engine.block_pool import KVCacheManager
     from engine.request import Request
     from engine.scheduler import Scheduler
     from engine.timeline import StepBatch
@@ -60,3 +63,26 @@ def record_chunks(traced: list[tuple[Request, int, int, int]], batch: StepBatch)
                 is_recompute=num_tokens_before > request.num_prompt_tokens,
                 batch=batch,
             ))
+
+
+def running_output(request: Request, token_ids: list[int], new_logprobs: list | None,
+                   kv_manager: KVCacheManager) -> RequestOutput:
+    """The output of a request that goes on (or waits, HELD, for its KV to be pulled)."""
+    kv_block_ids = None
+    if request.status == RequestStatus.HELD:
+        kv_block_ids = list(kv_manager.get_block_ids(request.request_id))
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=token_ids,
+        finished=False,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        # Not the next step's token, already PENDING when overlapped.
+        num_output_tokens=request.num_output_tokens - (request.all_token_ids[-1] == PENDING_TOKEN),
+        new_logprobs=new_logprobs,
+        prompt_logprobs=prompt_logprobs.take(request),
+        kv_block_ids=kv_block_ids,
+        timings=None if kv_block_ids is None else request.take_timings(),
+        decode_timings=request.take_decode_timings(),
+        events=None if request.events is None else request.take_events(),
+    )

@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.test_parity import TINY_CONFIGS
-from tests.test_spec_engine import copying_prompts, run_checked, spec_stats
+from tests.test_spec_engine import copying_prompts, count_step_kinds, run_checked, spec_stats
 from tests.tiny_models import hf_greedy, make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
@@ -35,7 +35,8 @@ def test_greedy_parity_with_speculation_on_gpu(eager, tmp_path):
     llm = LLM(model_dir, enforce_eager=eager, speculative="ngram", num_speculative_tokens=5, prompt_lookup_min=1,
               adaptive=False, **GREEDY_KW)
     engine = llm.engine
-    assert engine.runner.backend.name == "triton" and not engine.overlap
+    assert engine.runner.backend.name == "triton" and engine.overlap
+    kinds = count_step_kinds(engine)
     checked = []
     if not eager:
         prepare = engine.runner.static_decode.prepare
@@ -53,6 +54,7 @@ def test_greedy_parity_with_speculation_on_gpu(eager, tmp_path):
         assert request.output_token_ids == want, f"prompt of {len(prompt)} tokens diverged"
     spec_stats(engine)
     assert eager or checked, "no checking step replayed a graph"
+    assert kinds["overlapped"] > 0 and kinds["checked"] > 0, kinds
     metrics = llm.get_metrics()
     assert metrics.num_preemptions_swap + metrics.num_preemptions_recompute > 0
 

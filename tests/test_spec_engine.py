@@ -45,6 +45,28 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]], params: list[Sampli
     return requests
 
 
+def count_step_kinds(engine: LLMEngine) -> dict[str, int]:
+    """Counts, as the engine steps, of its steps left in flight (overlapped) and of those that
+    checked proposals (which run plain: their rows' last tokens are read first)."""
+    kinds = {"overlapped": 0, "checked": 0}
+    launch = engine._launch
+
+    def counting_launch(plan):
+        launched = launch(plan)
+        kinds["checked"] += bool(launched.scheduled.spec_token_ids)
+        return launched
+
+    step = engine.step
+
+    def counting_step():
+        out = step()
+        kinds["overlapped"] += engine._in_flight is not None
+        return out
+
+    engine._launch, engine.step = counting_launch, counting_step
+    return kinds
+
+
 def spec_stats(engine: LLMEngine):
     stats = engine.speculator.stats()
     assert stats.num_accepted > 0, "no proposal was accepted: the test checks nothing"
@@ -63,12 +85,14 @@ def test_greedy_parity_with_speculation_under_chunking_and_preemption(name, pree
     expected = [hf_greedy(hf_model, p, n) for p, n in zip(prompts, max_tokens)]
     llm = LLM(model_dir, dtype="float64", block_size=4, max_num_batched_tokens=24, max_num_seqs=16,
               num_kv_blocks=40, num_swap_blocks=8, preemption_mode=preemption_mode, admission_reserve_steps=0,
-              overlap_scheduling=True,  # asked for: speculating engines run plain steps
+              overlap_scheduling=True,  # the steps that check nothing overlap; those that check run plain
               speculative="ngram", num_speculative_tokens=5, prompt_lookup_min=1, adaptive=False)
     engine = llm.engine
-    assert not engine.overlap
+    assert engine.overlap
+    kinds = count_step_kinds(engine)
     requests = run_checked(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                                              for n in max_tokens])
+    assert kinds["overlapped"] > 0 and kinds["checked"] > 0, kinds
     for prompt, request, want in zip(prompts, requests, expected):
         assert request.output_token_ids == want, f"prompt of {len(prompt)} tokens diverged"
         assert request.finish_reason == "length"

@@ -86,43 +86,55 @@ class Speculator:
         self._num_checks = self._num_emitted = 0
         self._steps_saved = 0.0
         self._relative_cost = 0.0  # an extra token's time, in decode steps, of the last plan
+        self.backoff_empty = False  # see `propose`: set by an engine that overlaps steps
 
     # ------------------------------------------------------------- proposals
-    def propose(self, running: Sequence[Request]) -> None:
-        """Give each decoding row of the batch about to be scheduled its proposals
-        (`Request.spec_token_ids`; empty for the rows that do not speculate)."""
+    def plan(self, running: Sequence[Request]) -> list[tuple[Request, int]]:
+        """The rows of the batch about to be scheduled that check proposals, and how many
+        each at most: the off-switch and the probes. Called once a step, before its last
+        tokens need be known: a row whose token is still in flight (overlapped scheduling)
+        is planned as if it were. An empty plan lets the engine overlap the step."""
         num_rows = len(running)
         line = self.step_time.entry_line()
         step_s, token_s = line.seconds(num_rows), line.per_seq_s
         self._relative_cost = token_s / step_s if step_s > 0 else 0.0
         config = self.config
-        chosen: list[tuple[Request, int]] = []
+        planned: list[tuple[Request, int]] = []
         for request in running:
-            request.spec_token_ids = []
-            if not can_speculate(request):
+            if not can_speculate(request, in_flight=True):
                 continue
             k = config.num_speculative_tokens
             if config.adaptive:
                 k = best_num_proposals(self.row_acceptance(request), num_rows, step_s, token_s, k)
-            if k == 0:
+            if k == 0 or request.spec_idle_steps > 0:  # not paying, or backing off after an empty lookup
                 request.spec_idle_steps += 1
                 if request.spec_idle_steps < PROBE_STEPS:
                     continue
-                k = 1
+                request.spec_idle_steps, k = 0, max(k, 1)
             # Tokens it may still emit past the next one, and positions the model has.
             num_tokens = len(request.all_token_ids)
             left = min(request.sampling_params.max_tokens - request.num_output_tokens, self.max_model_len - num_tokens)
             if min(k, left - 1) > 0:
-                chosen.append((request, min(k, left - 1)))
+                planned.append((request, min(k, left - 1)))
+        return planned
+
+    def propose(self, running: Sequence[Request], planned: Sequence[tuple[Request, int]]) -> None:
+        """Give the planned rows, now that their last tokens are known, their proposals
+        (`Request.spec_token_ids`; empty for every other row). With `backoff_empty` set, a
+        row the proposer found nothing for waits PROBE_STEPS steps before it looks again: an
+        engine that overlaps its other steps gives that up for each step that checks."""
+        for request in running:
+            request.spec_token_ids = []
+        live = set(id(request) for request in running)
+        chosen = [(request, k) for request, k in planned if id(request) in live and can_speculate(request)]
         if self.draft is not None:
             self.draft.propose([request for request, _ in chosen], [k for _, k in chosen])
         for request, k in chosen:
             if self.draft is None:
                 if request.spec_index is None:
-                    request.spec_index = NgramIndex(config.prompt_lookup_max, config.prompt_lookup_min)
+                    request.spec_index = NgramIndex(self.config.prompt_lookup_max, self.config.prompt_lookup_min)
                 request.spec_token_ids = request.spec_index.propose(request.all_token_ids, k)
-            if request.spec_token_ids:
-                request.spec_idle_steps = 0
+            request.spec_idle_steps = int(self.backoff_empty and not request.spec_token_ids)
 
     def forget(self, request: Request) -> None:
         """A request ended: what the proposer keeps for it goes (a draft's shadow and blocks)."""
@@ -187,13 +199,14 @@ class Speculator:
         )
 
 
-def can_speculate(request: Request) -> bool:
+def can_speculate(request: Request, in_flight: bool = False) -> bool:
     """Whether a running row may check proposals this step: it is decoding, its last token
-    is known, and its sampling reads nothing of the tokens before each position but what
-    the sampler takes per row (see the module's docstring)."""
+    is known (or, `in_flight`, being sampled by the step in flight), and its sampling reads
+    nothing of the tokens before each position but what the sampler takes per row (see the
+    module's docstring)."""
     params = request.sampling_params
     token_ids = request.all_token_ids
-    return (request.num_computed_tokens + 1 == len(token_ids) and token_ids[-1] != PENDING_TOKEN
+    return (request.num_computed_tokens + 1 == len(token_ids) and (in_flight or token_ids[-1] != PENDING_TOKEN)
             and not request.prefill_only and request.grammar is None and not request.bad_word_ids
             and params.repetition_penalty == 1.0 and not params.has_output_penalty
             and request.num_output_tokens >= params.min_tokens)
