@@ -87,10 +87,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.kv_manager, num_heads=arch.num_heads,
                                   seed=config.seed)
         self.graph_capture = self._capture_graphs() if graph_sizes else None
-        self.speculator = self._speculator()
         self.overlap = self._overlaps()
-        if self.speculator is not None:
-            self.speculator.backoff_empty = self.overlap
+        self.speculator = self._speculator()
         self._in_flight: _UnresolvedStep | None = None
         # Set (AsyncEngine): given a step's admissions with remote KV as it is scheduled, not in its output.
         self.on_kv_receives: Callable[[list[KvReceive]], None] | None = None
@@ -103,8 +101,8 @@ class LLMEngine:
         draft = None if spec.method != "draft" else DraftProposer(
             spec.draft_model, config.dtype, self.max_model_len, self.vocab_size, self.device, config.cache.block_size,
             spec.draft_num_kv_blocks or self.kv_manager.pool.num_blocks, config.attention_backend, config.seed)
-        return None if spec.method is None else Speculator(spec, self.step_time, self.max_model_len,
-                                                           self.vocab_size, config.dtype, draft)
+        return None if spec.method is None else Speculator(spec, self.step_time, self.max_model_len, self.vocab_size,
+                                                           config.dtype, draft, backoff_empty=self.overlap)
 
     def _overlaps(self) -> bool:
         """Overlapped scheduling (the step launched last, its tokens not yet reported: see

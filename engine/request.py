@@ -164,8 +164,8 @@ class Request:
         "spec_num_checked": "Its proposals the model has checked (up to and including each step's first "
                             "rejection), and of those",
         "spec_num_accepted": "the ones accepted: its acceptance rate so far.",
-        "spec_idle_steps": "Decode steps since it last proposed (it proposes now and then even when "
-                           "speculating does not pay, to learn whether it has started to).",
+        "spec_backoff": "Whether it proposes on the speculator's probe steps only: its lookup found nothing "
+                        "last time (in an engine that overlaps its other steps).",
         "spec_index": "Its prompt-lookup index (engine/spec_decode/ngram.py NgramIndex), once it proposes.",
     }
 
@@ -217,7 +217,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_num_checked = 0
         self.spec_num_accepted = 0
-        self.spec_idle_steps = 0
+        self.spec_backoff = False
         self.spec_index = None
 
     @property

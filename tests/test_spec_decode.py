@@ -1,16 +1,24 @@
 """Speculative decoding's model-free parts (engine/spec_decode): prompt-lookup proposals,
+which rows propose on which steps (the off-switch's probes, the back-off after an empty lookup),
 and acceptance that emits exactly the target's greedy tokens, or tokens distributed
 exactly as the target samples them (a chi-square test over many draws), repeatably for a
 seeded generator."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.config import SpeculativeConfig
+from engine.preemption import PreemptionCostModel
+from engine.request import Request
+from engine.sampling_params import SamplingParams
 from engine.spec_decode.acceptance import accept_agreeing, accept_sampled
 from engine.spec_decode.ngram import NgramIndex, propose_ngram
+from engine.spec_decode.speculator import PROBE_STEPS, Speculator
+from engine.step_time import StepTimeModel
 
 # Chi-square critical values at significance 0.001 by degrees of freedom: a correct
 # sampler fails one of these about once in a thousand runs; the draws are seeded, so a
@@ -134,3 +142,47 @@ def test_the_lookup_index_proposes_what_the_search_does(min_n, extra_n, vocab_si
         num_tokens = rng.randrange(6)
         assert index.propose(tokens, num_tokens) == propose_ngram(tokens, num_tokens, max_n, min_n)
         tokens += [rng.randrange(vocab_size) for _ in range(rng.randint(1, 4))]
+
+
+def decoding_row(index: int, prompt: list[int]) -> Request:
+    """A row whose last token is sampled and the rest computed."""
+    request = Request(f"r{index}", prompt, SamplingParams(temperature=0.0, max_tokens=100))
+    request.num_computed_tokens = len(prompt) - 1
+    return request
+
+
+def speculator_with_proposals_costing(seconds_per_entry: float, base_s: float = 0.010) -> Speculator:
+    """An n-gram speculator whose step-time model says a step of e entries takes base + e x per entry."""
+    step_time = StepTimeModel(PreemptionCostModel(bytes_per_block=1))
+    for entries in (1, 2, 4, 8, 16):
+        for _ in range(4):
+            step_time.entries.observe(entries, base_s + seconds_per_entry * entries)
+    return Speculator(SpeculativeConfig(method="ngram"), step_time, max_model_len=1000, vocab_size=50,
+                      logits_dtype=torch.float32)
+
+
+def test_rows_that_do_not_speculate_probe_together():
+    """Each entry costs a whole step: no row speculates, and all probe with one proposal on
+    the same step, one in PROBE_STEPS (an overlapping engine gives up one step's overlap)."""
+    speculator = speculator_with_proposals_costing(0.010)
+    rows = [decoding_row(i, list(range(10 * i, 10 * i + 12))) for i in range(8)]
+    plans = [speculator.plan(rows) for _ in range(3 * PROBE_STEPS)]
+    assert [i for i, plan in enumerate(plans) if plan] == [PROBE_STEPS - 1, 2 * PROBE_STEPS - 1, 3 * PROBE_STEPS - 1]
+    assert all(sorted(k for _, k in plan) == [1] * 8 for plan in plans if plan)
+
+
+@pytest.mark.parametrize("backoff", [True, False])
+def test_a_row_whose_lookup_found_nothing_backs_off_in_an_overlapping_engine(backoff):
+    speculator = speculator_with_proposals_costing(0.00001)  # proposals almost free: every row speculates
+    speculator.backoff_empty = backoff
+    rows = [decoding_row(0, list(range(20, 32))),  # no n-gram twice: nothing to look up
+            decoding_row(1, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2])]  # ... 1 2: what followed "1 2" before
+    plan = speculator.plan(rows)
+    assert [k for _, k in plan] == [4, 4]
+    speculator.propose(rows, plan)
+    assert rows[0].spec_token_ids == [] and rows[1].spec_token_ids == [3, 4, 5, 6]
+    assert rows[0].spec_backoff == backoff and not rows[1].spec_backoff
+    plans = [speculator.plan(rows) for _ in range(PROBE_STEPS - 1)]
+    expected = [rows[1]] if backoff else rows
+    assert all([request for request, _ in plan] == expected for plan in plans[:-1])
+    assert [request for request, _ in plans[-1]] == rows  # the probe step

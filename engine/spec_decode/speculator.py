@@ -23,8 +23,14 @@ acceptance rate a, k proposals yield E(k) = 1 + a + ... + a^k tokens for k extra
 step time, and the step-time model (engine/step_time.py) knows both: a step of e decode
 entries (a row's token, or a proposal) takes base + per_entry * e. A row picks
 the k that maximises the batch's tokens per second; 0 when speculating would be slower
-(the off-switch), after which it still proposes one token every PROBE_STEPS steps, to
-notice when its output starts copying.
+(the off-switch), after which it still proposes one token on the engine's probe steps
+(one in PROBE_STEPS, the same step for every row), to notice when its output starts copying.
+
+Overlap. The steps that check nothing overlap (LLMEngine.step); one that checks waits for
+the step in flight, since proposals follow each row's last token. In such an engine a row
+whose lookup found nothing also waits for the next probe step before it looks again, and
+rows that do not speculate probe together: speculation that does not pay costs the overlap
+of one step in PROBE_STEPS, whatever the batch.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from engine.spec_decode.draft import DraftProposer
 from engine.spec_decode.ngram import NgramIndex
 from engine.step_time import StepTimeModel
 
-# A row that chose not to speculate proposes one token after this many steps.
+# A row that chose not to speculate proposes one token on one step in this many.
 PROBE_STEPS = 16
 # A row's acceptance rate is its own, pulled toward the engine's by this many proposals.
 PRIOR_PROPOSALS = 4.0
@@ -71,7 +77,8 @@ class Speculator:
     """Proposals before a step, acceptance after it (see the module's docstring)."""
 
     def __init__(self, config: SpeculativeConfig, step_time: StepTimeModel, max_model_len: int,
-                 vocab_size: int, logits_dtype: torch.dtype, draft: DraftProposer | None = None) -> None:
+                 vocab_size: int, logits_dtype: torch.dtype, draft: DraftProposer | None = None,
+                 backoff_empty: bool = False) -> None:
         self.config = config
         self.draft = draft  # the draft model's proposals (method "draft"), else prompt lookup
         self.step_time = step_time
@@ -86,7 +93,8 @@ class Speculator:
         self._num_checks = self._num_emitted = 0
         self._steps_saved = 0.0
         self._relative_cost = 0.0  # an extra token's time, in decode steps, of the last plan
-        self.backoff_empty = False  # see `propose`: set by an engine that overlaps steps
+        self.backoff_empty = backoff_empty  # see `propose`: an engine that overlaps its steps
+        self._num_plans = 0
 
     # ------------------------------------------------------------- proposals
     def plan(self, running: Sequence[Request]) -> list[tuple[Request, int]]:
@@ -99,6 +107,8 @@ class Speculator:
         step_s, token_s = line.seconds(num_rows), line.per_seq_s
         self._relative_cost = token_s / step_s if step_s > 0 else 0.0
         config = self.config
+        self._num_plans += 1
+        probe = self._num_plans % PROBE_STEPS == 0
         planned: list[tuple[Request, int]] = []
         for request in running:
             if not can_speculate(request, in_flight=True):
@@ -106,11 +116,10 @@ class Speculator:
             k = config.num_speculative_tokens
             if config.adaptive:
                 k = best_num_proposals(self.row_acceptance(request), num_rows, step_s, token_s, k)
-            if k == 0 or request.spec_idle_steps > 0:  # not paying, or backing off after an empty lookup
-                request.spec_idle_steps += 1
-                if request.spec_idle_steps < PROBE_STEPS:
+            if k == 0 or request.spec_backoff:  # not paying, or backing off after an empty lookup
+                if not probe:
                     continue
-                request.spec_idle_steps, k = 0, max(k, 1)
+                k = max(k, 1)
             # Tokens it may still emit past the next one, and positions the model has.
             num_tokens = len(request.all_token_ids)
             left = min(request.sampling_params.max_tokens - request.num_output_tokens, self.max_model_len - num_tokens)
@@ -121,8 +130,8 @@ class Speculator:
     def propose(self, running: Sequence[Request], planned: Sequence[tuple[Request, int]]) -> None:
         """Give the planned rows, now that their last tokens are known, their proposals
         (`Request.spec_token_ids`; empty for every other row). With `backoff_empty` set, a
-        row the proposer found nothing for waits PROBE_STEPS steps before it looks again: an
-        engine that overlaps its other steps gives that up for each step that checks."""
+        row the proposer found nothing for waits for the next probe step before it looks
+        again: an engine that overlaps its other steps gives that up for each step that checks."""
         for request in running:
             request.spec_token_ids = []
         live = set(id(request) for request in running)
@@ -134,7 +143,7 @@ class Speculator:
                 if request.spec_index is None:
                     request.spec_index = NgramIndex(self.config.prompt_lookup_max, self.config.prompt_lookup_min)
                 request.spec_token_ids = request.spec_index.propose(request.all_token_ids, k)
-            request.spec_idle_steps = int(self.backoff_empty and not request.spec_token_ids)
+            request.spec_backoff = self.backoff_empty and not request.spec_token_ids
 
     def forget(self, request: Request) -> None:
         """A request ended: what the proposer keeps for it goes (a draft's shadow and blocks)."""
