@@ -304,7 +304,10 @@ def test_the_off_switch_weighs_acceptance_against_the_step_time_model():
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_parity_with_speculation_on_a_copying_task(smollm2_hf):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_smollm2_greedy_parity_with_speculation_on_a_copying_task(method, smollm2_hf):
+    """SmolLM2-135M: n-gram proposals, or SmolLM2-135M's own as a draft model (loaded by name
+    from its GGUF, as `--draft-model` loads one), give transformers' greedy tokens."""
     hf_model, tokenizer = smollm2_hf
     from engine.model.loader import load_from_hf_model
 
@@ -316,7 +319,8 @@ def test_smollm2_greedy_parity_with_speculation_on_a_copying_task(smollm2_hf):
     expected = [hf_greedy(hf_model, p, 40, stop_at_eos=True) for p in prompts]
     loaded = load_from_hf_model(hf_model, tokenizer, torch.float32, "smollm2-135m")
     llm = LLM("smollm2-135m", dtype="float32", block_size=4, max_num_batched_tokens=32, num_kv_blocks=70,
-              num_swap_blocks=16, admission_reserve_steps=0, loaded_model=loaded, speculative="ngram")
+              num_swap_blocks=16, admission_reserve_steps=0, loaded_model=loaded, speculative=method,
+              draft_model="smollm2-135m" if method == "draft" else None)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
     for chat, out, want in zip(chats, outputs, expected):
         assert out.token_ids == want, chat
