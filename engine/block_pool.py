@@ -21,24 +21,33 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.kv_pool import BlockPool
+from engine.kv_offload import HostTier, TierHolds
+from engine.kv_pool import BlockCopy, BlockPool
 from engine.prefix_hash import BlockHash
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """Cached blocks that start a request's table: the KV of its first
-    len(block_ids) * block_size tokens. `num_evictable` of them are held by nobody
-    now, so taking them takes from the free count."""
+    """Cached blocks that start a request's table: the device's `block_ids`, then the host
+    tier's `host_block_ids` (engine/kv_offload.py: copied into new device blocks), the KV
+    of its first (len(block_ids) + len(host_block_ids)) * block_size tokens.
+    `num_evictable` of the device blocks are held by nobody now, so taking them takes from
+    the free count; `host_hashes` name the host blocks."""
 
     block_ids: tuple[int, ...]
     num_evictable: int
+    host_block_ids: tuple[int, ...] = ()
+    host_hashes: tuple[BlockHash, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.block_ids)
+        return bool(self.block_ids or self.host_block_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids) + len(self.host_block_ids)
 
     def num_tokens(self, block_size: int) -> int:
-        return len(self.block_ids) * block_size
+        return self.num_blocks * block_size
 
 
 NO_PREFIX = PrefixHit((), 0)
@@ -55,14 +64,9 @@ class PrefixCacheStats:
     # already held here, which the transfer skips.
     num_received_blocks_queried: int = 0
     num_received_blocks_hit: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
-    """Copy the KV of block `src` (in one pool) to block `dst` (in the other)."""
-
-    src: int
-    dst: int
+    # Of the hits, those found in the host tier (engine/kv_offload.py).
+    num_host_hit_tokens: int = 0
+    num_received_blocks_host_hit: int = 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -86,12 +90,15 @@ class KVCacheManager:
         max_blocks_per_seq: int,
         initial_rows: int = 64,
         enable_prefix_caching: bool = False,
+        num_offload_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.swap_pool = BlockPool(num_swap_blocks)
+        # The host pool: swap preemption's blocks and the prefix cache's host tier, shared.
+        self.swap_pool = BlockPool(num_swap_blocks + num_offload_blocks)
+        self.tier = HostTier(self.pool, self.swap_pool) if num_offload_blocks and enable_prefix_caching else None
         self.block_tables = np.zeros((initial_rows, max_blocks_per_seq), dtype=np.int64)
         self._free_rows: list[int] = list(range(initial_rows - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
@@ -150,7 +157,7 @@ class KVCacheManager:
                 self.pool.incref(prefix.block_ids)
                 self.block_tables[self._rows[request_id], : len(prefix.block_ids)] = prefix.block_ids
                 table.extend(prefix.block_ids)
-                self._num_registered[request_id] = len(prefix.block_ids)
+                self._num_registered[request_id] = prefix.num_blocks
         if num_new <= 0:
             return True
         if len(table) + num_new > self.max_blocks_per_seq:
@@ -162,7 +169,17 @@ class KVCacheManager:
         row = self._rows[request_id]
         self.block_tables[row, len(table) : len(table) + num_new] = new_ids
         table.extend(new_ids)
+        if prefix and prefix.host_block_ids:
+            self._reload(new_ids, prefix)
         return True
+
+    def _reload(self, new_ids: list[int], prefix: PrefixHit) -> None:
+        """A new table's blocks after its device prefix take the host tier's hit: copied in
+        before the next forward pass, and cached on the device under their hashes at once."""
+        reloaded = new_ids[:len(prefix.host_block_ids)]
+        self.tier.reload(prefix.host_block_ids, reloaded)
+        for block_id, block_hash in zip(reloaded, prefix.host_hashes):
+            self.pool.register(block_id, block_hash)
 
     def allocate_admission(self, request_id: str, prefix: PrefixHit, num_tokens: int, *,
                            num_queried_tokens: int, received: bool = False) -> bool:
@@ -177,10 +194,12 @@ class KVCacheManager:
         stats = self.prefix_stats
         if received:
             stats.num_received_blocks_queried += cdiv(num_queried_tokens, self.block_size)
-            stats.num_received_blocks_hit += len(prefix.block_ids)
+            stats.num_received_blocks_hit += prefix.num_blocks
+            stats.num_received_blocks_host_hit += len(prefix.host_block_ids)
         elif self.enable_prefix_caching:
             stats.num_queried_tokens += num_queried_tokens
             stats.num_hit_tokens += prefix.num_tokens(self.block_size)
+            stats.num_host_hit_tokens += len(prefix.host_block_ids) * self.block_size
         return True
 
     # ---------------------------------------------------------- prefix cache
@@ -190,7 +209,13 @@ class KVCacheManager:
             return NO_PREFIX
         pool = self.pool
         block_ids = pool.match(hashes)
-        return PrefixHit(tuple(block_ids), sum(pool.is_evictable(block_id) for block_id in block_ids))
+        num_evictable = sum(pool.is_evictable(block_id) for block_id in block_ids)
+        if self.tier is None:
+            return PrefixHit(tuple(block_ids), num_evictable)
+        self.swap_pool.refresh(hashes[:len(block_ids)])  # LRU across both tiers
+        rest = hashes[len(block_ids):]
+        host_ids = self.tier.match(rest)
+        return PrefixHit(tuple(block_ids), num_evictable, tuple(host_ids), tuple(rest[:len(host_ids)]))
 
     def num_blocks_to_admit(self, num_tokens: int, prefix: PrefixHit) -> int:
         """Free blocks a new table of `num_tokens` tokens takes, starting with `prefix`."""
@@ -205,9 +230,10 @@ class KVCacheManager:
             return
         start = self._num_registered.get(request_id, 0)
         end = min(num_blocks, len(table))
-        register = self.pool.register
+        register, tier = self.pool.register, self.tier
         for index in range(start, end):
-            register(table[index], hashes[index])
+            if register(table[index], hashes[index]) and tier is not None:
+                tier.offload(table[index], hashes[index])
         if end > start:
             self._num_registered[request_id] = end
 
@@ -294,6 +320,23 @@ class KVCacheManager:
         grown[:old] = self.block_tables
         self.block_tables = grown
         self._free_rows.extend(range(old * 2 - 1, old - 1, -1))
+
+    # --------------------------------------------------------------- host tier
+    @property
+    def has_tier_copies(self) -> bool:
+        """Host-tier copies wait for a step to run them (engine/kv_offload.py)."""
+        return self.tier is not None and self.tier.has_pending
+
+    def take_tier_copies(self) -> tuple[list[BlockCopy], list[BlockCopy], TierHolds | None]:
+        """The host tier's copies for the step being scheduled: (device to host, host to
+        device, what the step holds until it has ended: `release_tier_holds`)."""
+        if self.tier is None:
+            return [], [], None
+        return self.tier.take_copies()
+
+    def release_tier_holds(self, holds: TierHolds | None) -> None:
+        if holds is not None:
+            self.tier.release(holds)
 
     # ----------------------------------------------------------------- fences
     def fence(self, request_id: str, fence_id: str, start: int = 0) -> int:
@@ -403,12 +446,13 @@ class KVCacheManager:
                 raise AssertionError(f"row {row} of {request_id} disagrees with its table")
             for block_id in table:
                 held[block_id] = held.get(block_id, 0) + 1
-        for table in (*self._fenced.values(), self._aside, self._deferred, self._deferred_before):
+        tier_device, tier_host = self.tier.held() if self.tier is not None else ([], [])
+        for table in (*self._fenced.values(), self._aside, self._deferred, self._deferred_before, tier_device):
             for block_id in table:
                 held[block_id] = held.get(block_id, 0) + 1
         self.pool.check_integrity(held)
         swap_held: dict[int, int] = {}
-        for cpu_ids in self._swapped.values():
+        for cpu_ids in (*self._swapped.values(), tier_host):
             for block_id in cpu_ids:
                 swap_held[block_id] = swap_held.get(block_id, 0) + 1
         self.swap_pool.check_integrity(swap_held)

@@ -67,7 +67,10 @@ class CacheConfig:
     `gpu_memory_utilization` of the GPU's memory after the weights and a
     profiling forward at the full token budget (as vLLM sizes it). The swap
     pool (host memory, pinned on CUDA, for swap preemption) is sized by
-    `num_swap_blocks` or, if that is None, by `swap_space_bytes`.
+    `num_swap_blocks` or, if that is None, by `swap_space_bytes`. The prefix cache's
+    host tier (engine/kv_offload.py: full blocks kept in host memory once the device
+    cache evicts them) adds `num_offload_blocks` or, if None, `kv_offload_bytes` of host
+    memory to that pool, which the two share; 0: no host tier.
     """
 
     block_size: int = 16
@@ -75,6 +78,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_swap_blocks: int | None = None
     swap_space_bytes: int = 256 * 1024**2
+    num_offload_blocks: int | None = None
+    kv_offload_bytes: int = 0
     gpu_memory_utilization: float = 0.9
     # Another process on this host may map the device blocks and write KV into them
     # (kvtransfer's ipc transport; see KVCache). A decode worker's cache is shareable.
@@ -98,6 +103,8 @@ class CacheConfig:
             raise ValueError("num_swap_blocks must be >= 0")
         if self.swap_space_bytes < 0:
             raise ValueError("swap_space_bytes must be >= 0")
+        if (self.num_offload_blocks or 0) < 0 or self.kv_offload_bytes < 0:
+            raise ValueError("num_offload_blocks and kv_offload_bytes must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -118,6 +125,14 @@ class CacheConfig:
                 f"kv cache budget of {budget} bytes holds no block of {bytes_per_block} bytes"
             )
         return num_blocks
+
+    def resolve_num_offload_blocks(self, bytes_per_block: int) -> int:
+        """The host tier's blocks (0 without prefix caching, which it extends)."""
+        if not self.enable_prefix_caching:
+            return 0
+        if self.num_offload_blocks is not None:
+            return self.num_offload_blocks
+        return self.kv_offload_bytes // bytes_per_block
 
     def resolve_num_swap_blocks(self, bytes_per_block: int) -> int:
         if self.num_swap_blocks is not None:

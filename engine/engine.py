@@ -65,22 +65,14 @@ class LLMEngine:
         self.grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.vocab_size)
         block_size = config.cache.block_size
         self.kv_layout = KVLayout(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, config.dtype)
-        bytes_per_block = self.kv_layout.bytes_per_block
         # CUDA graphs of decode steps: on a GPU, unless enforce_eager or the backend cannot.
         graph_sizes = ()
         if (self.device.type == "cuda" and not config.enforce_eager
                 and loaded.model.attention_backend.supports_static_batches):
             graph_sizes = graph_batch_sizes(config.scheduler.max_num_seqs)
         num_blocks = self._size_kv_cache(loaded, memory_at_start, graph_sizes)
-        num_swap_blocks = config.cache.resolve_num_swap_blocks(bytes_per_block)
-        self.kv_manager = KVCacheManager(
-            num_blocks, num_swap_blocks, block_size, max_blocks_per_seq=cdiv(self.max_model_len, block_size),
-            initial_rows=min(config.scheduler.max_num_seqs, 1024),
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-        )
-        self.kv_cache = KVCache(self.kv_layout, num_blocks, num_swap_blocks, self.device,
-                                shareable=config.cache.shareable)
-        self.cost_model = PreemptionCostModel(bytes_per_block)
+        self.kv_manager, self.kv_cache = self._make_kv_cache(num_blocks)
+        self.cost_model = PreemptionCostModel(self.kv_layout.bytes_per_block)
         self.step_time = StepTimeModel(self.cost_model)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.cost_model, self.max_model_len)
         self.scheduler.decode_step_s = lambda num_seqs: self.step_time.decode.line().seconds(num_seqs)
@@ -94,6 +86,19 @@ class LLMEngine:
         self.on_kv_receives: Callable[[list[KvReceive]], None] | None = None
         self._request_counter = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
+
+    def _make_kv_cache(self, num_blocks: int) -> tuple[KVCacheManager, KVCache]:
+        """The block tables over a device pool of `num_blocks` and the host pool (swap
+        preemption's blocks and the prefix cache's host tier, engine/kv_offload.py), and their tensors."""
+        cache, block_size = self.config.cache, self.config.cache.block_size
+        num_swap = cache.resolve_num_swap_blocks(self.kv_layout.bytes_per_block)
+        num_offload = cache.resolve_num_offload_blocks(self.kv_layout.bytes_per_block)
+        manager = KVCacheManager(num_blocks, num_swap, block_size,
+                                 max_blocks_per_seq=cdiv(self.max_model_len, block_size),
+                                 initial_rows=min(self.config.scheduler.max_num_seqs, 1024),
+                                 enable_prefix_caching=cache.enable_prefix_caching, num_offload_blocks=num_offload)
+        return manager, KVCache(self.kv_layout, num_blocks, num_swap + num_offload, self.device,
+                                shareable=cache.shareable)
 
     def _speculator(self) -> Speculator | None:
         """Speculative decoding (engine/spec_decode): proposals before each step, acceptance after."""
@@ -400,6 +405,7 @@ class LLMEngine:
         """Wait for a launched step's tokens and turn them into outputs (in the `step` call
         that began at perf_counter `started`; None: not timed)."""
         runner_out = step.launched.result()
+        self.kv_manager.release_tier_holds(step.scheduled.tier_holds)  # its copies have run
         prompt_logprobs.record(runner_out.prompt_logprobs)
         requests, proposals = runner_out.requests, step.scheduled.spec_token_ids
         # Requests that ended while the step ran (aborted, or stopped by the step before) get nothing.

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_pool import BlockCopy
+from engine.kv_pool import BlockCopy
 from engine.shared_memory import SharedMemory
 
 

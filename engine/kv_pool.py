@@ -5,8 +5,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from engine.prefix_hash import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy the KV of block `src` (in one pool) to block `dst` (in the other)."""
+
+    src: int
+    dst: int
 
 
 class BlockPool:
@@ -133,6 +142,16 @@ class BlockPool:
                 break
             matched.append(block_id)
         return matched
+
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
+    def refresh(self, hashes: Iterable[BlockHash]) -> None:
+        """Make the cached blocks of `hashes` that nobody holds the most recently used."""
+        for block_hash in hashes:
+            block_id = self._cached.get(block_hash)
+            if block_id is not None and block_id in self._evictable:
+                self._evictable.move_to_end(block_id)
 
     def is_evictable(self, block_id: int) -> bool:
         return self._ref_counts[block_id] == 0

@@ -162,6 +162,9 @@ class ModelRunner:
             events[0].record()
         started = time.perf_counter()
         swap_bytes, swap_seconds = self._swap(out)
+        if out.offload or out.reload:  # the prefix cache's host tier: after the swaps, before the forward pass
+            self.kv_cache.swap_out(out.offload)
+            self.kv_cache.swap_in(out.reload)
         sampled = deferred = prompt_logprobs = sample_counts = None
         sample_requests: list[Request] = []
         num_prefill_tokens = 0

@@ -194,8 +194,24 @@ class EngineStats:
                                              "(decode).", 40, "baton_prefix_cache_received_blocks")
     prefix_cache_reused_blocks: int = stat(COUNTER, "Prompt blocks of handed-off requests already held here: not "
                                            "transferred.", 41, "baton_prefix_cache_reused_blocks")
-    num_kv_landed: int = stat(COUNTER, "Handed-off requests that took blocks set aside as their call arrived, "
-                              "their KV pulled while a step ran; the others were admitted at a schedule.", 47,
+    # The prefix cache's host tier (engine/kv_offload.py; off: all zero).
+    num_kv_offload_blocks_total: int = stat(GAUGE, "Host blocks shared by the prefix cache's host tier and swap "
+                                            "(0: no host tier).", 56, "baton_kv_offload_blocks_total")
+    num_kv_offload_blocks_cached: int = stat(GAUGE, "Blocks the host tier holds, by the hashes that name them on "
+                                             "the device.", 57, "baton_kv_offload_blocks_cached")
+    prefix_cache_host_hit_tokens: int = stat(COUNTER, "Of the prompt tokens found in the prefix cache, those copied "
+                                             "back from the host tier.", 58,
+                                             "baton_prefix_cache_host_hits")
+    prefix_cache_host_reused_blocks: int = stat(COUNTER, "Of the handed-off prompt blocks held already, those copied "
+                                                "back from the host tier.", 59,
+                                                "baton_prefix_cache_host_reused_blocks")
+    kv_offload_written_blocks: int = stat(COUNTER, "Device blocks written through to the host tier as they entered "
+                                          "the prefix cache.", 60, "baton_kv_offload_written_blocks")
+    kv_offload_reloaded_bytes: int = stat(COUNTER, "Bytes of KV copied from the host tier back to the device on "
+                                          "hits.", 61, "baton_kv_offload_reloaded_bytes")
+    num_kv_offload_evicted: int = stat(COUNTER, "Host-tier blocks evicted for space (by the tier, or by swap "
+                                       "preemption).", 62, "baton_kv_offload_evictions")
+    num_kv_landed: int = stat(COUNTER, "Handed-off requests whose KV went into blocks set aside as they arrived.", 47,
                               "baton_kv_landed")
     # The step-time model (engine/step_time.py), measured at start and refitted as it
     # serves; the gateway predicts waits with it. 0.0: not measured yet.
@@ -217,9 +233,8 @@ class EngineStats:
                                   "baton_spec_decode_accepted_tokens")
     spec_num_emitted: int = stat(COUNTER, "Tokens the checking rows emitted: the accepted proposals and one of the "
                                  "model's own per check.", 52, "baton_spec_decode_emitted_tokens")
-    spec_check_cost_steps: float = stat(COUNTER, "What the checks cost, in decode steps (by the step-time model: one "
-                                        "each, plus each proposed token's share of a step); emitted tokens over "
-                                        "this is the speed-up, as plain decoding takes a step a token.", 53,
+    spec_check_cost_steps: float = stat(COUNTER, "What the checks cost, in decode steps (step-time model: one each, "
+                                        "plus each proposal's share); emitted tokens over this is the speed-up.", 53,
                                         "baton_spec_decode_check_cost_steps")
     spec_proposed_by_position: tuple[int, ...] = stat(COUNTER, "Per position i (1..num_speculative_tokens): "
                                                       "checks that proposed an i-th token.", 54,

@@ -20,6 +20,7 @@ def make_scheduler(
     max_model_len: int = 512,
     bytes_per_block: int = 1024,
     enable_prefix_caching: bool = False,
+    num_offload_blocks: int = 0,
     **scheduler_kwargs,
 ) -> Scheduler:
     kv = KVCacheManager(
@@ -29,6 +30,7 @@ def make_scheduler(
         max_blocks_per_seq=-(-max_model_len // block_size),
         initial_rows=4,
         enable_prefix_caching=enable_prefix_caching,
+        num_offload_blocks=num_offload_blocks,
     )
     return Scheduler(
         SchedulerConfig(**scheduler_kwargs),

@@ -4,7 +4,9 @@ scheduler's accounting of a cached prefix, and what every block holds.
 The property test keeps a shadow of the KV cache: each step writes, into every slot
 it computes, the whole token sequence up to that slot (what the KV there depends on).
 A request must then find its own tokens in every slot of its table it has computed,
-whatever it shares, and no step may write into a cached block.
+whatever it shares, and no step may write into a cached block. With the host tier
+(engine/kv_offload.py) the shadow follows its copies too, and every host block it caches
+holds the tokens its hash names.
 """
 
 from __future__ import annotations
@@ -186,12 +188,16 @@ def shadow_step(s, shadow: ShadowCache, receive_fate: random.Random, fences: lis
     out = s.schedule()
     shadow.copy(out.swap_out, shadow.device, shadow.swap)
     shadow.copy(out.swap_in, shadow.swap, shadow.device)
+    shadow.copy(out.offload, shadow.device, shadow.swap)
+    shadow.copy(out.reload, shadow.swap, shadow.device)
+    check_host_tier(s, shadow)
     sampled = []
     for request, num_new in zip(out.requests, out.num_scheduled_tokens):
         shadow.check_and_write(request, request.num_computed_tokens, request.num_computed_tokens + num_new)
         if request.num_computed_tokens + num_new == request.num_tokens:
             sampled.append(request)
     s.complete_step(out, sampled, [next_token(r) for r in sampled])
+    s.kv.release_tier_holds(out.tier_holds)  # the step has ended (LLMEngine._complete)
     for request in out.kv_receives:
         fate = receive_fate.choice(["ok", "ok", "fail", "fence"])
         if fate == "ok" and not request.is_finished:
@@ -205,10 +211,24 @@ def shadow_step(s, shadow: ShadowCache, receive_fate: random.Random, fences: lis
     s.check_integrity()
 
 
+def check_host_tier(s, shadow: ShadowCache) -> None:
+    """Every host block the tier caches, once its copy has run, holds the tokens its hash names."""
+    tier = s.kv.tier
+    if tier is None:
+        return
+    pending = {copy.dst for copy in tier._offloads}
+    for block_hash, block_id in s.kv.swap_pool._cached.items():
+        if block_id not in pending:
+            tokens = shadow.swap.get((block_id, shadow.bs - 1))
+            assert tokens is not None and block_hashes(list(tokens), shadow.bs)[-1] == block_hash, \
+                f"host block {block_id} holds other KV than its hash names"
+
+
 prefix_configs = st.fixed_dictionaries(
     {
         "num_blocks": st.integers(8, 40),
         "num_swap_blocks": st.integers(0, 24),
+        "num_offload_blocks": st.sampled_from([0, 0, 4, 16, 48]),
         "block_size": st.sampled_from([2, 4]),
         "max_num_seqs": st.integers(1, 8),
         "max_num_batched_tokens": st.integers(4, 40),
@@ -239,7 +259,8 @@ prefix_ops = st.lists(
 SHARED_PREFIXES = [[3 + (i * 7 + k) % 40 for k in range(24)] for i in range(4)]
 
 
-hits: list[tuple[bool, bool]] = []  # per case: a prefill hit, a handoff that skipped blocks
+# Per case: a prefill hit, a handoff that skipped blocks, a hit in the host tier (None: no tier).
+hits: list[tuple[bool, bool, bool | None]] = []
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -298,31 +319,36 @@ def test_sharing_keeps_counts_and_every_slot_holds_its_own_tokens(config, ops, s
         # Receiving requests end when their receive does.
         for request_id in list(s.handoffs.receiving):
             s.complete_kv_receive(request_id, False)
-    else:
-        for _ in range(20_000):
-            if not s.has_unfinished_requests():
-                break
-            shadow_step(s, shadow, fate, fences)
-            while fences:
-                s.kv.release_fence(fences.pop())
+    # Run the rest: what is left to compute, or (after the aborts) the host tier's copies.
+    for _ in range(20_000):
+        if not s.has_unfinished_requests():
+            break
+        shadow_step(s, shadow, fate, fences)
+        while fences:
+            s.kv.release_fence(fences.pop())
     assert not s.has_unfinished_requests()
     s.check_integrity()
     # Every block is free or cached and evictable; nothing is held.
     kv = s.kv
-    hits.append((kv.prefix_stats.num_hit_tokens > 0, kv.prefix_stats.num_received_blocks_hit > 0))
+    stats = kv.prefix_stats
+    hits.append((stats.num_hit_tokens > 0, stats.num_received_blocks_hit > 0,
+                 None if kv.tier is None else stats.num_host_hit_tokens + stats.num_received_blocks_host_hit > 0))
     assert kv.num_free_blocks == config["num_blocks"]
     assert kv.num_evictable_blocks == kv.num_cached_blocks
-    assert kv.swap_pool.num_free == config["num_swap_blocks"]
+    assert kv.swap_pool.num_free == config["num_swap_blocks"] + config["num_offload_blocks"]
+    assert kv.swap_pool.num_evictable == kv.swap_pool.num_cached
 
 
 def test_the_property_test_shares_blocks_often():
     """The interleavings above are worth something only if requests share blocks."""
     hits.clear()
     test_sharing_keeps_counts_and_every_slot_holds_its_own_tokens()
-    prefill_hits = sum(hit for hit, _ in hits)
-    reused = sum(hit for _, hit in hits)
+    prefill_hits = sum(hit for hit, _, _ in hits)
+    reused = sum(hit for _, hit, _ in hits)
+    tiered = [hit for _, _, hit in hits if hit is not None]
     assert prefill_hits >= len(hits) // 4, f"only {prefill_hits} of {len(hits)} cases shared a block"
     assert reused >= len(hits) // 20, f"only {reused} of {len(hits)} cases skipped received blocks"
+    assert sum(tiered) >= len(tiered) // 8, f"only {sum(tiered)} of {len(tiered)} cases with a host tier hit it"
 
 
 def test_a_block_waits_for_its_pending_token_before_it_is_cached():

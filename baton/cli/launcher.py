@@ -38,6 +38,7 @@ from baton.runtime.settings import (
     LOG_LEVELS,
     MODEL_HELP,
     DRAFT_MODEL_HELP,
+    KV_OFFLOAD_MEMORY_HELP,
     NUM_SPECULATIVE_TOKENS_HELP,
     REVISION_HELP,
     SPECULATIVE_CHOICES,
@@ -85,6 +86,8 @@ class UpSettings:
     prefix_caching: bool = setting(default_of(CacheConfig, "enable_prefix_caching"),
                                    "share the KV of prompts that start alike, in both workers "
                                    "(--no-prefix-caching: off)")
+    kv_offload_memory: int = setting(default_of(CacheConfig, "kv_offload_bytes"),
+                                     KV_OFFLOAD_MEMORY_HELP + ", per worker", size="GiB", shown="0: off")
     kv_transport: str = setting("auto", "how KV moves from the prefill to the decode worker: auto (ipc: they "
                                         "share this host), ipc, nccl (two GPUs) or gloo (CPU)",
                                 choices=TRANSPORT_CHOICES)
@@ -231,6 +234,8 @@ def role_args(settings: UpSettings) -> RoleArgs:
         worker.append("--verify-kv")
     if not settings.prefix_caching:
         worker.append("--no-prefix-caching")
+    if settings.kv_offload_memory:
+        worker += ["--kv-offload-memory", format_size(settings.kv_offload_memory)]
     tls = []  # every role's
     for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
         if getattr(settings, name) is not None:

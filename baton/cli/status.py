@@ -288,6 +288,8 @@ def _render_worker(worker: WorkerStatus) -> list[str]:
         window = f" in the last {recent.window_seconds:.0f} s" if recent is not None else ""
         lines.append(f"  recent      idle: no steps{window}")
     lines.append(_prefix_cache_line(stats))
+    if stats.num_kv_offload_blocks_total:
+        lines.append(_host_tier_line(stats))
     if stats.num_speculative_tokens:
         lines.append(_speculation_line(stats))
     for transport in stats.kv_transports:
@@ -314,6 +316,16 @@ def _prefix_cache_line(stats: WorkerStats) -> str:
         line += (f"; {stats.prefix_cache_reused_blocks} of {stats.prefix_cache_received_blocks} handed-off "
                  "prompt blocks held already")
     return line
+
+
+def _host_tier_line(stats: WorkerStats) -> str:
+    """The prefix cache's host tier, since start: hits, what it holds, copies and evictions."""
+    line = (f"  host tier   {stats.prefix_cache_host_hit_tokens} prompt tokens found there"
+            f" ({stats.kv_offload_reloaded_bytes / 2**20:.1f} MiB copied back)")
+    if stats.prefix_cache_host_reused_blocks:
+        line += f", {stats.prefix_cache_host_reused_blocks} handed-off blocks"
+    return line + (f"; {stats.num_kv_offload_blocks_cached} of {stats.num_kv_offload_blocks_total} host blocks "
+                   f"cached, {stats.kv_offload_written_blocks} written, {stats.num_kv_offload_evicted} evicted")
 
 
 def _speculation_line(stats: WorkerStats) -> str:

@@ -98,6 +98,8 @@ SPECULATIVE_HELP = ("speculative decoding, on decode workers: ngram proposes a r
                     "checks them, and the tokens are those decoding without it gives")
 DRAFT_MODEL_HELP = ("with --speculative draft: a small model with the served model's tokenizer (as --model names "
                     "one), run beside it with a KV cache of its own")
+KV_OFFLOAD_MEMORY_HELP = ("host memory for the prefix cache's second tier: full blocks are written through to it "
+                          "and copied back when the device cache has evicted them (shared with the swap pool)")
 NUM_SPECULATIVE_TOKENS_HELP = "most tokens a row proposes a step, with --speculative (fewer when they do not pay)"
 GPU_MEMORY_UTILIZATION_HELP = ("CUDA: fraction of the GPU's memory for weights, activations and the KV cache, "
                                "which gets what the rest leaves")
@@ -195,6 +197,8 @@ class WorkerSettings:
     prefix_caching: bool = setting(default_of(CacheConfig, "enable_prefix_caching"),
                                    "keep the KV of full blocks by content and share it between prompts that "
                                    "start alike (--no-prefix-caching: off)")
+    kv_offload_memory: int = setting(default_of(CacheConfig, "kv_offload_bytes"), KV_OFFLOAD_MEMORY_HELP,
+                                     size="GiB", shown="0: off")
     max_num_seqs: int = setting(default_of(SchedulerConfig, "max_num_seqs"), "sequences per step")
     max_num_batched_tokens: int = setting(default_of(SchedulerConfig, "max_num_batched_tokens"),
                                           "token budget per step (prefill chunks + decodes)")
@@ -280,6 +284,7 @@ class WorkerSettings:
             # An explicit block count sizes the pool by itself.
             kv_cache_memory_bytes=None if self.num_kv_blocks else self.kv_cache_memory,
             swap_space_bytes=self.swap_space,
+            kv_offload_bytes=self.kv_offload_memory,
             enable_prefix_caching=self.prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockCopy
+from engine.kv_offload import TierHolds
+from engine.kv_pool import BlockCopy
 from engine.preemption import PreemptionKind
 from engine.request import Request
 
@@ -30,3 +31,9 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Requests admitted this step whose prompt KV must now be received into their blocks.
     kv_receives: list[Request] = field(default_factory=list)
+    # The prefix cache's host tier (engine/kv_offload.py): device blocks written through to
+    # host blocks, host blocks reloaded into device blocks (run after the swaps, in this
+    # order), and the blocks they hold until the step has ended (release_tier_holds).
+    offload: list[BlockCopy] = field(default_factory=list)
+    reload: list[BlockCopy] = field(default_factory=list)
+    tier_holds: TierHolds | None = None

@@ -105,11 +105,12 @@ class Scheduler:
         return len(self.running) + len(self.handoffs.receiving) + self.landing.num_claimed
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or host-tier copies a step has still to run."""
+        return bool(self.requests) or self.kv.has_tier_copies
 
     def has_schedulable_requests(self) -> bool:
         """Whether a step could do any work (HELD and RECEIVING requests wait on others)."""
-        return bool(self.running or self.swapped or self.policy.num_waiting)
+        return bool(self.running or self.swapped or self.policy.num_waiting) or self.kv.has_tier_copies
 
     def peak_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The most tokens a request ever holds in the KV cache (the last sampled token ends
@@ -218,6 +219,7 @@ class Scheduler:
         out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
         if not self.swapped and not out.preempted:  # (engine/landing.py)
             self.landing.refill(self.policy.landing_room(self), config.max_num_seqs - self.num_seqs)
+        out.offload, out.reload, out.tier_holds = self.kv.take_tier_copies()  # (engine/kv_offload.py)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, chunk_cap: int,
@@ -340,7 +342,7 @@ class Scheduler:
             num_queried_tokens=request.num_prompt_tokens if request.kv_remote else request.num_tokens)
         assert ok, "admission checked the free blocks"
         if request.kv_remote:
-            request.num_reused_blocks = len(hit.block_ids)
+            request.num_reused_blocks = hit.num_blocks
             self.handoffs.receive(request)
             out.kv_receives.append(request)
             return budget

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from engine.preemption import PreemptionKind
+from engine.preemption import PreemptionCostModel, PreemptionKind
 from engine.statistics import EngineStats, RecentStats
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ class SchedulerState(Protocol):
     swapped: list[Request]
     handoffs: KvHandoffs
     counters: SchedulerCounters
+    cost_model: PreemptionCostModel
     block_size: int
 
     @property
@@ -245,7 +246,23 @@ def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> Schedul
         prefix_cache_received_blocks=prefix.num_received_blocks_queried,
         prefix_cache_reused_blocks=prefix.num_received_blocks_hit,
         num_kv_landed=scheduler.handoffs.num_landed,
+        **_tier_stats(kv, scheduler.cost_model.bytes_per_block),
     )
+
+
+def _tier_stats(kv: KVCacheManager, bytes_per_block: int) -> dict[str, int]:
+    """The host tier's statistics (engine/kv_offload.py); none without it."""
+    tier = kv.tier
+    if tier is None:
+        return {}
+    prefix = kv.prefix_stats
+    return dict(num_kv_offload_blocks_total=kv.swap_pool.num_blocks,
+                num_kv_offload_blocks_cached=kv.swap_pool.num_cached,
+                prefix_cache_host_hit_tokens=prefix.num_host_hit_tokens,
+                prefix_cache_host_reused_blocks=prefix.num_received_blocks_host_hit,
+                kv_offload_written_blocks=tier.stats.num_offloaded_blocks,
+                kv_offload_reloaded_bytes=tier.stats.num_reloaded_blocks * bytes_per_block,
+                num_kv_offload_evicted=kv.swap_pool.num_evicted)
 
 
 def _num_queued_prefill_tokens(scheduler: SchedulerState, waiting: list[Request]) -> int:
