@@ -28,7 +28,7 @@ PARALLEL_FILES = frozenset({
     "test_cuda_threads.py", "test_dashboard.py", "test_decode_graphs.py", "test_deploy.py", "test_detokenizer.py",
     "test_engine.py",
     "test_gpu.py", "test_gpu_benchmark.py", "test_gpu_memory.py", "test_gpu_sampling.py", "test_gpu_spec.py", "test_handoff.py",
-    "test_kernels.py", "test_kv_lease.py", "test_landing.py", "test_logs.py", "test_logit_edits.py", "test_model.py", "test_otlp_sink.py", "test_overlap.py",
+    "test_kernels.py", "test_kv_lease.py", "test_kv_offload.py", "test_landing.py", "test_logs.py", "test_logit_edits.py", "test_model.py", "test_otlp_sink.py", "test_overlap.py",
     "test_parity.py", "test_prefix_cache.py", "test_prompt_logprobs.py", "test_sampler.py", "test_sampling_params.py",
     "test_scheduler.py", "test_source_rules.py", "test_spec_decode.py", "test_spec_engine.py", "test_spec_decode_benchmark.py",
     "test_statistics.py", "test_step_time.py",

@@ -319,7 +319,7 @@ def test_smollm2_greedy_parity_with_speculation_on_a_copying_task(method, smollm
     expected = [hf_greedy(hf_model, p, 40, stop_at_eos=True) for p in prompts]
     loaded = load_from_hf_model(hf_model, tokenizer, torch.float32, "smollm2-135m")
     llm = LLM("smollm2-135m", dtype="float32", block_size=4, max_num_batched_tokens=32, num_kv_blocks=70,
-              num_swap_blocks=16, admission_reserve_steps=0, loaded_model=loaded, speculative=method,
+              num_swap_blocks=16, admission_reserve_steps=0, loaded_model=loaded, speculative=method, adaptive=False,
               draft_model="smollm2-135m" if method == "draft" else None)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
     for chat, out, want in zip(chats, outputs, expected):
