@@ -16,6 +16,15 @@ Systems (`--systems`):
     disaggregated   gateway + prefill worker + decode worker (separate processes, KV
                     handed over ipc), caching on / off in both workers (--no-prefix-caching)
 
+With `--tier`, the comparison is the prefix cache's host tier (engine/kv_offload.py) against
+the device cache alone, caching on in both, on two workloads of the shared kind (4 turns):
+
+    shared   the device cache sized to a quarter of the working set (the system prompt and
+             every user's conversation), the host tier to all of it: targets throughput
+             >= 2x and TTFT p50 >= 3x better with the tier
+    fits     the device cache holds the whole working set: the tier must cost nothing
+             (throughput >= 0.97x)
+
 Reported per system and workload: output tokens/s, TTFT p50/p90, end-to-end p50, the
 prompt tokens the server reported cached (usage.cached_tokens) and, disaggregated, the KV
 bytes moved per request. Targets, caching on against off: shared throughput >= 2x and
@@ -25,6 +34,7 @@ already had: KV bytes per request on / off <= (1 - shared fraction) + 5%).
 
     python -m benchmarks.prefix_cache                       # 64 users, 3 turns, 1000 shared tokens
     python -m benchmarks.prefix_cache --quick --systems engine
+    python -m benchmarks.prefix_cache --tier --systems engine  # the host tier, 64 users x 4 turns
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+BLOCK_SIZE = 16  # the engine's default
 
 # A turn: (prompt token ids) -> (output token ids, seconds to first token, cached prompt tokens).
 Serve = Callable[[str, list[int], int], Awaitable[tuple[list[int], float, int]]]
@@ -117,6 +129,21 @@ class Conversations:
         return prompt
 
 
+def working_set_blocks(shape: ChatShape, block_size: int) -> int:
+    """Blocks that hold the system prompt once and every user's whole conversation."""
+    conversation = shape.turns * (shape.message_tokens + shape.answer_tokens)
+    return -(-shape.system_tokens // block_size) + shape.users * -(-conversation // block_size)
+
+
+def tier_cache_sizes(args, workload: str, tier_on: bool) -> dict:
+    """--tier: the device cache (a quarter of the working set, or all of it and a margin
+    when it `fits`) and the host tier (all of it, twice over; none when off)."""
+    shape = ChatShape(args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens)
+    working_set = working_set_blocks(shape, BLOCK_SIZE)
+    device = working_set // 4 if workload == "shared" else working_set * 5 // 4
+    return {"num_kv_blocks": device, "num_offload_blocks": 2 * working_set if tier_on else 0}
+
+
 def shared_fraction(prompts: list[list[int]], block_size: int) -> float:
     """Share of all prompt tokens in full blocks that an earlier prompt began with alike:
     what an unbounded prefix cache would not compute (or move) again."""
@@ -172,8 +199,9 @@ def run_engine(args, conversations: Conversations, caching: bool) -> tuple[RunRe
     from engine.sampling_params import SamplingParams
 
     configure_process(args.threads)
+    sizes = tier_cache_sizes(args, conversations.workload, caching) if args.tier else _cache_size(args)
     llm = build_engine(engine_config(args.model, max_num_batched_tokens=args.max_num_batched_tokens,
-                                     enable_prefix_caching=caching, **_cache_size(args)))
+                                     enable_prefix_caching=caching or args.tier, **sizes))
 
     async def drive() -> tuple[RunResult, list[list[int]]]:
         engine = AsyncEngine(llm)
@@ -208,9 +236,13 @@ def run_disaggregated(args, conversations: Conversations, caching: bool,
     from baton.wire.v1 import generation_pb2_grpc
 
     worker_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.num_kv_blocks:
+    if args.tier:  # the host tier in bytes: SmolLM2's float32 block is 0.7 MB
+        sizes = tier_cache_sizes(args, conversations.workload, caching)
+        worker_args += ["--num-kv-blocks", str(sizes["num_kv_blocks"]),
+                        "--kv-offload-memory", f"{sizes['num_offload_blocks'] * 2**20}B"]
+    elif args.num_kv_blocks:
         worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if not caching:
+    if not caching and not args.tier:
         worker_args.append("--no-prefix-caching")
     deployment = start_deployment(
         args.model, log_dir / f"disaggregated-{'on' if caching else 'off'}-{conversations.workload}",
@@ -280,21 +312,22 @@ def ratios(results: dict[tuple[str, str, bool], RunResult], fractions: dict[str,
                 bound = 1 - fractions["shared"] + 0.05
                 checks.append((f"{system} shared: KV bytes per request on/off (shared fraction "
                                f"{fractions['shared']:.2f})", ratio, bound, ratio <= bound))
-        on, off = pair("unique")
-        if on and off:
-            throughput = on.output_tokens_per_s / off.output_tokens_per_s
-            checks.append((f"{system} unique: throughput on/off", throughput, 0.97, throughput >= 0.97))
+        for workload in ("unique", "fits"):
+            on, off = pair(workload)
+            if on and off:
+                throughput = on.output_tokens_per_s / off.output_tokens_per_s
+                checks.append((f"{system} {workload}: throughput on/off", throughput, 0.97, throughput >= 0.97))
     return checks
 
 
 def print_report(results: dict[tuple[str, str, bool], RunResult], checks: list[tuple], shape: ChatShape,
-                 fractions: dict[str, float]) -> None:
+                 fractions: dict[str, float], tier: bool = False) -> None:
     print(f"\nchat: {shape.users} users x {shape.turns} turns, system prompt {shape.system_tokens} tokens, "
           f"messages {shape.message_tokens}, answers {shape.answer_tokens}; shared fraction of prompt tokens: "
           f"shared {fractions['shared']:.2f}, unique {fractions['unique']:.2f}")
     header = f"{'system':<14} {'workload':<8} {'cache':<5} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p90':>9} " \
              f"{'e2e p50':>8} {'cached':>7} {'KV MB/req':>9}"
-    print(header)
+    print(header + ("   (cache on: with the host tier; off: the device cache alone)" if tier else ""))
     for (system, workload, caching), result in sorted(results.items(), key=lambda item: (item[0][0], item[0][1],
                                                                                          not item[0][2])):
         s = result.summary()
@@ -315,7 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", default="engine,disaggregated")
     parser.add_argument("--workloads", default="shared,unique")
     parser.add_argument("--users", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=None, help="3; with --tier, 4")
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--message-tokens", type=int, default=48)
     parser.add_argument("--answer-tokens", type=int, default=32)
@@ -325,10 +358,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="engine: torch threads")
     parser.add_argument("--prefill-threads", type=int, default=2)
     parser.add_argument("--decode-threads", type=int, default=2)
+    parser.add_argument("--tier", action="store_true", help="the host tier on / off (caching on in both), on the "
+                        "shared and fits workloads")
     parser.add_argument("--quick", action="store_true", help="a small run (8 users, 2 turns, 256 shared tokens)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the deployments' logs here")
     args = parser.parse_args(argv)
+    args.turns = args.turns or (4 if args.tier else 3)
+    if args.tier and args.workloads == "shared,unique":
+        args.workloads = "shared,fits"
     if args.quick:
         args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens = 8, 2, 256, 16, 8
     return args
@@ -339,10 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = ChatShape(args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens, args.seed)
     systems = [s for s in args.systems.split(",") if s]
     workloads = [w for w in args.workloads.split(",") if w]
-    unknown = set(systems) - {"engine", "disaggregated"} | set(workloads) - {"shared", "unique"}
+    unknown = set(systems) - {"engine", "disaggregated"} | set(workloads) - {"shared", "unique", "fits"}
     if unknown:
         raise SystemExit(f"unknown systems or workloads: {', '.join(sorted(unknown))}")
-    block_size = 16
+    block_size = BLOCK_SIZE
     results: dict[tuple[str, str, bool], RunResult] = {}
     fractions: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="baton-prefix-bench-") as tmp:
@@ -359,11 +397,12 @@ def main(argv: list[str] | None = None) -> int:
                     result.system, result.caching = system, caching
                     results[(system, workload, caching)] = result
                     fractions.setdefault(workload, shared_fraction(sent, block_size))
-                    print(f"{system} {workload} caching {'on' if caching else 'off'}: "
+                    arm = f"{'host tier' if args.tier else 'caching'} {'on' if caching else 'off'}"
+                    print(f"{system} {workload} {arm}: "
                           f"{result.output_tokens_per_s:.1f} output tokens/s, "
                           f"TTFT p50 {np.percentile(result.ttft, 50):.3f} s", flush=True)
     checks = ratios(results, fractions)
-    print_report(results, checks, shape, fractions)
+    print_report(results, checks, shape, fractions, args.tier)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

@@ -88,7 +88,8 @@ def tiny_float64_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), dtype=torch.float64)
 
 
-host_hits: list[int] = []  # per example of the property test: tokens found in the host tier
+# Per example of the property test: (the host tier's blocks, the prompt tokens found there).
+host_hits: list[tuple[int, int]] = []
 
 turns = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 12)), min_size=10, max_size=24)  # (new tokens, max_tokens)
 
@@ -118,11 +119,13 @@ def test_random_chats_give_the_tokens_of_caching_off(tiny_float64_model, turns, 
         for i, (user, output) in enumerate(zip(group, got)):
             history = histories[user] + output + [3 + (user * 7 + k) % 50 for k in range(turns[start + i][0])]
             histories[user] = history if len(history) <= 100 else system + firsts[user]  # a new chat
-    host_hits.append(tiered.kv_manager.prefix_stats.num_host_hit_tokens)
+    host_hits.append((num_offload_blocks, tiered.kv_manager.prefix_stats.num_host_hit_tokens))
 
 
 def test_the_random_chats_reach_the_host_tier(tiny_float64_model):
-    """The property above is worth something only if the chats come back to evicted prefixes."""
+    """The property above is worth something only if the chats come back to evicted prefixes
+    (a host tier of 8 blocks keeps only the latest few: those cases prove little, and count not)."""
     host_hits.clear()
     test_random_chats_give_the_tokens_of_caching_off(tiny_float64_model)
-    assert sum(hit > 0 for hit in host_hits) >= len(host_hits) // 2, host_hits
+    roomy = [hit for num_blocks, hit in host_hits if num_blocks >= 40]
+    assert sum(hit > 0 for hit in roomy) >= len(roomy) // 2, host_hits
