@@ -137,10 +137,12 @@ def working_set_blocks(shape: ChatShape, block_size: int) -> int:
 
 def tier_cache_sizes(args, workload: str, tier_on: bool) -> dict:
     """--tier: the device cache (a quarter of the working set, or all of it and a margin
-    when it `fits`) and the host tier (all of it, twice over; none when off)."""
+    when it `fits`) and the host tier (the working set twice over; none when off)."""
     shape = ChatShape(args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens)
     working_set = working_set_blocks(shape, BLOCK_SIZE)
-    device = working_set // 4 if workload == "shared" else working_set * 5 // 4
+    longest = -(-(shape.system_tokens + shape.turns * (shape.message_tokens + shape.answer_tokens)) // BLOCK_SIZE)
+    # A quarter, but room for two of the longest requests at least (a small --quick shape).
+    device = max(working_set // 4, 2 * longest) if workload == "shared" else working_set * 5 // 4
     return {"num_kv_blocks": device, "num_offload_blocks": 2 * working_set if tier_on else 0}
 
 
@@ -324,7 +326,7 @@ def print_report(results: dict[tuple[str, str, bool], RunResult], checks: list[t
                  fractions: dict[str, float], tier: bool = False) -> None:
     print(f"\nchat: {shape.users} users x {shape.turns} turns, system prompt {shape.system_tokens} tokens, "
           f"messages {shape.message_tokens}, answers {shape.answer_tokens}; shared fraction of prompt tokens: "
-          f"shared {fractions['shared']:.2f}, unique {fractions['unique']:.2f}")
+          + ", ".join(f"{workload} {fraction:.2f}" for workload, fraction in fractions.items()))
     header = f"{'system':<14} {'workload':<8} {'cache':<5} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p90':>9} " \
              f"{'e2e p50':>8} {'cached':>7} {'KV MB/req':>9}"
     print(header + ("   (cache on: with the host tier; off: the device cache alone)" if tier else ""))

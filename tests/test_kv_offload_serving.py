@@ -1,0 +1,51 @@
+"""The prefix cache's host tier over real processes: gateway + prefill worker + decode
+worker, each with a device cache of about one conversation and `--kv-offload-memory`.
+Chats that come back after the others have filled the device caches find their history
+in the host tiers: the prefill worker copies it back instead of computing it, the decode
+worker instead of receiving it; every token is transformers'."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+import torch
+
+from baton.cli.local import start_deployment
+from baton.wire.v1 import generation_pb2_grpc
+from tests.test_serving import greedy_request, stream_all
+from tests.tiny_models import hf_greedy, make_tiny_model
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_chats_that_come_back_find_their_history_in_the_host_tiers(tmp_path):
+    model, path = make_tiny_model(tmp_path / "model", dtype=torch.float64)
+    worker_args = ["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "40", "--kv-offload-memory", "16M",
+                   "--verify-kv"]
+    deployment = start_deployment(path, tmp_path / "logs", worker_args=worker_args,
+                                  gateway_args=["--max-prefill-queue-tokens", "0"])  # every prompt handed off
+    try:
+        rng = random.Random(3)
+        system = [rng.randrange(3, 160) for _ in range(40)]
+        histories = [system + [rng.randrange(3, 160) for _ in range(rng.randrange(4, 12))] for _ in range(6)]
+        with grpc.insecure_channel(deployment.gateway) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            for turn in range(2):
+                for user, prompt in enumerate(histories):
+                    tokens, _, messages = stream_all(stub, greedy_request(prompt, 8, f"u{user}-t{turn}"))
+                    assert tokens == hf_greedy(model, prompt, 8), (user, turn)
+                    histories[user] = prompt + tokens + [3 + turn, 4 + user, 5]
+                    if turn:  # the system prompt and the history: cached somewhere
+                        assert messages[-1].usage.cached_tokens >= 40
+        prefill, decode = deployment.stats("prefill"), deployment.stats("decode")
+        assert prefill.prefix_cache_host_hit_tokens > 0 and prefill.kv_offload_reloaded_bytes > 0
+        assert decode.prefix_cache_host_reused_blocks > 0, "the decode worker received what its host tier held"
+        assert decode.num_transfers_verified == decode.num_transfers and decode.num_transfer_failures == 0
+        deployment.wait_idle(60)
+        for stats in (deployment.stats("prefill"), deployment.stats("decode")):
+            assert stats.num_kv_blocks_used == 0 and stats.num_kv_offload_blocks_cached > 0
+    finally:
+        codes = deployment.stop()
+    assert codes == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
