@@ -425,6 +425,9 @@ class KVCacheManager:
         del self._swapped[request_id]
         return copies
 
+    def num_swapped_blocks(self, request_id: str) -> int:
+        return len(self._swapped.get(request_id, ()))
+
     def free_swapped(self, request_id: str) -> int:
         cpu_ids = self._swapped.pop(request_id, None)
         if cpu_ids is None:

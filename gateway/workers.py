@@ -205,13 +205,26 @@ class Worker:
         return self.prefix.matched(prompt.hashes(block_size))
 
     def cached_prefill_tokens(self, prompt: PromptBlocks | None) -> int:
-        """Tokens of `prompt` this worker would likely not compute: its cached blocks, but
+        """Tokens of `prompt` this worker would likely not compute: its cached blocks (those
+        of its host tier weighted by what their copy back saves: `host_tier_weight`), but
         never the last token (which a prefill always computes)."""
-        if prompt is None:
+        block_size = self.stats.block_size
+        if prompt is None or not self.prefix.capacity or block_size <= 0:
             return 0
-        block_size = max(self.stats.block_size, 1)
+        device, host = self.prefix.matched_tiers(prompt.hashes(block_size))
         num_tokens = len(prompt.token_ids)
-        return min(self.cached_blocks(prompt) * block_size, (num_tokens - 1) // block_size * block_size)
+        cached = round((device + host * self.host_tier_weight()) * block_size)
+        return min(cached, (num_tokens - 1) // block_size * block_size)
+
+    def host_tier_weight(self) -> float:
+        """The share of a prompt token's prefill time that finding it in the host tier saves:
+        1 - (its KV's copy back) / (its recompute), by the worker's published figures (1
+        until it has measured its prefill)."""
+        stats = self.stats
+        if stats.prefill_s_per_token <= 0 or stats.kv_copy_bytes_per_s <= 0:
+            return 1.0
+        copy_s = stats.kv_block_bytes / max(stats.block_size, 1) / stats.kv_copy_bytes_per_s
+        return max(0.0, 1.0 - copy_s / stats.prefill_s_per_token)
 
     def routed(self, prompt: PromptBlocks | None) -> None:
         """`prompt` was sent here: its blocks will be in this worker's cache."""
@@ -401,7 +414,8 @@ class WorkerPool:
             logger.warning("%s worker %s is not serving (draining or failed)", worker.role, worker.address)
         worker.set_up(stats.serving)
         worker.stats = stats
-        worker.prefix.sync(stats.worker_id, stats.prefix_caching, stats.num_kv_blocks_total)
+        worker.prefix.sync(stats.worker_id, stats.prefix_caching, stats.num_kv_blocks_total,
+                           stats.num_kv_offload_blocks_total)
         worker.pending_prefill_tokens = 0
         worker.pending_blocks = 0
         return True

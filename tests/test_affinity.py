@@ -113,3 +113,48 @@ def test_an_extended_prompt_hashes_only_its_new_blocks_and_equals_a_fresh_chain(
     longer = prompt.extended(list(range(10, 19)))
     assert longer.hashes(4) == block_hashes(list(range(19)), 4)
     assert longer.hashes(4)[:2] == prompt.hashes(4) and len(prompt.hashes(4)) == 2  # the original is untouched
+
+
+def test_a_worker_with_a_host_tier_is_estimated_to_keep_what_its_device_cache_evicts():
+    """The host tier holds the latest host_capacity blocks (those on the device too): the
+    device part's evicted blocks go on in a host part of the difference; a chain's run goes
+    on there as the worker matches it; a block sent again moves back to the device part."""
+    from gateway.affinity import PrefixIndex
+
+    index = PrefixIndex()
+    index.sync("w", True, 4, num_host_blocks=7)
+    index.add([b"a", b"b", b"c"])
+    index.add([b"x", b"y"])  # c goes to the host part
+    assert index.matched_tiers([b"a", b"b", b"c", b"d"]) == (2, 1) and index.matched([b"a", b"b", b"c"]) == 2
+    index.add([b"p", b"q", b"r", b"s"])  # device p q r s; host part (3): c b a y x -> a y x
+    assert index.matched_tiers([b"a", b"b", b"c"]) == (0, 1)
+    assert index.matched_tiers([b"x", b"y"]) == (0, 2) and len(index) == 7
+    index.add([b"a"])  # back on the device; s, the device's least recent, to the host part
+    assert index.matched_tiers([b"a", b"y"]) == (1, 1) and index.matched_tiers([b"s"]) == (0, 1)
+    index.sync("w2", True, 4, num_host_blocks=7)  # restarted: holds nothing
+    assert len(index) == 0
+
+
+def test_the_prefill_side_counts_host_tier_blocks_by_what_their_copy_back_saves():
+    import asyncio
+
+    from gateway.affinity import PromptBlocks
+    from gateway.workers import WorkerPool
+
+    async def scenario() -> None:
+        pool = WorkerPool(["127.0.0.1:1"], ["127.0.0.1:2"], DEFAULTS)
+        worker = pool.prefill[0]
+        # A token's prefill takes 1 ms; its KV (a 40 KB block of 4 tokens) copies back at 1 GB/s: 10 us.
+        _caching_worker(worker, "w", num_kv_offload_blocks_total=100, prefill_s_per_token=1e-3,
+                        kv_block_bytes=40_000, kv_copy_bytes_per_s=1e9)
+        worker.prefix.sync("w", True, 10, num_host_blocks=100)
+        prompt = PromptBlocks(list(range(100, 203)))  # 25 full blocks and 3 tokens
+        worker.routed(prompt)  # the head's 10 blocks on the device, the tail's 15 in the host tier
+        assert worker.prefix.matched_tiers(prompt.hashes(4)) == (10, 15)
+        assert worker.host_tier_weight() == 0.99
+        assert worker.cached_prefill_tokens(prompt) == round((10 + 15 * 0.99) * 4)
+        worker.stats = replace(worker.stats, prefill_s_per_token=0.0)  # not measured yet: a copy saves it all
+        assert worker.cached_prefill_tokens(prompt) == 100
+        await pool.close()
+
+    asyncio.run(scenario())

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(900)
 
 def test_chats_that_come_back_find_their_history_in_the_host_tiers(tmp_path):
     model, path = make_tiny_model(tmp_path / "model", dtype=torch.float64)
-    worker_args = ["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "40", "--kv-offload-memory", "16M",
+    worker_args = ["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "24", "--kv-offload-memory", "16M",
                    "--verify-kv"]
     deployment = start_deployment(path, tmp_path / "logs", worker_args=worker_args,
                                   gateway_args=["--max-prefill-queue-tokens", "0"])  # every prompt handed off

@@ -348,7 +348,9 @@ def test_the_property_test_shares_blocks_often():
     tiered = [hit for _, _, hit in hits if hit is not None]
     assert prefill_hits >= len(hits) // 4, f"only {prefill_hits} of {len(hits)} cases shared a block"
     assert reused >= len(hits) // 20, f"only {reused} of {len(hits)} cases skipped received blocks"
-    assert sum(tiered) >= len(tiered) // 8, f"only {sum(tiered)} of {len(tiered)} cases with a host tier hit it"
+    # Reaching the host tier takes an eviction and a later prompt with the evicted prefix: a
+    # few cases in a hundred (4 to 25 in runs so far; tests/test_kv_offload.py hits it always).
+    assert sum(tiered) >= len(tiered) // 40, f"only {sum(tiered)} of {len(tiered)} cases with a host tier hit it"
 
 
 def test_a_block_waits_for_its_pending_token_before_it_is_cached():

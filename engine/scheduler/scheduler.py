@@ -275,7 +275,9 @@ class Scheduler:
             num_new = min(remaining, budget, chunk_cap, prefill_left if remaining > 1 else 1)
             if num_new <= 0:  # mid-prompt, and this step's prompt tokens are spent
                 break
-            num_blocks = cdiv(request.num_computed_tokens + num_new, self.block_size)
+            # Its swapped table may be longer (a static batch's worst case, taken at admission).
+            num_blocks = max(cdiv(request.num_computed_tokens + num_new, self.block_size),
+                             kv.num_swapped_blocks(request.request_id))
             if num_blocks + self._growth_reserve() > kv.num_free_blocks:
                 break
             copies = kv.swap_in(request.request_id)

@@ -246,6 +246,7 @@ def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> Schedul
         prefix_cache_received_blocks=prefix.num_received_blocks_queried,
         prefix_cache_reused_blocks=prefix.num_received_blocks_hit,
         num_kv_landed=scheduler.handoffs.num_landed,
+        kv_copy_bytes_per_s=scheduler.cost_model.swap_bytes_per_second,
         **_tier_stats(kv, scheduler.cost_model.bytes_per_block),
     )
 

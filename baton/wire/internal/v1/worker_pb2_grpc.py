@@ -90,11 +90,10 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenKvChannel(self, request, context):
-        """Opens a KV channel of one (prefill, decode) pair over the transport the
-        decode worker chose (ipc: the prefill worker maps the decode worker's
-        cache; gloo, nccl: it joins the two-rank group whose store the decode
-        worker hosts), after checking that both caches have the same block layout
-        and that the transport can join them (FAILED_PRECONDITION if not).
+        """Opens a KV channel of one (prefill, decode) pair over the transport the decode worker
+        chose (ipc: the prefill worker maps the decode worker's cache; gloo, nccl: it joins the
+        two-rank group whose store the decode worker hosts), after checking that both caches have
+        the same block layout and that the transport can join them (FAILED_PRECONDITION if not).
         Returns once the channel is up.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -102,11 +101,10 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SendKv(self, request, context):
-        """Sends a held request's KV blocks over an open channel. First message:
-        accepted (the lease was found and is now pinned), after which the decode
-        worker posts its receives; second message: done, with per-block
-        checksums when verification was asked for. The lease is released once
-        the send completes.
+        """Sends a held request's KV blocks over an open channel. First message: accepted (the
+        lease was found and is now pinned), after which the decode worker posts its receives;
+        second message: done, with per-block checksums when verification was asked for. The
+        lease is released once the send completes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
