@@ -99,6 +99,7 @@ class KVCacheManager:
         # The host pool: swap preemption's blocks and the prefix cache's host tier, shared.
         self.swap_pool = BlockPool(num_swap_blocks + num_offload_blocks)
         self.tier = HostTier(self.pool, self.swap_pool) if num_offload_blocks and enable_prefix_caching else None
+        self.num_offload_blocks = num_offload_blocks if self.tier is not None else 0
         self.block_tables = np.zeros((initial_rows, max_blocks_per_seq), dtype=np.int64)
         self._free_rows: list[int] = list(range(initial_rows - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
@@ -212,7 +213,7 @@ class KVCacheManager:
         num_evictable = sum(pool.is_evictable(block_id) for block_id in block_ids)
         if self.tier is None:
             return PrefixHit(tuple(block_ids), num_evictable)
-        self.swap_pool.refresh(hashes[:len(block_ids)])  # LRU across both tiers
+        self.swap_pool.refresh(reversed(hashes[:len(block_ids)]))  # LRU across both tiers, the head last
         rest = hashes[len(block_ids):]
         host_ids = self.tier.match(rest)
         return PrefixHit(tuple(block_ids), num_evictable, tuple(host_ids), tuple(rest[:len(host_ids)]))

@@ -15,8 +15,10 @@ takes the offloaded blocks' room when it needs it and never waits on the tier.
     reload          an admission whose prefix continues, past the device's cached blocks,
                     in the host tier takes new device blocks for those, registered under
                     their hashes at once, and a host-to-device copy of each that runs
-                    before the step's forward pass; the host blocks are held until that
-                    step has ended.
+                    before the step's forward pass; the host blocks and the device blocks
+                    are held until that step has ended (a request that lets go of its
+                    table meanwhile, as a failed receive's fence does at once, must not
+                    hand a block to a writer the copy could still overwrite).
     never in place  a host block's content changes only after it is evicted (its hash
                     forgotten) and allocated again.
 
@@ -90,6 +92,7 @@ class HostTier:
     def reload(self, host_ids: Sequence[int], device_ids: Sequence[int]) -> None:
         """Copy host blocks (cached) into new device blocks before the next forward pass."""
         self.host.incref(host_ids)
+        self.device.incref(device_ids)
         self._reloads.extend(BlockCopy(src, dst) for src, dst in zip(host_ids, device_ids))
         self.stats.num_reloaded_blocks += len(host_ids)
 
@@ -98,7 +101,7 @@ class HostTier:
         until it has ended (`release`)."""
         offloads, reloads = self._offloads, self._reloads
         self._offloads, self._reloads = [], []
-        holds = TierHolds([copy.src for copy in offloads],
+        holds = TierHolds([copy.src for copy in offloads] + [copy.dst for copy in reloads],
                           [copy.dst for copy in offloads] + [copy.src for copy in reloads])
         self.stats.num_offloaded_blocks += len(offloads)
         if holds:
@@ -115,7 +118,7 @@ class HostTier:
 
     def held(self) -> tuple[list[int], list[int]]:
         """(device blocks, host blocks) the tier holds now, one entry per hold."""
-        device = [copy.src for copy in self._offloads]
+        device = [copy.src for copy in self._offloads] + [copy.dst for copy in self._reloads]
         host = [copy.dst for copy in self._offloads] + [copy.src for copy in self._reloads]
         for holds in self._issued:
             device += holds.device_ids

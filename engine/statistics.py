@@ -195,8 +195,8 @@ class EngineStats:
     prefix_cache_reused_blocks: int = stat(COUNTER, "Prompt blocks of handed-off requests already held here: not "
                                            "transferred.", 41, "baton_prefix_cache_reused_blocks")
     # The prefix cache's host tier (engine/kv_offload.py; off: all zero).
-    num_kv_offload_blocks_total: int = stat(GAUGE, "Host blocks shared by the prefix cache's host tier and swap "
-                                            "(0: no host tier).", 56, "baton_kv_offload_blocks_total")
+    num_kv_offload_blocks_total: int = stat(GAUGE, "Host blocks of the prefix cache's host tier, besides swap's "
+                                            "(0: none).", 56, "baton_kv_offload_blocks_total")
     num_kv_offload_blocks_cached: int = stat(GAUGE, "Blocks the host tier holds, by the hashes that name them on "
                                              "the device.", 57, "baton_kv_offload_blocks_cached")
     prefix_cache_host_hit_tokens: int = stat(COUNTER, "Of the prompt tokens found in the prefix cache, those copied "

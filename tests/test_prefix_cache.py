@@ -196,8 +196,7 @@ def shadow_step(s, shadow: ShadowCache, receive_fate: random.Random, fences: lis
         shadow.check_and_write(request, request.num_computed_tokens, request.num_computed_tokens + num_new)
         if request.num_computed_tokens + num_new == request.num_tokens:
             sampled.append(request)
-    s.complete_step(out, sampled, [next_token(r) for r in sampled])
-    s.kv.release_tier_holds(out.tier_holds)  # the step has ended (LLMEngine._complete)
+    s.complete_step(out, sampled, [next_token(r) for r in sampled])  # (it lets go of the tier's holds)
     for request in out.kv_receives:
         fate = receive_fate.choice(["ok", "ok", "fail", "fence"])
         if fate == "ok" and not request.is_finished:
@@ -351,6 +350,45 @@ def test_the_property_test_shares_blocks_often():
     # Reaching the host tier takes an eviction and a later prompt with the evicted prefix: a
     # few cases in a hundred (4 to 25 in runs so far; tests/test_kv_offload.py hits it always).
     assert sum(tiered) >= len(tiered) // 40, f"only {sum(tiered)} of {len(tiered)} cases with a host tier hit it"
+
+
+def run_to_the_end(s) -> None:
+    """Steps until nothing is left, the host tier's copies included."""
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        sampled = [request for request, num_new in zip(out.requests, out.num_scheduled_tokens)
+                   if request.num_computed_tokens + num_new == request.num_tokens]
+        s.complete_step(out, sampled, [next_token(r) for r in sampled])
+        s.check_integrity()
+
+
+def test_a_fenced_receive_leaves_its_reloaded_blocks_held_until_their_copy_has_run():
+    """A handed-off prompt found in the host tier: its reload copies run with the step, and
+    a receive that fails (fenced) before the step has ended must not free their targets,
+    which another process could otherwise be given to write into before the copy lands."""
+    s = make_scheduler(num_blocks=8, num_swap_blocks=0, num_offload_blocks=16, block_size=4,
+                       enable_prefix_caching=True, max_model_len=64)
+    prompt = list(range(10, 22))  # 3 blocks
+    s.add_request(prompt_request("a", prompt, max_tokens=1))
+    run_to_the_end(s)
+    s.add_request(prompt_request("c", list(range(40, 72)), max_tokens=1))  # 8 blocks: evicts a's
+    run_to_the_end(s)
+    b = prompt_request("b", prompt, max_tokens=4)
+    b.all_token_ids.append(next_token(b))
+    b.kv_remote = True
+    s.add_request(b)
+    out = s.schedule()
+    assert out.kv_receives == [b] and b.num_reused_blocks == 3
+    targets = [copy.dst for copy in out.reload]
+    assert len(targets) == 3 and s.kv.prefix_stats.num_received_blocks_host_hit == 3
+    s.complete_kv_receive("b", False, "fence-b")
+    assert not any(s.kv.pool.is_evictable(block) for block in targets), "freed while their copy may still run"
+    s.check_integrity()
+    s.complete_step(out, [], [])  # the step has ended: the copies have landed
+    assert all(s.kv.pool.is_evictable(block) for block in targets)
+    s.kv.release_fence("fence-b")
+    s.check_integrity()
+    assert s.kv.num_used_blocks == 0
 
 
 def test_a_block_waits_for_its_pending_token_before_it_is_cached():

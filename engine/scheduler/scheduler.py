@@ -386,13 +386,15 @@ class Scheduler:
     def complete_step(self, out: SchedulerOutput, sampled_requests: list[Request],
                       sampled_token_ids: list[int]) -> list[Request]:
         """Advance progress by the step's work, append sampled tokens, finish what stopped
-        (`advance` then `resolve`, for a step whose tokens are already known).
+        (`advance` then `resolve`, for a step whose tokens are already known: it has ended,
+        and what its host-tier copies held is let go).
 
         Returns the requests that finished in this step.
         """
         positions = self.advance(out, sampled_requests)
         finished = self.resolve(sampled_requests, [[token_id] for token_id in sampled_token_ids], positions)
         self.end_step(out)
+        self.kv.release_tier_holds(out.tier_holds)
         return finished
 
     def advance(self, out: SchedulerOutput, sampled_requests: list[Request]) -> list[int | None]:

@@ -257,7 +257,7 @@ def _tier_stats(kv: KVCacheManager, bytes_per_block: int) -> dict[str, int]:
     if tier is None:
         return {}
     prefix = kv.prefix_stats
-    return dict(num_kv_offload_blocks_total=kv.swap_pool.num_blocks,
+    return dict(num_kv_offload_blocks_total=kv.num_offload_blocks,
                 num_kv_offload_blocks_cached=kv.swap_pool.num_cached,
                 prefix_cache_host_hit_tokens=prefix.num_host_hit_tokens,
                 prefix_cache_host_reused_blocks=prefix.num_received_blocks_host_hit,
