@@ -100,12 +100,14 @@ def test_workers_on_many_hosts_found_by_dns(tiny_model, network, tmp_path):
             # One leaves while these run (once it has some: on CI's busy cores they may take a
             # while to arrive): out of DNS, the gateway routes it nothing new; then SIGTERM,
             # and what runs there finishes within its grace period.
+            # (The poll that saw its work is the one kept: short requests may finish between two polls.)
             worker = cluster.process("decode-1")
             deadline = time.monotonic() + 60
-            while not _has_work(deployment.stats(worker)) and time.monotonic() < deadline:
+            in_flight = deployment.stats(worker)
+            while not _has_work(in_flight) and time.monotonic() < deadline:
                 time.sleep(0.01)
+                in_flight = deployment.stats(worker)
             leaving = cluster.unlist("decode-1")
-            in_flight = deployment.stats(leaving)
             leaving.popen.send_signal(signal.SIGTERM)
             assert leaving.popen.wait(timeout=120) == 0, deployment.logs()
             deployment.processes.remove(leaving)
