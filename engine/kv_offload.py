@@ -47,21 +47,15 @@ class TierHolds:
         return bool(self.device_ids or self.host_ids)
 
 
-@dataclass(slots=True)
-class TierStats:
-    """Cumulative counts of the host tier."""
-
-    num_offloaded_blocks: int = 0  # device blocks copied to the host tier (write-through)
-    num_reloaded_blocks: int = 0  # host blocks copied back into device blocks on a hit
-
-
 class HostTier:
     """Write-through to, and reloads from, the host pool (see the module's docstring)."""
 
     def __init__(self, device: BlockPool, host: BlockPool) -> None:
         self.device = device
         self.host = host
-        self.stats = TierStats()
+        # Device blocks written through so far (its reloads are the prefix cache's host hits:
+        # PrefixCacheStats).
+        self.num_written = 0
         self._offloads: list[BlockCopy] = []  # device -> host, to run at the next step
         self._reloads: list[BlockCopy] = []  # host -> device, to run at the next step
         self._issued: list[TierHolds] = []  # the holds of steps launched and not yet ended
@@ -94,7 +88,6 @@ class HostTier:
         self.host.incref(host_ids)
         self.device.incref(device_ids)
         self._reloads.extend(BlockCopy(src, dst) for src, dst in zip(host_ids, device_ids))
-        self.stats.num_reloaded_blocks += len(host_ids)
 
     def take_copies(self) -> tuple[list[BlockCopy], list[BlockCopy], TierHolds]:
         """The copies the step being scheduled runs (offloads, reloads), and what it holds
@@ -103,7 +96,7 @@ class HostTier:
         self._offloads, self._reloads = [], []
         holds = TierHolds([copy.src for copy in offloads] + [copy.dst for copy in reloads],
                           [copy.dst for copy in offloads] + [copy.src for copy in reloads])
-        self.stats.num_offloaded_blocks += len(offloads)
+        self.num_written += len(offloads)
         if holds:
             self._issued.append(holds)
         return offloads, reloads, holds

@@ -198,20 +198,25 @@ class Worker:
         return -(-num_tokens // max(self.stats.block_size, 1))
 
     def cached_blocks(self, prompt: PromptBlocks | None) -> int:
-        """Full blocks of `prompt`, from its start, that this worker's cache likely holds."""
+        """Full blocks of `prompt`, from its start, that this worker's device cache likely holds."""
+        return self._matched_tiers(prompt)[0]
+
+    def _matched_tiers(self, prompt: PromptBlocks | None) -> tuple[int, int]:
+        """Full blocks of `prompt`, from its start, this worker likely holds: in its device
+        cache, then in its host tier (PrefixIndex.matched_tiers)."""
         block_size = self.stats.block_size
         if prompt is None or not self.prefix.capacity or block_size <= 0:
-            return 0
-        return self.prefix.matched(prompt.hashes(block_size))
+            return 0, 0
+        return self.prefix.matched_tiers(prompt.hashes(block_size))
 
     def cached_prefill_tokens(self, prompt: PromptBlocks | None) -> int:
         """Tokens of `prompt` this worker would likely not compute: its cached blocks (those
         of its host tier weighted by what their copy back saves: `host_tier_weight`), but
         never the last token (which a prefill always computes)."""
-        block_size = self.stats.block_size
-        if prompt is None or not self.prefix.capacity or block_size <= 0:
+        if prompt is None:
             return 0
-        device, host = self.prefix.matched_tiers(prompt.hashes(block_size))
+        device, host = self._matched_tiers(prompt)
+        block_size = max(self.stats.block_size, 1)
         num_tokens = len(prompt.token_ids)
         cached = round((device + host * self.host_tier_weight()) * block_size)
         return min(cached, (num_tokens - 1) // block_size * block_size)

@@ -50,12 +50,12 @@ def test_prompt_lookup_prefers_a_longer_match_over_a_later_shorter_one():
 
 
 def test_greedy_acceptance_takes_the_longest_agreeing_prefix_then_the_targets_token():
-    target = torch.tensor([4, 7, 2, 9])
-    assert accept_agreeing(torch.tensor([4, 7, 2]), target).token_ids == [4, 7, 2, 9]  # all, and the bonus
-    outcome = accept_agreeing(torch.tensor([4, 8, 2]), target)  # the 2 after a wrong 8 counts for nothing
+    target = [4, 7, 2, 9]
+    assert accept_agreeing([4, 7, 2], target).token_ids == [4, 7, 2, 9]  # all, and the bonus
+    outcome = accept_agreeing([4, 8, 2], target)  # the 2 after a wrong 8 counts for nothing
     assert (outcome.token_ids, outcome.num_accepted) == ([4, 7], 1)
-    assert accept_agreeing(torch.tensor([5, 7, 2]), target).token_ids == [4]
-    assert accept_agreeing(torch.tensor([], dtype=torch.int64), target[:1]).token_ids == [4]  # nothing proposed
+    assert accept_agreeing([5, 7, 2], target).token_ids == [4]
+    assert accept_agreeing([], target[:1]).token_ids == [4]  # nothing proposed
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

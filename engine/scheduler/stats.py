@@ -261,8 +261,9 @@ def _tier_stats(kv: KVCacheManager, bytes_per_block: int) -> dict[str, int]:
                 num_kv_offload_blocks_cached=kv.swap_pool.num_cached,
                 prefix_cache_host_hit_tokens=prefix.num_host_hit_tokens,
                 prefix_cache_host_reused_blocks=prefix.num_received_blocks_host_hit,
-                kv_offload_written_blocks=tier.stats.num_offloaded_blocks,
-                kv_offload_reloaded_bytes=tier.stats.num_reloaded_blocks * bytes_per_block,
+                kv_offload_written_blocks=tier.num_written,
+                kv_offload_reloaded_bytes=(prefix.num_host_hit_tokens // kv.block_size
+                                           + prefix.num_received_blocks_host_hit) * bytes_per_block,
                 num_kv_offload_evicted=kv.swap_pool.num_evicted)
 
 

@@ -34,10 +34,6 @@ def accept_agreeing(proposed: Sequence[int], target_tokens: Sequence[int]) -> Ac
     token. The target's tokens are its argmax (greedy), or its samples: for point-mass
     proposals that is rejection sampling above, p_i(d_i) to keep d_i and the residual on a
     miss (engine/spec_decode/speculator.py). `proposed`: [k]; `target_tokens`: [k+1]."""
-    if isinstance(proposed, Tensor):
-        proposed = proposed.tolist()
-    if isinstance(target_tokens, Tensor):
-        target_tokens = target_tokens.tolist()
     num_accepted = next((i for i, (d, t) in enumerate(zip(proposed, target_tokens)) if d != t), len(proposed))
     return Accepted(list(target_tokens[:num_accepted + 1]), num_accepted)
 
