@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -135,12 +135,11 @@ def working_set_blocks(shape: ChatShape, block_size: int) -> int:
     return -(-shape.system_tokens // block_size) + shape.users * -(-conversation // block_size)
 
 
-def tier_cache_sizes(args, workload: str, tier_on: bool) -> dict:
+def tier_cache_sizes(shape: ChatShape, workload: str, tier_on: bool) -> dict:
     """--tier: the device cache (a quarter of the working set, or all of it and a margin
     when it `fits`) and the host tier (the working set twice over; none when off)."""
-    shape = ChatShape(args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens)
     working_set = working_set_blocks(shape, BLOCK_SIZE)
-    longest = -(-(shape.system_tokens + shape.turns * (shape.message_tokens + shape.answer_tokens)) // BLOCK_SIZE)
+    longest = working_set_blocks(replace(shape, users=1), BLOCK_SIZE)  # one user's whole conversation
     # A quarter, but room for two of the longest requests at least (a small --quick shape).
     device = max(working_set // 4, 2 * longest) if workload == "shared" else working_set * 5 // 4
     return {"num_kv_blocks": device, "num_offload_blocks": 2 * working_set if tier_on else 0}
@@ -201,7 +200,7 @@ def run_engine(args, conversations: Conversations, caching: bool) -> tuple[RunRe
     from engine.sampling_params import SamplingParams
 
     configure_process(args.threads)
-    sizes = tier_cache_sizes(args, conversations.workload, caching) if args.tier else _cache_size(args)
+    sizes = tier_cache_sizes(conversations.shape, conversations.workload, caching) if args.tier else _cache_size(args)
     llm = build_engine(engine_config(args.model, max_num_batched_tokens=args.max_num_batched_tokens,
                                      enable_prefix_caching=caching or args.tier, **sizes))
 
@@ -239,7 +238,7 @@ def run_disaggregated(args, conversations: Conversations, caching: bool,
 
     worker_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.tier:  # the host tier in bytes: SmolLM2's float32 block is 0.7 MB
-        sizes = tier_cache_sizes(args, conversations.workload, caching)
+        sizes = tier_cache_sizes(conversations.shape, conversations.workload, caching)
         worker_args += ["--num-kv-blocks", str(sizes["num_kv_blocks"]),
                         "--kv-offload-memory", f"{sizes['num_offload_blocks'] * 2**20}B"]
     elif args.num_kv_blocks:
