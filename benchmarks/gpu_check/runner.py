@@ -97,6 +97,7 @@ class CheckRun:
         # started, the later ones are not started, and the summary says what had finished.
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._stop_requested)
+        summary: dict = {}
         try:
             for index, result in enumerate(self.results):
                 if self.stopped_by is not None:
@@ -105,9 +106,10 @@ class CheckRun:
         finally:
             if monitor is not None:
                 _kill_group(monitor)
-            self.write_summary()
+            summary = self.write_summary()
             shutil.rmtree(self.work, ignore_errors=True)
-        print(render(self.summary()), flush=True)
+        # The table printed is the one written (a second summary() would time a later moment).
+        print(render(summary), flush=True)
         return 0 if all(r.status in (PASS, SKIP) for r in self.results) else 1
 
     def _stop_requested(self, signum, frame) -> None:
@@ -220,12 +222,13 @@ class CheckRun:
                             if k in self.figures},
                 "nvidia_smi": self._nvidia_smi()}
 
-    def write_summary(self) -> None:
+    def write_summary(self) -> dict:
         summary = self.summary()
         partial = self.out / "summary.json.partial"
         partial.write_text(json.dumps(_finite(summary), indent=1, default=str, allow_nan=False))
         partial.replace(self.out / "summary.json")  # a reader never sees half a file
         (self.out / "summary.txt").write_text(render(summary) + "\n")
+        return summary
 
 
 def _stop(process: subprocess.Popen) -> None:
