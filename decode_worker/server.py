@@ -351,6 +351,7 @@ def _token_event(output: RequestOutput, moments: dict[str, int]) -> TokenEvent:
         stop_token_id=output.stop_reason if isinstance(output.stop_reason, int) else None,
         # With its usage, on the last event: set when the prompt was prefilled here.
         num_cached_tokens=output.num_cached_tokens if output.finished else None,
+        num_host_cached_tokens=output.num_host_cached_tokens,
         prompt_logprobs=output.prompt_logprobs,  # on its first output, when asked
         moments=moments,
     )

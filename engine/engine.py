@@ -18,7 +18,7 @@ from engine.memory import (DeviceMemory, GraphReserve, check_share_is_free, kv_c
 from engine.model.loader import LoadedModel, load_model
 from engine.decode_graphs import GraphCapture, graph_batch_sizes, static_decode_bytes
 from engine.grammar import GrammarCompiler
-from engine.model_runner import LaunchedStep, ModelRunner
+from engine.model_runner import RELOAD, LaunchedStep, ModelRunner
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine import prompt_logprobs
 from engine.preemption import PreemptionCostModel
@@ -434,11 +434,13 @@ class LLMEngine:
                 outputs.append(self._final_output(request, token_ids, logprobs))
             else:
                 outputs.append(running_output(request, token_ids, logprobs, self.kv_manager))
-        # On CUDA the swap copies are not timed apart from the step: learn from steps without.
+        # On CUDA the block copies are not timed apart from the step: learn from steps without.
         if started is not None and not (runner_out.swap_bytes and self.device.type == "cuda"):
             self.step_time.observe(runner_out, step.scheduled, time.perf_counter() - started)
-        for num_bytes, seconds in self.runner.finished_swaps():
+        for kind, num_bytes, seconds in self.runner.finished_copies():
             self.cost_model.observe_swap(num_bytes, seconds)
+            if kind == RELOAD:
+                self.kv_manager.tier.reload_seconds += seconds
         return StepOutput(outputs=outputs)
 
     def _final_output(
@@ -455,6 +457,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            num_host_cached_tokens=request.num_host_cached_tokens,
             text=self.output_text(request),
             new_logprobs=new_logprobs,
             prompt_logprobs=prompt_logprobs.take(request),

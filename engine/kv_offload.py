@@ -56,6 +56,7 @@ class HostTier:
         # Device blocks written through so far (its reloads are the prefix cache's host hits:
         # PrefixCacheStats).
         self.num_written = 0
+        self.reload_seconds = 0.0  # the reloads' copies, as timed (ModelRunner.finished_copies)
         self._offloads: list[BlockCopy] = []  # device -> host, to run at the next step
         self._reloads: list[BlockCopy] = []  # host -> device, to run at the next step
         self._issued: list[TierHolds] = []  # the holds of steps launched and not yet ended

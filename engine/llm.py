@@ -89,6 +89,7 @@ class LLM:
                 queue_time=request.queue_time,
                 num_preemptions=request.num_preemptions,
                 num_cached_tokens=request.num_cached_tokens or 0,
+                num_host_cached_tokens=request.num_host_cached_tokens,
                 index=index,
                 prompt_logprobs=prompt_logprobs.get(request.request_id),
             )

@@ -19,6 +19,8 @@ from engine.sampler import SampledTokens, Sampler, SamplerOutput
 from engine.sampling_inputs import sampling_batch
 from engine.scheduler import SchedulerOutput
 
+# The kinds of host-device block copies a step makes (ModelRunner.finished_copies).
+SWAP, OFFLOAD, RELOAD = "swap", "offload", "reload"
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
@@ -27,8 +29,8 @@ class ModelRunnerOutput:
     requests: list[Request]
     token_ids: list[int]  # one per sampled row: a request checking k proposals has k+1 rows
     sampler_output: SamplerOutput | None
-    swap_bytes: int = 0
-    swap_seconds: float = 0.0  # host clock; 0 on CUDA, where swaps are asynchronous
+    swap_bytes: int = 0  # its host-device block copies: swaps, and the host tier's
+    swap_seconds: float = 0.0  # host clock; 0 on CUDA, where they are asynchronous
     num_prefill_tokens: int = 0  # prompt (or recompute) tokens in the forward pass
     seconds: float = 0.0  # the step's time on the device (CUDA events), or on the host clock (CPU)
     wait_seconds: float = 0.0  # host time `LaunchedStep.result` spent waiting for the device
@@ -134,7 +136,7 @@ class ModelRunner:
         # Decode-only steps on persistent inputs (CUDA graphs); None: every step eager.
         self.static_decode: StaticDecode | None = None
         # Swaps not yet reported: (bytes, host seconds, CUDA start/end events or None).
-        self._swap_timings: deque[tuple[int, float, tuple | None]] = deque()
+        self._copy_timings: deque[tuple[str, int, float, tuple | None]] = deque()
 
     def use_static_decode(self, max_num_seqs: int, max_model_len: int, capture: bool) -> GraphCapture | None:
         """Run decode-only steps of up to max_num_seqs sequences on persistent inputs
@@ -161,10 +163,7 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         started = time.perf_counter()
-        swap_bytes, swap_seconds = self._swap(out)
-        if out.offload or out.reload:  # the prefix cache's host tier: after the swaps, before the forward pass
-            self.kv_cache.swap_out(out.offload)
-            self.kv_cache.swap_in(out.reload)
+        swap_bytes, swap_seconds = self._copy_blocks(out)
         sampled = deferred = prompt_logprobs = sample_counts = None
         sample_requests: list[Request] = []
         num_prefill_tokens = 0
@@ -242,40 +241,48 @@ class ModelRunner:
             return None, prompt_logprobs
         return self.model.compute_logits(hidden[batch.sample_indices]), prompt_logprobs  # [S, vocab]
 
-    def _swap(self, out: SchedulerOutput) -> tuple[int, float]:
-        """The step's swap copies: (bytes, seconds on the host clock; 0 on CUDA).
+    def _copy_blocks(self, out: SchedulerOutput) -> tuple[int, float]:
+        """The step's host-device copies, before its forward pass: the swaps, then the prefix
+        cache's host tier's write-through and reloads (engine/kv_offload.py). Returns (bytes,
+        seconds on the host clock; 0 on CUDA, where they are asynchronous: see KVCache)."""
+        num_bytes, seconds = 0, 0.0
+        for kind, copies_out, copies_in in ((SWAP, out.swap_out, out.swap_in), (OFFLOAD, out.offload, ()),
+                                            (RELOAD, (), out.reload)):
+            if copies_out or copies_in:
+                moved, taken = self._timed_copy(kind, copies_out, copies_in)
+                num_bytes, seconds = num_bytes + moved, seconds + taken
+        return num_bytes, seconds
 
-        On CUDA the copies are asynchronous (see KVCache), so they are timed with
-        events and reported by `finished_swaps` once the GPU has done them."""
-        if not (out.swap_out or out.swap_in):
-            return 0, 0.0
+    def _timed_copy(self, kind: str, copies_out, copies_in) -> tuple[int, float]:
+        """One kind of copy, timed: on the host clock, or with events on CUDA (reported by
+        `finished_copies` once the GPU has done them)."""
         started = time.perf_counter()
         events = None
         if self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        num_bytes = self.kv_cache.swap_out(out.swap_out) + self.kv_cache.swap_in(out.swap_in)
+        num_bytes = self.kv_cache.swap_out(copies_out) + self.kv_cache.swap_in(copies_in)
         if events is None:
             seconds = time.perf_counter() - started
-            self._swap_timings.append((num_bytes, seconds, None))
+            self._copy_timings.append((kind, num_bytes, seconds, None))
             return num_bytes, seconds
         events[1].record()
-        self._swap_timings.append((num_bytes, 0.0, events))
+        self._copy_timings.append((kind, num_bytes, 0.0, events))
         return num_bytes, 0.0
 
-    def finished_swaps(self) -> list[tuple[int, float]]:
-        """(bytes, seconds) of each swap the device has finished since the last call."""
+    def finished_copies(self) -> list[tuple[str, int, float]]:
+        """(kind: SWAP, OFFLOAD or RELOAD, bytes, seconds) of each copy the device has finished
+        since the last call."""
         finished = []
-        while self._swap_timings:
-            num_bytes, seconds, events = self._swap_timings[0]
+        while self._copy_timings:
+            kind, num_bytes, seconds, events = self._copy_timings[0]
             if events is not None:
                 if not events[1].query():
                     break
                 seconds = events[0].elapsed_time(events[1]) / 1000
-            finished.append((num_bytes, seconds))
-            self._swap_timings.popleft()
+            finished.append((kind, num_bytes, seconds))
+            self._copy_timings.popleft()
         return finished
-
 
 def _sample_rows(requests: list[Request], counts: tuple[int, ...] | None
                  ) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:

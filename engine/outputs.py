@@ -36,6 +36,7 @@ class RequestOutput:
     # Prompt tokens whose KV the prefix cache held when its prefill was first admitted
     # here (None: its prompt was not prefilled here, e.g. its KV was handed off to us).
     num_cached_tokens: int | None = None
+    num_host_cached_tokens: int = 0  # of them, those the host tier held (engine/kv_offload.py)
     text: str | None = None  # the whole output text, on the finishing step when a tokenizer exists
     new_logprobs: list[TokenLogprobs] | None = None
     # On its first answer, when asked: prompt token i + 1's logprob and top alternatives
@@ -87,6 +88,7 @@ class CompletionOutput:
     queue_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_host_cached_tokens: int = 0  # of them, those its host tier held
     index: int = 0  # its choice, of a prompt asked n > 1
     prompt_logprobs: list[TokenLogprobs] | None = None  # as RequestOutput's
 

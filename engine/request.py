@@ -150,6 +150,7 @@ class Request:
                         "(engine/prefix_hash.py).",
         "num_cached_tokens": "The prompt tokens its first prefill admission here found cached (None: never "
                              "admitted to prefill here).",
+        "num_host_cached_tokens": "Of those, the ones the host tier held (engine/kv_offload.py).",
         "num_reused_blocks": "A kv_remote request's prompt blocks found cached here, which its handoff skips.",
         "num_cached_estimate": "Its prompt tokens the cache held when last looked up (the queued-work estimate).",
         "output_start": "Where its generated tokens start in all_token_ids: before the prompt's end when an "
@@ -204,10 +205,10 @@ class Request:
         self.prefill_start_time: float | None = None
         self.first_decode_time: float | None = None
         self.events: list[TimelineEvent] | None = None
-        self.timings_taken = False
-        self.decode_timed = False
+        self.timings_taken = self.decode_timed = False
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens: int | None = None
+        self.num_host_cached_tokens = 0
         self.num_reused_blocks = 0
         self.num_cached_estimate = 0
         self.output_start = len(self.prompt_token_ids)

@@ -209,6 +209,8 @@ class EngineStats:
                                           "the prefix cache.", 60, "baton_kv_offload_written_blocks")
     kv_offload_reloaded_bytes: int = stat(COUNTER, "Bytes of KV copied from the host tier back to the device on "
                                           "hits.", 61, "baton_kv_offload_reloaded_bytes")
+    kv_offload_reload_seconds: float = stat(COUNTER, "Seconds those copies took (on CUDA, timed on the device).", 64,
+                                            "baton_kv_offload_reload_seconds")
     num_kv_offload_evicted: int = stat(COUNTER, "Host-tier blocks evicted for space (by the tier, or by swap "
                                        "preemption).", 62, "baton_kv_offload_evictions")
     kv_copy_bytes_per_s: float = stat(GAUGE, "Host-device KV copy bandwidth (swaps, host-tier reloads): measured, "

@@ -77,6 +77,7 @@ def running_output(request: Request, token_ids: list[int], new_logprobs: list | 
         finished=False,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
+        num_host_cached_tokens=request.num_host_cached_tokens,
         # Not the next step's token, already PENDING when overlapped.
         num_output_tokens=request.num_output_tokens - (request.all_token_ids[-1] == PENDING_TOKEN),
         new_logprobs=new_logprobs,

@@ -41,6 +41,7 @@ class Admitted(TimelineEvent):
     # Tokens at its start whose KV the prefix cache held (of a kv_remote request: those
     # not received).
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of them, those copied back from the host tier
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,10 @@ def choice_requests(prepared: PreparedRequest) -> list[PreparedRequest]:
             for index in range(prepared.params.n)]
 
 
+# A usage's counts of cached prompt tokens (TextDelta's), all and by tier.
+_CACHED = ("num_cached_tokens", "num_host_cached_tokens")
+
+
 async def merged_choices(prepared: PreparedRequest, stream: Callable[[PreparedRequest, int], AsyncIterator[TextDelta]]
                          ) -> AsyncIterator[TextDelta]:
     """The deltas of every choice of `prepared` (`stream(choice, index)` runs one), as they
@@ -56,7 +60,8 @@ async def merged_choices(prepared: PreparedRequest, stream: Callable[[PreparedRe
 
     tasks = [asyncio.ensure_future(pump(0))]
     remaining = len(choices)
-    num_finished = num_completion = num_cached = num_first = 0
+    num_finished = num_completion = num_first = 0
+    cached = dict.fromkeys(_CACHED, 0)  # choice 0's counts: its prompt's, reported once
     try:
         while remaining:
             item = await queue.get()
@@ -74,11 +79,11 @@ async def merged_choices(prepared: PreparedRequest, stream: Callable[[PreparedRe
                 num_finished += 1
                 num_completion += item.num_completion_tokens
                 if item.index == 0:
-                    num_cached = item.num_cached_tokens
+                    cached = {name: getattr(item, name) for name in _CACHED}
                 if num_finished < len(choices):  # others still run: the usage comes with the last
-                    item = replace(item, num_prompt_tokens=0, num_completion_tokens=0, num_cached_tokens=0)
+                    item = replace(item, num_prompt_tokens=0, num_completion_tokens=0, **dict.fromkeys(_CACHED, 0))
                 else:
-                    item = replace(item, num_completion_tokens=num_completion, num_cached_tokens=num_cached)
+                    item = replace(item, num_completion_tokens=num_completion, **cached)
             yield item
     finally:
         for task in tasks:

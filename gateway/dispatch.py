@@ -206,6 +206,7 @@ class Dispatcher:
             result.finish_reason,
             stop_token_id=result.first_token_id if result.finish_reason == "stop" else None,
             num_cached_tokens=result.num_cached_tokens,
+            num_host_cached_tokens=result.num_host_cached_tokens,
             prompt_logprobs=result.prompt_logprobs,
             moments=result.moments,
         )

@@ -337,6 +337,7 @@ class _ChoiceText:
         )
         self.num_output = 0
         self.num_cached = 0  # as the worker that prefilled the prompt (last) reported it
+        self.num_host_cached = 0  # of them, those its host tier held
         self.token_times: list[float] = []
         self.moments: dict[str, int] = {}  # the workers' and the dispatch's (baton/runtime/latency.py)
 
@@ -353,7 +354,7 @@ class _ChoiceText:
         prepared = self.prepared
         self.num_output += len(event.token_ids)
         if event.num_cached_tokens is not None:
-            self.num_cached = event.num_cached_tokens
+            self.num_cached, self.num_host_cached = event.num_cached_tokens, event.num_host_cached_tokens
         self.token_times.extend([time.monotonic()] * len(event.token_ids))
         self.moments.update(event.moments)
         text, finish_reason, stop_string = "", event.finish_reason, None
@@ -370,5 +371,6 @@ class _ChoiceText:
             prepared.request_id, event.token_ids, text, event.logprobs, finish_reason, stop_string=stop_string,
             stop_token_id=event.stop_token_id if stop_string is None else None,
             num_prompt_tokens=len(prepared.prompt_token_ids), num_completion_tokens=self.num_output,
-            num_cached_tokens=self.num_cached, index=self.index, prompt_logprobs=event.prompt_logprobs,
+            num_cached_tokens=self.num_cached, num_host_cached_tokens=self.num_host_cached, index=self.index,
+            prompt_logprobs=event.prompt_logprobs,
         )

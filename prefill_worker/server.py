@@ -130,6 +130,7 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         if output.finished:  # the first token ended it: nothing is held
             return PrefillResult(output.new_token_ids[0], first_logprob, output.finish_reason,
                                  num_cached_tokens=output.num_cached_tokens or 0,
+                                 num_host_cached_tokens=output.num_host_cached_tokens,
                                  prompt_logprobs=output.prompt_logprobs, moments=moments)
         # NOTE: the decode call shares the request's deadline: KV nobody pulled by then never will be.
         lease_s = self.sender.hold(work.request_id, output.kv_block_ids, output.num_prompt_tokens, deadline)
@@ -145,8 +146,9 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             prefill_endpoint=self.kv_endpoint,
         )
         return PrefillResult(output.new_token_ids[0], first_logprob, kv_handle=handle,
-                             num_cached_tokens=output.num_cached_tokens or 0, prompt_logprobs=output.prompt_logprobs,
-                             moments=moments)
+                             num_cached_tokens=output.num_cached_tokens or 0,
+                             num_host_cached_tokens=output.num_host_cached_tokens,
+                             prompt_logprobs=output.prompt_logprobs, moments=moments)
 
     async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context) -> worker_pb2.ReleaseKvResponse:
         await self._require_engine(context)

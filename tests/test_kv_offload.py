@@ -15,12 +15,17 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
+from engine.request import Request
 from tests.tiny_models import hf_greedy, make_tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def run_checked(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    return [request.output_token_ids for request in run_requests(engine, prompts, max_tokens)]
+
+
+def run_requests(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int]) -> list[Request]:
     """Run the prompts together to their ends, checking the pools after each step; then no
     device block is held and every host block is free or cached."""
     requests = [engine.add_request(p, SamplingParams(max_tokens=n, **GREEDY)) for p, n in zip(prompts, max_tokens)]
@@ -29,7 +34,7 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[in
         engine.check_integrity()
     kv = engine.kv_manager
     assert kv.num_used_blocks == 0 and kv.swap_pool.num_free == kv.swap_pool.num_blocks
-    return [request.output_token_ids for request in requests]
+    return requests
 
 
 def chat_turns(vocab_size: int, num_users: int, seed: int) -> tuple[list[int], list[list[int]]]:
@@ -48,21 +53,27 @@ def test_prefixes_the_device_evicted_come_back_from_the_host_tier(tmp_path):
     kwargs = dict(dtype="float64", block_size=4, num_kv_blocks=24, num_swap_blocks=0)
     engines = {"tier": LLM(model_dir, num_offload_blocks=160, **kwargs).engine, "device": LLM(model_dir, **kwargs).engine}
     histories = {name: [system + first for first in firsts] for name in engines}
+    host_cached = 0  # the requests' own count: what their usage reports
     for turn in range(2):
         for user in range(len(firsts)):
             outputs = {}
             for name, engine in engines.items():
                 prompt = histories[name][user]
-                [outputs[name]] = run_checked(engine, [prompt], [10])
+                [request] = run_requests(engine, [prompt], [10])
+                outputs[name] = request.output_token_ids
                 histories[name][user] = prompt + outputs[name] + [5 + turn, 6 + user, 7]
+                assert 0 <= request.num_host_cached_tokens <= request.num_cached_tokens
+                host_cached += request.num_host_cached_tokens if name == "tier" else 0
             assert outputs["tier"] == outputs["device"] == hf_greedy(hf_model, prompt, 10)
     tier, device = (engines[name].kv_manager.prefix_stats for name in ("tier", "device"))
     # The device alone keeps the hot system prompt; the histories come back from the host.
     assert tier.num_host_hit_tokens >= 80 and tier.num_hit_tokens >= device.num_hit_tokens + 80
+    assert host_cached == tier.num_host_hit_tokens  # one admission each
     metrics = engines["tier"].get_metrics()  # as the worker exports them (WorkerStats, /metrics, baton status)
     assert metrics.prefix_cache_host_hit_tokens == tier.num_host_hit_tokens
     assert metrics.kv_offload_reloaded_bytes == tier.num_host_hit_tokens // 4 * engines["tier"].kv_layout.bytes_per_block
     assert metrics.num_kv_offload_blocks_total == 160 and 0 < metrics.num_kv_offload_blocks_cached
+    assert metrics.kv_offload_reload_seconds > 0  # the reloads' copies, timed
     assert metrics.kv_offload_written_blocks == metrics.num_kv_offload_blocks_cached  # nothing evicted: 160 hold all
     assert engines["device"].get_metrics().num_kv_offload_blocks_total == 0
 

@@ -30,6 +30,7 @@ def test_chats_that_come_back_find_their_history_in_the_host_tiers(tmp_path):
         rng = random.Random(3)
         system = [rng.randrange(3, 160) for _ in range(40)]
         histories = [system + [rng.randrange(3, 160) for _ in range(rng.randrange(4, 12))] for _ in range(6)]
+        host_cached = 0
         with grpc.insecure_channel(deployment.gateway) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             for turn in range(2):
@@ -37,10 +38,16 @@ def test_chats_that_come_back_find_their_history_in_the_host_tiers(tmp_path):
                     tokens, _, messages = stream_all(stub, greedy_request(prompt, 8, f"u{user}-t{turn}"))
                     assert tokens == hf_greedy(model, prompt, 8), (user, turn)
                     histories[user] = prompt + tokens + [3 + turn, 4 + user, 5]
+                    usage = messages[-1].usage
                     if turn:  # the system prompt and the history: cached somewhere
-                        assert messages[-1].usage.cached_tokens >= 40
+                        assert usage.cached_tokens >= 40
+                    assert 0 <= usage.host_cached_tokens <= usage.cached_tokens
+                    host_cached += usage.host_cached_tokens
         prefill, decode = deployment.stats("prefill"), deployment.stats("decode")
         assert prefill.prefix_cache_host_hit_tokens > 0 and prefill.kv_offload_reloaded_bytes > 0
+        assert prefill.kv_offload_reload_seconds > 0
+        # The usage's split: what the prefill worker's host tier gave back (its first admissions').
+        assert 0 < host_cached <= prefill.prefix_cache_host_hit_tokens
         assert decode.prefix_cache_host_reused_blocks > 0, "the decode worker received what its host tier held"
         assert decode.num_transfers_verified == decode.num_transfers and decode.num_transfer_failures == 0
         deployment.wait_idle(60)

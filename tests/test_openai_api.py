@@ -138,6 +138,8 @@ def test_usage_in_the_stream_counts_cached_tokens_of_a_repeated_prompt(client):
     first, second = usage(), usage()
     assert first.prompt_tokens == second.prompt_tokens > 32 and first.completion_tokens == 4
     assert second.prompt_tokens_details.cached_tokens >= 16
+    # Baton's split of them by tier (no host tier here: all in device memory).
+    assert second.prompt_tokens_details.model_extra == {"host_cached_tokens": 0}
 
 
 def test_logprobs_of_chat_and_completions(client):

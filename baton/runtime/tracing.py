@@ -166,6 +166,7 @@ def _event_name_and_attributes(event: TimelineEvent) -> tuple[str, dict]:
                 "baton.readmitted": event.readmitted,
                 "baton.kv_remote": event.kv_remote,
                 "baton.prefix_cache.cached_tokens": event.cached_tokens,
+                "baton.prefix_cache.host_cached_tokens": event.host_cached_tokens,
             }
         case PrefillChunk():
             return "prefill_chunk", {
@@ -294,6 +295,7 @@ def set_prefill_result(span: Span, output) -> None:
         "baton.first_token_id": output.new_token_ids[0],
         "baton.kv.blocks": len(output.kv_block_ids or ()),
         "baton.prefix_cache.cached_tokens": output.num_cached_tokens or 0,
+        "baton.prefix_cache.host_cached_tokens": output.num_host_cached_tokens,
     })
 
 

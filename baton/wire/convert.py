@@ -204,7 +204,8 @@ def text_delta_to_pb(delta: TextDelta) -> pb.GenerateStreamResponse:
     if delta.has_usage:
         message.usage.CopyFrom(pb.Usage(prompt_tokens=delta.num_prompt_tokens,
                                         completion_tokens=delta.num_completion_tokens,
-                                        cached_tokens=delta.num_cached_tokens))
+                                        cached_tokens=delta.num_cached_tokens,
+                                        host_cached_tokens=delta.num_host_cached_tokens))
     return message
 
 
@@ -220,7 +221,7 @@ def completion_to_pb(deltas: Sequence[TextDelta]) -> pb.GenerateResponse:
         finish_reason=first.finish_reason,
         prompt_logprobs=logprobs_to_pb(next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)),
         usage=pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_completion_tokens,
-                       cached_tokens=last.num_cached_tokens),
+                       cached_tokens=last.num_cached_tokens, host_cached_tokens=last.num_host_cached_tokens),
     )
     stop_reason = first.WhichOneof("stop_reason")
     if stop_reason is not None:
@@ -264,6 +265,7 @@ def text_delta_from_pb(message: pb.GenerateStreamResponse | pb.GenerateResponse)
         num_prompt_tokens=message.usage.prompt_tokens,
         num_completion_tokens=message.usage.completion_tokens,
         num_cached_tokens=message.usage.cached_tokens,
+        num_host_cached_tokens=message.usage.host_cached_tokens,
         index=message.index if isinstance(message, pb.GenerateStreamResponse) else 0,
         prompt_logprobs=logprobs_from_pb(message.prompt_logprobs) or None,
     )
@@ -353,7 +355,8 @@ def prefill_request_from_pb(message: worker_pb2.PrefillRequest) -> WorkRequest:
 def prefill_result_to_pb(result: PrefillResult) -> worker_pb2.PrefillResponse:
     message = worker_pb2.PrefillResponse(
         first_token_id=result.first_token_id, finish_reason=finish_reason_to_pb(result.finish_reason),
-        num_cached_tokens=result.num_cached_tokens, prompt_logprobs=logprobs_to_pb(result.prompt_logprobs),
+        num_cached_tokens=result.num_cached_tokens, num_host_cached_tokens=result.num_host_cached_tokens,
+        prompt_logprobs=logprobs_to_pb(result.prompt_logprobs),
         moments_ns=result.moments,
     )
     if result.first_logprob is not None:
@@ -370,6 +373,7 @@ def prefill_result_from_pb(message: worker_pb2.PrefillResponse) -> PrefillResult
         finish_reason=finish_reason_from_pb(message.finish_reason),
         kv_handle=kv_handle_from_pb(message.kv_handle) if message.HasField("kv_handle") else None,
         num_cached_tokens=message.num_cached_tokens,
+        num_host_cached_tokens=message.num_host_cached_tokens,
         prompt_logprobs=logprobs_from_pb(message.prompt_logprobs) or None,
         moments=dict(message.moments_ns),
     )
@@ -423,6 +427,7 @@ def token_event_to_pb(event: TokenEvent) -> worker_pb2.DecodeEvent:
         message.stop_token_id = event.stop_token_id
     if event.num_cached_tokens is not None:
         message.num_cached_tokens = event.num_cached_tokens
+        message.num_host_cached_tokens = event.num_host_cached_tokens
     return message
 
 
@@ -433,6 +438,7 @@ def token_event_from_pb(message: worker_pb2.DecodeEvent) -> TokenEvent:
         finish_reason=finish_reason_from_pb(message.finish_reason),
         stop_token_id=message.stop_token_id if message.HasField("stop_token_id") else None,
         num_cached_tokens=message.num_cached_tokens if message.HasField("num_cached_tokens") else None,
+        num_host_cached_tokens=message.num_host_cached_tokens,
         prompt_logprobs=logprobs_from_pb(message.prompt_logprobs) or None,
         moments=dict(message.moments_ns),
     )

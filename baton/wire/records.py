@@ -94,6 +94,7 @@ class TextDelta:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV a prefix cache held
+    num_host_cached_tokens: int = 0  # of them, those its host tier held
     index: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first delta, when asked
 
@@ -161,6 +162,7 @@ class PrefillResult:
     finish_reason: str | None = None  # set: nothing is held, kv_handle is None
     kv_handle: KvHandle | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache held
+    num_host_cached_tokens: int = 0  # of them, those its host tier held
     prompt_logprobs: list[TokenLogprobs] | None = None  # when asked: entry i is prompt token i + 1's
     moments: dict[str, int] = field(default_factory=dict)  # on the worker (baton/runtime/latency.py)
 
@@ -186,6 +188,7 @@ class TokenEvent:
     # On the first event from the worker that prefilled the prompt: its tokens a prefix
     # cache held there (None: not reported by this event).
     num_cached_tokens: int | None = None
+    num_host_cached_tokens: int = 0  # with num_cached_tokens: of them, those its host tier held
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first event, when asked
     moments: dict[str, int] = field(default_factory=dict)  # on the last event (baton/runtime/latency.py)
 

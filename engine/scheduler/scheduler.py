@@ -333,7 +333,8 @@ class Scheduler:
         num_cached = request.num_cached_estimate = hit.num_tokens(self.block_size)
         if request.events is not None:
             request.record(Admitted(queue_time_s=now - request.arrival_time, readmitted=not first,
-                                    kv_remote=request.kv_remote, cached_tokens=num_cached))
+                                    kv_remote=request.kv_remote, cached_tokens=num_cached,
+                                    host_cached_tokens=len(hit.host_block_ids) * self.block_size))
         # Its table: the cached prefix, then its prompt's blocks (received: all of them now) or,
         # reserving, its worst case.
         num_tokens = request.num_prompt_tokens if request.kv_remote else num_cached
@@ -352,6 +353,8 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens is None:
             request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
+            # The host tier's blocks come after the device's in the hit.
+            request.num_host_cached_tokens = max(request.num_cached_tokens - len(hit.block_ids) * self.block_size, 0)
         num_new = min(request.num_tokens - num_cached, budget, chunk_cap)
         if num_new == 0:  # static batching admits past the token budget
             return budget

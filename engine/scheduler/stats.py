@@ -251,7 +251,7 @@ def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> Schedul
     )
 
 
-def _tier_stats(kv: KVCacheManager, bytes_per_block: int) -> dict[str, int]:
+def _tier_stats(kv: KVCacheManager, bytes_per_block: int) -> dict[str, float]:
     """The host tier's statistics (engine/kv_offload.py); none without it."""
     tier = kv.tier
     if tier is None:
@@ -264,6 +264,7 @@ def _tier_stats(kv: KVCacheManager, bytes_per_block: int) -> dict[str, int]:
                 kv_offload_written_blocks=tier.num_written,
                 kv_offload_reloaded_bytes=(prefix.num_host_hit_tokens // kv.block_size
                                            + prefix.num_received_blocks_host_hit) * bytes_per_block,
+                kv_offload_reload_seconds=tier.reload_seconds,
                 num_kv_offload_evicted=kv.swap_pool.num_evicted)
 
 

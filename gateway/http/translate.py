@@ -270,4 +270,5 @@ def usage(deltas: list[TextDelta]) -> api.Usage:
     completion = sum(d.num_completion_tokens for d in deltas)
     return api.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=api.PromptTokensDetails(
-                         cached_tokens=sum(d.num_cached_tokens for d in deltas)))
+                         cached_tokens=sum(d.num_cached_tokens for d in deltas),
+                         host_cached_tokens=sum(d.num_host_cached_tokens for d in deltas)))

@@ -32,7 +32,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., kv_token: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "kv_handle", "num_cached_tokens", "prompt_logprobs", "moments_ns")
+    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "kv_handle", "num_cached_tokens", "num_host_cached_tokens", "prompt_logprobs", "moments_ns")
     class MomentsNsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class PrefillResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MOMENTS_NS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
@@ -52,9 +53,10 @@ class PrefillResponse(_message.Message):
     finish_reason: _generation_pb2.FinishReason
     kv_handle: KvHandle
     num_cached_tokens: int
+    num_host_cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     moments_ns: _containers.ScalarMap[str, int]
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., moments_ns: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., moments_ns: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("prefill_worker_id", "prefill_address", "request_id", "num_tokens", "num_blocks", "layout", "lease_ms", "kv_token", "prefill_endpoint")
@@ -209,7 +211,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "prompt_logprobs", "moments_ns")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "num_host_cached_tokens", "prompt_logprobs", "moments_ns")
     class MomentsNsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +224,7 @@ class DecodeEvent(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MOMENTS_NS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -229,16 +232,17 @@ class DecodeEvent(_message.Message):
     finish_reason: _generation_pb2.FinishReason
     stop_token_id: int
     num_cached_tokens: int
+    num_host_cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     moments_ns: _containers.ScalarMap[str, int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., moments_ns: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_host_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., moments_ns: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "block_size", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "kv_transports", "kv_channel_refusal", "kv_endpoint", "recent", "num_running", "num_waiting", "num_swapped", "num_kv_handoffs_pending", "num_queued_prefill_tokens", "oldest_queued_seconds", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_kv_blocks_fenced", "num_steps", "num_tokens_scheduled_total", "mean_seqs_per_step", "num_finished", "num_preemptions_recompute", "num_preemptions_swap", "prefix_caching", "num_kv_blocks_cached", "num_kv_blocks_evictable", "num_kv_blocks_evicted", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_received_blocks", "prefix_cache_reused_blocks", "num_kv_offload_blocks_total", "num_kv_offload_blocks_cached", "prefix_cache_host_hit_tokens", "prefix_cache_host_reused_blocks", "kv_offload_written_blocks", "kv_offload_reloaded_bytes", "num_kv_offload_evicted", "kv_copy_bytes_per_s", "num_kv_landed", "decode_step_base_s", "decode_step_per_seq_s", "prefill_s_per_token", "num_speculative_tokens", "spec_num_checks", "spec_num_proposed", "spec_num_accepted", "spec_num_emitted", "spec_check_cost_steps", "spec_proposed_by_position", "spec_accepted_by_position")
+    __slots__ = ("worker_id", "role", "model", "serving", "max_num_seqs", "max_num_batched_tokens", "kv_block_bytes", "block_size", "num_transfers", "num_transfer_failures", "num_transfers_verified", "num_transferred_bytes", "transfer_seconds", "num_leases_expired", "kv_transports", "kv_channel_refusal", "kv_endpoint", "recent", "num_running", "num_waiting", "num_swapped", "num_kv_handoffs_pending", "num_queued_prefill_tokens", "oldest_queued_seconds", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "num_kv_blocks_fenced", "num_steps", "num_tokens_scheduled_total", "mean_seqs_per_step", "num_finished", "num_preemptions_recompute", "num_preemptions_swap", "prefix_caching", "num_kv_blocks_cached", "num_kv_blocks_evictable", "num_kv_blocks_evicted", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_received_blocks", "prefix_cache_reused_blocks", "num_kv_offload_blocks_total", "num_kv_offload_blocks_cached", "prefix_cache_host_hit_tokens", "prefix_cache_host_reused_blocks", "kv_offload_written_blocks", "kv_offload_reloaded_bytes", "kv_offload_reload_seconds", "num_kv_offload_evicted", "kv_copy_bytes_per_s", "num_kv_landed", "decode_step_base_s", "decode_step_per_seq_s", "prefill_s_per_token", "num_speculative_tokens", "spec_num_checks", "spec_num_proposed", "spec_num_accepted", "spec_num_emitted", "spec_check_cost_steps", "spec_proposed_by_position", "spec_accepted_by_position")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +291,7 @@ class WorkerStats(_message.Message):
     PREFIX_CACHE_HOST_REUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_OFFLOAD_WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_OFFLOAD_RELOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_RELOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_OFFLOAD_EVICTED_FIELD_NUMBER: _ClassVar[int]
     KV_COPY_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LANDED_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +354,7 @@ class WorkerStats(_message.Message):
     prefix_cache_host_reused_blocks: int
     kv_offload_written_blocks: int
     kv_offload_reloaded_bytes: int
+    kv_offload_reload_seconds: float
     num_kv_offload_evicted: int
     kv_copy_bytes_per_s: float
     num_kv_landed: int
@@ -363,7 +369,7 @@ class WorkerStats(_message.Message):
     spec_check_cost_steps: float
     spec_proposed_by_position: _containers.RepeatedScalarFieldContainer[int]
     spec_accepted_by_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., kv_transports: _Optional[_Iterable[_Union[KvTransportStats, _Mapping]]] = ..., kv_channel_refusal: _Optional[str] = ..., kv_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., oldest_queued_seconds: _Optional[float] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_kv_blocks_fenced: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_tokens_scheduled_total: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., num_finished: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_kv_blocks_evictable: _Optional[int] = ..., num_kv_blocks_evicted: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_received_blocks: _Optional[int] = ..., prefix_cache_reused_blocks: _Optional[int] = ..., num_kv_offload_blocks_total: _Optional[int] = ..., num_kv_offload_blocks_cached: _Optional[int] = ..., prefix_cache_host_hit_tokens: _Optional[int] = ..., prefix_cache_host_reused_blocks: _Optional[int] = ..., kv_offload_written_blocks: _Optional[int] = ..., kv_offload_reloaded_bytes: _Optional[int] = ..., num_kv_offload_evicted: _Optional[int] = ..., kv_copy_bytes_per_s: _Optional[float] = ..., num_kv_landed: _Optional[int] = ..., decode_step_base_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., spec_num_checks: _Optional[int] = ..., spec_num_proposed: _Optional[int] = ..., spec_num_accepted: _Optional[int] = ..., spec_num_emitted: _Optional[int] = ..., spec_check_cost_steps: _Optional[float] = ..., spec_proposed_by_position: _Optional[_Iterable[int]] = ..., spec_accepted_by_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., num_transfers_verified: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., num_leases_expired: _Optional[int] = ..., kv_transports: _Optional[_Iterable[_Union[KvTransportStats, _Mapping]]] = ..., kv_channel_refusal: _Optional[str] = ..., kv_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ..., recent: _Optional[_Union[RecentStats, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_kv_handoffs_pending: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., oldest_queued_seconds: _Optional[float] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_kv_blocks_fenced: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_tokens_scheduled_total: _Optional[int] = ..., mean_seqs_per_step: _Optional[float] = ..., num_finished: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_kv_blocks_evictable: _Optional[int] = ..., num_kv_blocks_evicted: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_received_blocks: _Optional[int] = ..., prefix_cache_reused_blocks: _Optional[int] = ..., num_kv_offload_blocks_total: _Optional[int] = ..., num_kv_offload_blocks_cached: _Optional[int] = ..., prefix_cache_host_hit_tokens: _Optional[int] = ..., prefix_cache_host_reused_blocks: _Optional[int] = ..., kv_offload_written_blocks: _Optional[int] = ..., kv_offload_reloaded_bytes: _Optional[int] = ..., kv_offload_reload_seconds: _Optional[float] = ..., num_kv_offload_evicted: _Optional[int] = ..., kv_copy_bytes_per_s: _Optional[float] = ..., num_kv_landed: _Optional[int] = ..., decode_step_base_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., spec_num_checks: _Optional[int] = ..., spec_num_proposed: _Optional[int] = ..., spec_num_accepted: _Optional[int] = ..., spec_num_emitted: _Optional[int] = ..., spec_check_cost_steps: _Optional[float] = ..., spec_proposed_by_position: _Optional[_Iterable[int]] = ..., spec_accepted_by_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvTransportStats(_message.Message):
     __slots__ = ("transport", "num_transfers", "num_failures", "num_transferred_bytes", "transfer_seconds")
