@@ -3,8 +3,9 @@ sharing at all, each with caching on and off, side by side in one run.
 
     shared   USERS users, each holding a conversation of TURNS turns with the same
              system prompt of SYSTEM tokens. A turn's prompt is the system prompt, the
-             conversation so far (earlier messages and the answers the server gave) and a
-             new message of MESSAGE tokens; the answer is ANSWER tokens. The users talk at
+             user's history (HISTORY tokens; none by default), the conversation so far
+             (earlier messages and the answers the server gave) and a new message of
+             MESSAGE tokens; the answer is ANSWER tokens. The users talk at
              once; each sends its next turn when the last one's answer is complete.
     unique   the same users, turns and prompt lengths, but every prompt is new random
              tokens: nothing to share, so caching can only cost.
@@ -17,7 +18,10 @@ Systems (`--systems`):
                     handed over ipc), caching on / off in both workers (--no-prefix-caching)
 
 With `--tier`, the comparison is the prefix cache's host tier (engine/kv_offload.py) against
-the device cache alone, caching on in both, on two workloads of the shared kind (4 turns):
+the device cache alone, caching on in both, on two workloads of the shared kind (4 turns), in
+the shape of LMCache's multi-round QA benchmark: each user's conversation starts with a
+history of its own (HISTORY tokens, --history-tokens: 512; LMCache's example has 2,000 on a
+GPU) after the shared system prompt:
 
     shared   the device cache sized to a quarter of the working set (the system prompt and
              every user's conversation), the host tier to all of it: targets throughput
@@ -53,8 +57,9 @@ import numpy as np
 
 BLOCK_SIZE = 16  # the engine's default
 
-# A turn: (prompt token ids) -> (output token ids, seconds to first token, cached prompt tokens).
-Serve = Callable[[str, list[int], int], Awaitable[tuple[list[int], float, int]]]
+# A turn: (prompt token ids) -> (output token ids, seconds to first token, cached prompt tokens,
+# of them those a host tier held).
+Serve = Callable[[str, list[int], int], Awaitable[tuple[list[int], float, int, int]]]
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class ChatShape:
     message_tokens: int = 48
     answer_tokens: int = 32
     seed: int = 0
+    history_tokens: int = 0  # each user's own context at the start of its conversation
     min_token_id: int = 100
     vocab_size: int = 49152
 
@@ -79,6 +85,7 @@ class RunResult:
     num_output_tokens: int
     num_prompt_tokens: int
     num_cached_tokens: int
+    num_host_cached_tokens: int = 0  # of them, those the host tier held (usage.host_cached_tokens)
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     kv_bytes: int | None = None
@@ -98,6 +105,7 @@ class RunResult:
             ttft_p50=float(np.percentile(self.ttft, 50)), ttft_p90=float(np.percentile(self.ttft, 90)),
             e2e_p50=float(np.percentile(self.e2e, 50)),
             cached_fraction=self.num_cached_tokens / max(self.num_prompt_tokens, 1),
+            host_cached_fraction=self.num_host_cached_tokens / max(self.num_prompt_tokens, 1),
             kv_bytes_per_request=None if self.kv_bytes is None else self.kv_bytes / self.num_requests,
             reused_block_fraction=(None if not self.num_received_blocks
                                    else self.num_reused_blocks / self.num_received_blocks),
@@ -116,13 +124,14 @@ class Conversations:
             return rng.integers(shape.min_token_id, shape.vocab_size, n).tolist()
 
         self.system = tokens(shape.system_tokens)
+        self.histories = [tokens(shape.history_tokens) for _ in range(shape.users)]
         self.messages = [[tokens(shape.message_tokens) for _ in range(shape.turns)] for _ in range(shape.users)]
         self._fresh = np.random.default_rng(shape.seed + 1)
 
     def prompt(self, user: int, turn: int, history: list[int]) -> list[int]:
         """The prompt of `user`'s turn: shared, the system prompt, the history and the new
         message; unique, as many tokens, all new."""
-        prompt = [*self.system, *history, *self.messages[user][turn]]
+        prompt = [*self.system, *self.histories[user], *history, *self.messages[user][turn]]
         if self.workload == "unique":
             shape = self.shape
             return self._fresh.integers(shape.min_token_id, shape.vocab_size, len(prompt)).tolist()
@@ -131,7 +140,7 @@ class Conversations:
 
 def working_set_blocks(shape: ChatShape, block_size: int) -> int:
     """Blocks that hold the system prompt once and every user's whole conversation."""
-    conversation = shape.turns * (shape.message_tokens + shape.answer_tokens)
+    conversation = shape.history_tokens + shape.turns * (shape.message_tokens + shape.answer_tokens)
     return -(-shape.system_tokens // block_size) + shape.users * -(-conversation // block_size)
 
 
@@ -176,13 +185,14 @@ async def run_conversations(conversations: Conversations, serve: Serve) -> tuple
             prompt = conversations.prompt(index, turn, history)
             sent.append(prompt)
             started = time.perf_counter()
-            output, ttft, cached = await serve(f"u{index}-t{turn}", prompt, shape.answer_tokens)
+            output, ttft, cached, host_cached = await serve(f"u{index}-t{turn}", prompt, shape.answer_tokens)
             result.e2e.append(time.perf_counter() - started)
             result.ttft.append(ttft)
             result.num_requests += 1
             result.num_output_tokens += len(output)
             result.num_prompt_tokens += len(prompt)
             result.num_cached_tokens += cached
+            result.num_host_cached_tokens += host_cached
             history += [*conversations.messages[index][turn], *output]
 
     started = time.perf_counter()
@@ -211,14 +221,14 @@ def run_engine(args, conversations: Conversations, caching: bool) -> tuple[RunRe
         async def serve(request_id: str, prompt: list[int], max_tokens: int):
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
             started = time.perf_counter()
-            ttft, output, cached = None, [], 0
+            ttft, output, cached, host_cached = None, [], 0, 0
             async for out in await engine.add_request(request_id, prompt, params):
                 if ttft is None:
                     ttft = time.perf_counter() - started
                 output += out.new_token_ids
                 if out.finished:
-                    cached = out.num_cached_tokens or 0
-            return output, ttft, cached
+                    cached, host_cached = out.num_cached_tokens or 0, out.num_host_cached_tokens
+            return output, ttft, cached, host_cached
 
         try:
             return await run_conversations(conversations, serve)
@@ -268,14 +278,14 @@ def run_disaggregated(args, conversations: Conversations, caching: bool,
                         request_id=request_id, token_ids=pb.TokenIds(ids=prompt),
                         sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
                     started = time.perf_counter()
-                    ttft, output, cached = None, [], 0
+                    ttft, output, usage = None, [], pb.Usage()
                     async for reply in stub.GenerateStream(message, timeout=3600):
                         if ttft is None and reply.token_ids:
                             ttft = time.perf_counter() - started
                         output += reply.token_ids
                         if reply.HasField("usage"):
-                            cached = reply.usage.cached_tokens
-                    return output, ttft, cached
+                            usage = reply.usage
+                    return output, ttft, usage.cached_tokens, usage.host_cached_tokens
 
                 return await run_conversations(conversations, serve)
 
@@ -324,10 +334,11 @@ def ratios(results: dict[tuple[str, str, bool], RunResult], fractions: dict[str,
 def print_report(results: dict[tuple[str, str, bool], RunResult], checks: list[tuple], shape: ChatShape,
                  fractions: dict[str, float], tier: bool = False) -> None:
     print(f"\nchat: {shape.users} users x {shape.turns} turns, system prompt {shape.system_tokens} tokens, "
-          f"messages {shape.message_tokens}, answers {shape.answer_tokens}; shared fraction of prompt tokens: "
+          f"each user's history {shape.history_tokens}, messages {shape.message_tokens}, answers "
+          f"{shape.answer_tokens}; shared fraction of prompt tokens: "
           + ", ".join(f"{workload} {fraction:.2f}" for workload, fraction in fractions.items()))
     header = f"{'system':<14} {'workload':<8} {'cache':<5} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p90':>9} " \
-             f"{'e2e p50':>8} {'cached':>7} {'KV MB/req':>9}"
+             f"{'e2e p50':>8} {'cached':>7} {'(host)':>7} {'KV MB/req':>9}"
     print(header + ("   (cache on: with the host tier; off: the device cache alone)" if tier else ""))
     for (system, workload, caching), result in sorted(results.items(), key=lambda item: (item[0][0], item[0][1],
                                                                                          not item[0][2])):
@@ -335,6 +346,7 @@ def print_report(results: dict[tuple[str, str, bool], RunResult], checks: list[t
         kv = "" if s["kv_bytes_per_request"] is None else f"{s['kv_bytes_per_request'] / 1e6:.2f}"
         print(f"{system:<14} {workload:<8} {'on' if caching else 'off':<5} {s['output_tokens_per_s']:>8.1f} "
               f"{s['ttft_p50']:>8.3f}s {s['ttft_p90']:>8.3f}s {s['e2e_p50']:>7.2f}s {s['cached_fraction']:>7.0%} "
+              f"{s['host_cached_fraction']:>7.0%} "
               f"{kv:>9}")
     print()
     for what, value, target, met in checks:
@@ -353,6 +365,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--message-tokens", type=int, default=48)
     parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument("--history-tokens", type=int, default=None,
+                        help="each user's own context before its first message (LMCache's multi-round QA "
+                             "'user history prompt'): 0; with --tier, 512")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default: by memory)")
@@ -366,16 +381,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the deployments' logs here")
     args = parser.parse_args(argv)
     args.turns = args.turns or (4 if args.tier else 3)
+    if args.history_tokens is None:
+        args.history_tokens = 512 if args.tier else 0
     if args.tier and args.workloads == "shared,unique":
         args.workloads = "shared,fits"
     if args.quick:
         args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens = 8, 2, 256, 16, 8
+        args.history_tokens = min(args.history_tokens, 64)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    shape = ChatShape(args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens, args.seed)
+    shape = ChatShape(args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens, args.seed,
+                      args.history_tokens)
     systems = [s for s in args.systems.split(",") if s]
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(systems) - {"engine", "disaggregated"} | set(workloads) - {"shared", "unique", "fits"}

@@ -399,6 +399,21 @@ class KVCacheManager:
             self.pool.free(block_ids)
 
     # -------------------------------------------------------------------- swap
+    def num_kept_blocks(self, request_id: str) -> int:
+        """The leading blocks of the request's table that its readmission would find cached
+        if it let go of them now: held by another table too (they stay on the device), or
+        kept by the host tier (engine/kv_offload.py: copied back). What a preemption by
+        recompute does not recompute."""
+        pool, host = self.pool, self.swap_pool if self.tier is not None else None
+        kept = 0
+        for block_id in self._tables.get(request_id, ()):
+            if pool.kept_without(block_id) is None:
+                block_hash = pool.hash_of(block_id)
+                if block_hash is None or host is None or not host.is_cached(block_hash):
+                    break
+            kept += 1
+        return kept
+
     def can_swap_out(self, request_id: str) -> bool:
         return self.swap_pool.can_allocate(len(self._tables.get(request_id, ())))
 

@@ -14,7 +14,9 @@ class PreemptionCostModel:
     """Estimates both costs of preempting one sequence, from measured rates.
 
     - recompute ~ prefill time of the tokens whose KV is dropped
-      (`num_tokens * prefill_seconds_per_token`);
+      (`num_tokens * prefill_seconds_per_token`), but for those the prefix cache
+      keeps for the readmission: blocks another request holds too, or the host
+      tier has (a copy back each);
     - swap ~ bytes moved out now and back in later
       (`2 * num_blocks * bytes_per_block / swap_bytes_per_second`).
 
@@ -43,8 +45,14 @@ class PreemptionCostModel:
     def swap_seconds(self, num_blocks: int) -> float:
         return 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second
 
-    def choose(self, num_computed_tokens: int, num_blocks: int) -> PreemptionKind:
-        if self.swap_seconds(num_blocks) < self.recompute_seconds(num_computed_tokens):
+    def choose(self, num_computed_tokens: int, num_blocks: int, num_kept_blocks: int = 0,
+               block_size: int = 1) -> PreemptionKind:
+        """`num_kept_blocks`: the leading blocks of its table the prefix cache keeps for its
+        readmission (KVCacheManager.num_kept_blocks): a recompute does not redo their tokens,
+        it copies them back at most (counted as half a swap's round trip each)."""
+        num_lost = max(num_computed_tokens - num_kept_blocks * block_size, 0)
+        recompute = self.recompute_seconds(num_lost) + self.swap_seconds(num_kept_blocks) / 2
+        if self.swap_seconds(num_blocks) < recompute:
             return PreemptionKind.SWAP
         return PreemptionKind.RECOMPUTE
 

@@ -1,8 +1,9 @@
 """The prefix cache's host tier over real processes: gateway + prefill worker + decode
-worker, each with a device cache of about one conversation and `--kv-offload-memory`.
-Chats that come back after the others have filled the device caches find their history
-in the host tiers: the prefill worker copies it back instead of computing it, the decode
-worker instead of receiving it; every token is transformers'."""
+worker (or a decode worker alone, colocated), each with a device cache of about one
+conversation and `--kv-offload-memory`. Chats that come back after the others have filled
+the device caches find their history in the host tiers: the worker that prefills copies it
+back instead of computing it, the decode worker of a handoff instead of receiving it; every
+token is transformers', and the usage says how much came from the host tier."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from tests.tiny_models import hf_greedy, make_tiny_model
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_chats_that_come_back_find_their_history_in_the_host_tiers(tmp_path):
+@pytest.mark.parametrize("disaggregated", [True, False], ids=["disaggregated", "colocated"])
+def test_chats_that_come_back_find_their_history_in_the_host_tiers(tmp_path, disaggregated):
     model, path = make_tiny_model(tmp_path / "model", dtype=torch.float64)
     worker_args = ["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "24", "--kv-offload-memory", "16M",
                    "--verify-kv"]
-    deployment = start_deployment(path, tmp_path / "logs", worker_args=worker_args,
+    deployment = start_deployment(path, tmp_path / "logs", worker_args=worker_args, prefill=disaggregated,
                                   gateway_args=["--max-prefill-queue-tokens", "0"])  # every prompt handed off
     try:
         rng = random.Random(3)
@@ -43,16 +45,18 @@ def test_chats_that_come_back_find_their_history_in_the_host_tiers(tmp_path):
                         assert usage.cached_tokens >= 40
                     assert 0 <= usage.host_cached_tokens <= usage.cached_tokens
                     host_cached += usage.host_cached_tokens
-        prefill, decode = deployment.stats("prefill"), deployment.stats("decode")
+        roles = ("prefill", "decode") if disaggregated else ("decode",)
+        prefill, decode = deployment.stats(roles[0]), deployment.stats("decode")
         assert prefill.prefix_cache_host_hit_tokens > 0 and prefill.kv_offload_reloaded_bytes > 0
         assert prefill.kv_offload_reload_seconds > 0
-        # The usage's split: what the prefill worker's host tier gave back (its first admissions').
+        # The usage's split: what the prefilling worker's host tier gave back (its first admissions').
         assert 0 < host_cached <= prefill.prefix_cache_host_hit_tokens
-        assert decode.prefix_cache_host_reused_blocks > 0, "the decode worker received what its host tier held"
-        assert decode.num_transfers_verified == decode.num_transfers and decode.num_transfer_failures == 0
+        if disaggregated:
+            assert decode.prefix_cache_host_reused_blocks > 0, "the decode worker received what its host tier held"
+            assert decode.num_transfers_verified == decode.num_transfers and decode.num_transfer_failures == 0
         deployment.wait_idle(60)
-        for stats in (deployment.stats("prefill"), deployment.stats("decode")):
+        for stats in (deployment.stats(role) for role in roles):
             assert stats.num_kv_blocks_used == 0 and stats.num_kv_offload_blocks_cached > 0
     finally:
         codes = deployment.stop()
-    assert codes == {"gateway": 0, "decode": 0, "prefill": 0}, deployment.logs()
+    assert codes == {"gateway": 0, "decode": 0, **({"prefill": 0} if disaggregated else {})}, deployment.logs()

@@ -212,6 +212,34 @@ def test_auto_mode_chooses_by_cost():
     assert model.choose(40, 10) is PreemptionKind.RECOMPUTE
 
 
+def test_auto_mode_does_not_count_what_the_prefix_cache_keeps():
+    """A recompute redoes only what its readmission will not find cached; what it finds costs
+    a copy back at most."""
+    model = make_scheduler().cost_model
+    model.prefill_seconds_per_token = 1e-3
+    model.swap_bytes_per_second = 1e6  # 1 KiB blocks: a swap's round trip of 10 is 2.0e-2 s
+    assert model.choose(40, 10) is PreemptionKind.SWAP  # recomputing 40 tokens: 4e-2 s
+    # 8 of the 10 blocks kept: 8 tokens to recompute (8e-3 s), 8 blocks to copy back (8.2e-3 s).
+    assert model.choose(40, 10, num_kept_blocks=8, block_size=4) is PreemptionKind.RECOMPUTE
+
+
+def test_the_blocks_a_preempted_request_would_find_again():
+    """num_kept_blocks: the leading blocks of a table that stay cached once it lets go of
+    them: held by another table too, or written through to the host tier."""
+    s = make_scheduler(block_size=4, enable_prefix_caching=True)
+    s.add_request(make_request("a", 18, max_tokens=8))
+    fake_step(s)
+    assert s.kv.num_kept_blocks("a") == 0  # its own alone: evictable once let go of
+    s.add_request(make_request("b", 10, max_tokens=8))  # a's first 10 tokens: 2 full blocks shared
+    fake_step(s)
+    assert (s.kv.num_kept_blocks("a"), s.kv.num_kept_blocks("b")) == (2, 2)
+    tiered = make_scheduler(block_size=4, enable_prefix_caching=True, num_offload_blocks=16)
+    tiered.add_request(make_request("a", 18, max_tokens=8))
+    fake_step(tiered)  # a's 4 full blocks enter the cache, and the next step writes them through
+    fake_step(tiered)
+    assert tiered.kv.num_kept_blocks("a") == 4
+
+
 def test_abort_in_every_state_frees_everything():
     s = make_scheduler(num_blocks=10, block_size=4, num_swap_blocks=16,
                        preemption_mode="swap", max_num_batched_tokens=8)

@@ -42,7 +42,8 @@ def preempt(scheduler: Preempting, request: Request, out: SchedulerOutput) -> No
         if mode == "swap":
             kind = PreemptionKind.SWAP
         else:
-            kind = scheduler.cost_model.choose(request.num_computed_tokens, len(kv.get_block_ids(request_id)))
+            kind = scheduler.cost_model.choose(request.num_computed_tokens, len(kv.get_block_ids(request_id)),
+                                               kv.num_kept_blocks(request_id), kv.block_size)
     if request.events is not None:
         request.record(Preempted(kind=kind, num_blocks=len(kv.get_block_ids(request_id)),
                                  num_computed_tokens=request.num_computed_tokens))
