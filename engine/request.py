@@ -149,7 +149,8 @@ class Request:
         "block_hashes": "Prefix caching: the hash chain of its full blocks, as far as it was needed "
                         "(engine/prefix_hash.py).",
         "num_cached_tokens": "The prompt tokens its first prefill admission here found cached (None: never "
-                             "admitted to prefill here).",
+                             "admitted to prefill here, or its prompt's KV was received: a preemption's "
+                             "recompute is no prefill of the prompt).",
         "num_host_cached_tokens": "Of those, the ones the host tier held (engine/kv_offload.py).",
         "num_reused_blocks": "A kv_remote request's prompt blocks found cached here, which its handoff skips.",
         "num_cached_estimate": "Its prompt tokens the cache held when last looked up (the queued-work estimate).",

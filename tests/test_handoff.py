@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.config import CacheConfig
 from engine.engine import LLMEngine
 from engine.request import RequestStatus
 from tests.test_engine import make_engine, run
@@ -39,8 +40,9 @@ def prefill(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingPa
     return results
 
 
-def handoff(prefill_engine, decode_engine, prompts, params, fail: set[str] = frozenset()):
-    """Prefill on one engine, hand every held KV to the other, decode there to the end."""
+def handoff(prefill_engine, decode_engine, prompts, params, fail: set[str] = frozenset(), finals=None):
+    """Prefill on one engine, hand every held KV to the other, decode there to the end
+    (`finals`: each request's last output on the decode engine goes there)."""
     firsts = prefill(prefill_engine, prompts, params)
     outputs = {}
     for request_id, (first, block_ids, finished) in firsts.items():
@@ -63,6 +65,8 @@ def handoff(prefill_engine, decode_engine, prompts, params, fail: set[str] = fro
             assert decode_engine.complete_kv_receive(receive.request_id, ok)
         for out in step.outputs:
             outputs[out.request_id].extend(out.new_token_ids)
+            if out.finished and finals is not None:
+                finals[out.request_id] = out
         decode_engine.check_integrity()
         prefill_engine.check_integrity()
     assert not decode_engine.has_unfinished_requests()
@@ -159,6 +163,24 @@ def test_handoff_with_cached_prefixes_on_both_sides(tiny):
         stats = engine.get_metrics()
         assert stats.num_kv_blocks_used == 0 and stats.num_kv_blocks_cached > 0
         engine.check_integrity()
+
+
+def test_a_received_prompt_recomputed_after_a_preemption_reports_no_cached_tokens(tiny):
+    """usage.cached_tokens is the prefill worker's count: a decode engine that preempts received
+    requests by recompute, and finds their prompts cached at readmission, reports none (the
+    gateway takes the count of the worker that prefilled last)."""
+    hf_model, model_dir = tiny
+    prefill_engine = make_engine(model_dir)
+    decode_engine = make_engine(model_dir, cache=CacheConfig(block_size=4, num_kv_blocks=16, num_swap_blocks=0),
+                                preemption_mode="recompute", admission_reserve_steps=0)
+    prompts = {f"r{i}": [20 + i] * 3 + list(range(40, 49)) for i in range(3)}  # 3 blocks each, growing to 8
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    finals = {}
+    outputs = handoff(prefill_engine, decode_engine, prompts, params, finals=finals)
+    for request_id, prompt in prompts.items():
+        assert outputs[request_id] == hf_greedy(hf_model, prompt, 20), request_id
+    assert decode_engine.get_metrics().num_preemptions_recompute > 0
+    assert {out.num_cached_tokens for out in finals.values()} == {None}
 
 
 def test_a_received_prompt_is_admitted_ahead_of_local_prefills_whatever_the_budget(tiny):

@@ -351,7 +351,7 @@ class Scheduler:
             return budget
         bisect.insort(self.running, request, key=by_sort_key)
         request.num_computed_tokens = num_cached
-        if request.num_cached_tokens is None:
+        if request.num_cached_tokens is None and request.kv_ready_time is None:  # a received prompt's are the sender's
             request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
             # The host tier's blocks come after the device's in the hit.
             request.num_host_cached_tokens = max(request.num_cached_tokens - len(hit.block_ids) * self.block_size, 0)
