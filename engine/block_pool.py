@@ -407,10 +407,11 @@ class KVCacheManager:
         pool, host = self.pool, self.swap_pool if self.tier is not None else None
         kept = 0
         for block_id in self._tables.get(request_id, ()):
-            if pool.kept_without(block_id) is None:
-                block_hash = pool.hash_of(block_id)
-                if block_hash is None or host is None or not host.is_cached(block_hash):
-                    break
+            block_hash = pool.hash_of(block_id)
+            if block_hash is None:
+                break
+            if pool.num_holders(block_id) < 2 and (host is None or not host.is_cached(block_hash)):
+                break
             kept += 1
         return kept
 

@@ -156,12 +156,11 @@ class BlockPool:
     def is_evictable(self, block_id: int) -> bool:
         return self._ref_counts[block_id] == 0
 
-    def kept_without(self, block_id: int) -> BlockHash | None:
-        """The hash a held block is cached under if it stays cached and held once one of its
-        holders lets go (another holds it too); else None."""
-        return self._hash_of[block_id] if self._ref_counts[block_id] > 1 else None
+    def num_holders(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
 
     def hash_of(self, block_id: int) -> BlockHash | None:
+        """The hash the block is cached under (None: not cached)."""
         return self._hash_of[block_id]
 
     def check_integrity(self, held: dict[int, int]) -> None:

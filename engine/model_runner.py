@@ -22,6 +22,7 @@ from engine.scheduler import SchedulerOutput
 # The kinds of host-device block copies a step makes (ModelRunner.finished_copies).
 SWAP, OFFLOAD, RELOAD = "swap", "offload", "reload"
 
+
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     """The tokens sampled in one step, one per request that caught up."""
@@ -283,6 +284,7 @@ class ModelRunner:
             finished.append((kind, num_bytes, seconds))
             self._copy_timings.popleft()
         return finished
+
 
 def _sample_rows(requests: list[Request], counts: tuple[int, ...] | None
                  ) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
