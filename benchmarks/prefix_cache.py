@@ -30,7 +30,8 @@ GPU) after the shared system prompt:
              (throughput >= 0.97x)
 
 Reported per system and workload: output tokens/s, TTFT p50/p90, end-to-end p50, the
-prompt tokens the server reported cached (usage.cached_tokens) and, disaggregated, the KV
+prompt tokens the server reported cached (usage.cached_tokens; "(host)": of all prompt tokens,
+those a host tier gave back, usage.host_cached_tokens) and, disaggregated, the KV
 bytes moved per request. Targets, caching on against off: shared throughput >= 2x and
 TTFT p50 >= 3x better; unique throughput >= 0.97x; disaggregated, the bytes per request
 fall by the shared fraction (the share of prompt tokens in blocks an earlier prompt

@@ -16,6 +16,8 @@ allocation that finds the free list empty evicts it, least recently used first.
 
 from __future__ import annotations
 
+import collections
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -399,21 +401,29 @@ class KVCacheManager:
             self.pool.free(block_ids)
 
     # -------------------------------------------------------------------- swap
-    def num_kept_blocks(self, request_id: str) -> int:
-        """The leading blocks of the request's table that its readmission would find cached
-        if it let go of them now: held by another table too (they stay on the device), or
-        kept by the host tier (engine/kv_offload.py: copied back). What a preemption by
-        recompute does not recompute."""
+    def num_kept_blocks(self, request_id: str, limit: int) -> tuple[int, int]:
+        """Of the first `limit` blocks of the request's table, the leading ones its readmission
+        would find cached if it let go of them now, and how many of those it would copy back:
+        (kept, copied). Kept: held by another table too (they stay on the device), or, from
+        the first that is not on, kept by the host tier (engine/kv_offload.py), as a lookup
+        goes on from the device to the host. What a preemption by recompute does not redo."""
         pool, host = self.pool, self.swap_pool if self.tier is not None else None
-        kept = 0
-        for block_id in self._tables.get(request_id, ()):
+        # Holders that are no table: frees deferred to a step's end, the host tier's copies.
+        passing = collections.Counter(self._deferred) + collections.Counter(self._deferred_before)
+        if self.tier is not None:
+            passing.update(self.tier.held()[0])
+        kept = copied = 0
+        for block_id in self._tables.get(request_id, ())[:limit]:
             block_hash = pool.hash_of(block_id)
             if block_hash is None:
                 break
-            if pool.num_holders(block_id) < 2 and (host is None or not host.is_cached(block_hash)):
+            if not copied and pool.num_holders(block_id) - passing[block_id] > 1:
+                kept += 1  # another table's: it stays on the device
+            elif host is not None and host.is_cached(block_hash):
+                kept, copied = kept + 1, copied + 1
+            else:
                 break
-            kept += 1
-        return kept
+        return kept, copied
 
     def can_swap_out(self, request_id: str) -> bool:
         return self.swap_pool.can_allocate(len(self._tables.get(request_id, ())))

@@ -434,8 +434,8 @@ class LLMEngine:
                 outputs.append(self._final_output(request, token_ids, logprobs))
             else:
                 outputs.append(running_output(request, token_ids, logprobs, self.kv_manager))
-        # On CUDA the block copies are not timed apart from the step: learn from steps without.
-        if started is not None and not (runner_out.swap_bytes and self.device.type == "cuda"):
+        # On CUDA copies are not timed apart from the step: learn from steps without swaps.
+        if started is not None and not (step.scheduled.has_swaps and self.device.type == "cuda"):
             self.step_time.observe(runner_out, step.scheduled, time.perf_counter() - started)
         for kind, num_bytes, seconds in self.runner.finished_copies():
             self.cost_model.observe_swap(num_bytes, seconds)

@@ -136,7 +136,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         # Decode-only steps on persistent inputs (CUDA graphs); None: every step eager.
         self.static_decode: StaticDecode | None = None
-        # Swaps not yet reported: (bytes, host seconds, CUDA start/end events or None).
+        # Copies not yet reported: (kind, bytes, host seconds, CUDA start/end events or None).
         self._copy_timings: deque[tuple[str, int, float, tuple | None]] = deque()
 
     def use_static_decode(self, max_num_seqs: int, max_model_len: int, capture: bool) -> GraphCapture | None:

@@ -45,13 +45,14 @@ class PreemptionCostModel:
     def swap_seconds(self, num_blocks: int) -> float:
         return 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second
 
-    def choose(self, num_computed_tokens: int, num_blocks: int, num_kept_blocks: int = 0,
+    def choose(self, num_computed_tokens: int, num_blocks: int, kept: tuple[int, int] = (0, 0),
                block_size: int = 1) -> PreemptionKind:
-        """`num_kept_blocks`: the leading blocks of its table the prefix cache keeps for its
-        readmission (KVCacheManager.num_kept_blocks): a recompute does not redo their tokens,
-        it copies them back at most (counted as half a swap's round trip each)."""
-        num_lost = max(num_computed_tokens - num_kept_blocks * block_size, 0)
-        recompute = self.recompute_seconds(num_lost) + self.swap_seconds(num_kept_blocks) / 2
+        """`kept`: the leading blocks of its table the prefix cache keeps for its readmission,
+        and how many of them it copies back (KVCacheManager.num_kept_blocks): a recompute does
+        not redo their tokens, and a copy back is half a swap's round trip."""
+        num_kept, num_copied = kept
+        num_lost = max(num_computed_tokens - num_kept * block_size, 0)
+        recompute = self.recompute_seconds(num_lost) + self.swap_seconds(num_copied) / 2
         if self.swap_seconds(num_blocks) < recompute:
             return PreemptionKind.SWAP
         return PreemptionKind.RECOMPUTE

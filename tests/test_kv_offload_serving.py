@@ -27,7 +27,7 @@ def test_chats_that_come_back_find_their_history_in_the_host_tiers(tmp_path, dis
     worker_args = ["--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "24", "--kv-offload-memory", "16M",
                    "--verify-kv"]
     deployment = start_deployment(path, tmp_path / "logs", worker_args=worker_args, prefill=disaggregated,
-                                  gateway_args=["--max-prefill-queue-tokens", "0"])  # every prompt handed off
+                                  gateway_args=["--max-prefill-queue-tokens", "0"])  # disaggregated: all handed off
     try:
         rng = random.Random(3)
         system = [rng.randrange(3, 160) for _ in range(40)]

@@ -213,31 +213,36 @@ def test_auto_mode_chooses_by_cost():
 
 
 def test_auto_mode_does_not_count_what_the_prefix_cache_keeps():
-    """A recompute redoes only what its readmission will not find cached; what it finds costs
-    a copy back at most."""
+    """A recompute redoes only what its readmission will not find cached, and copies back
+    what the host tier gives."""
     model = make_scheduler().cost_model
-    model.prefill_seconds_per_token = 1e-3
-    model.swap_bytes_per_second = 1e6  # 1 KiB blocks: a swap's round trip of 10 is 2.0e-2 s
-    assert model.choose(40, 10) is PreemptionKind.SWAP  # recomputing 40 tokens: 4e-2 s
-    # 8 of the 10 blocks kept: 8 tokens to recompute (8e-3 s), 8 blocks to copy back (8.2e-3 s).
-    assert model.choose(40, 10, num_kept_blocks=8, block_size=4) is PreemptionKind.RECOMPUTE
+    model.prefill_seconds_per_token = 1.6e-3
+    model.swap_bytes_per_second = 1e6  # 1 KiB blocks: a swap's round trip of 10 is 2.05e-2 s
+    assert model.choose(40, 10) is PreemptionKind.SWAP  # recomputing 40 tokens: 6.4e-2 s
+    # 8 of the 10 blocks kept on the device (another request's): 8 tokens to recompute, 1.3e-2 s.
+    assert model.choose(40, 10, kept=(8, 0), block_size=4) is PreemptionKind.RECOMPUTE
+    # The same 8 from the host tier: and 8 copies back, 8.2e-3 s more.
+    assert model.choose(40, 10, kept=(8, 8), block_size=4) is PreemptionKind.SWAP
 
 
 def test_the_blocks_a_preempted_request_would_find_again():
     """num_kept_blocks: the leading blocks of a table that stay cached once it lets go of
-    them: held by another table too, or written through to the host tier."""
+    them, held by another table too or written through to the host tier, and of those
+    the ones copied back."""
     s = make_scheduler(block_size=4, enable_prefix_caching=True)
     s.add_request(make_request("a", 18, max_tokens=8))
     fake_step(s)
-    assert s.kv.num_kept_blocks("a") == 0  # its own alone: evictable once let go of
+    assert s.kv.num_kept_blocks("a", 4) == (0, 0)  # its own alone: evictable once let go of
     s.add_request(make_request("b", 10, max_tokens=8))  # a's first 10 tokens: 2 full blocks shared
     fake_step(s)
-    assert (s.kv.num_kept_blocks("a"), s.kv.num_kept_blocks("b")) == (2, 2)
-    tiered = make_scheduler(block_size=4, enable_prefix_caching=True, num_offload_blocks=16)
-    tiered.add_request(make_request("a", 18, max_tokens=8))
-    fake_step(tiered)  # a's 4 full blocks enter the cache, and the next step writes them through
-    fake_step(tiered)
-    assert tiered.kv.num_kept_blocks("a") == 4
+    assert s.kv.num_kept_blocks("a", 4) == s.kv.num_kept_blocks("b", 2) == (2, 0)
+    assert s.kv.num_kept_blocks("a", 1) == (1, 0)  # as far as the readmission looks
+    for num_host_blocks, kept in ((16, (4, 4)), (2, (2, 2))):  # a host tier with room for all, for 2
+        tiered = make_scheduler(block_size=4, enable_prefix_caching=True, num_swap_blocks=0,
+                                num_offload_blocks=num_host_blocks)
+        tiered.add_request(make_request("a", 18, max_tokens=8))
+        fake_step(tiered)  # a's 4 full blocks enter the cache, written through (as room allows)
+        assert tiered.kv.num_kept_blocks("a", 4) == kept
 
 
 def test_abort_in_every_state_frees_everything():

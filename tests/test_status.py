@@ -208,8 +208,8 @@ def test_render_shows_the_prefix_cache():
 def test_render_shows_the_host_tier():
     tiered = stats(prefix_caching=True, num_kv_offload_blocks_total=512, num_kv_offload_blocks_cached=300,
                    prefix_cache_host_hit_tokens=4096, prefix_cache_host_reused_blocks=12,
-                   kv_offload_written_blocks=700, kv_offload_reloaded_bytes=256 * 2**20, kv_offload_reload_seconds=0.125,
-                   num_kv_offload_evicted=88)
+                   kv_offload_written_blocks=700, kv_offload_reloaded_bytes=256 * 2**20,
+                   kv_offload_reload_seconds=0.125, num_kv_offload_evicted=88)
     text = render(DeploymentStatus(model="m", workers=(status(tiered),)), [])
     assert ("  host tier   4096 prompt tokens found there (256.0 MiB copied back in 0.12 s), 12 handed-off blocks; "
             "300 of 512 host blocks cached, 700 written, 88 evicted") in text

@@ -321,7 +321,8 @@ def _prefix_cache_line(stats: WorkerStats) -> str:
 def _host_tier_line(stats: WorkerStats) -> str:
     """The prefix cache's host tier, since start: hits, what it holds, copies and evictions."""
     line = (f"  host tier   {stats.prefix_cache_host_hit_tokens} prompt tokens found there"
-            f" ({stats.kv_offload_reloaded_bytes / 2**20:.1f} MiB copied back in {stats.kv_offload_reload_seconds:.2f} s)")
+            f" ({stats.kv_offload_reloaded_bytes / 2**20:.1f} MiB copied back"
+            f" in {stats.kv_offload_reload_seconds:.2f} s)")
     if stats.prefix_cache_host_reused_blocks:
         line += f", {stats.prefix_cache_host_reused_blocks} handed-off blocks"
     return line + (f"; {stats.num_kv_offload_blocks_cached} of {stats.num_kv_offload_blocks_total} host blocks "

@@ -185,8 +185,8 @@ class TokenEvent:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_token_id: int | None = None  # the EOS or stop token that ended it ("stop")
-    # On the first event from the worker that prefilled the prompt: its tokens a prefix
-    # cache held there (None: not reported by this event).
+    # On the last event from the worker that prefilled the prompt (the prefill's first, from
+    # a prefill worker): its tokens a prefix cache held there (None: not reported by this event).
     num_cached_tokens: int | None = None
     num_host_cached_tokens: int = 0  # with num_cached_tokens: of them, those its host tier held
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first event, when asked

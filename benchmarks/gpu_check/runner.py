@@ -97,7 +97,6 @@ class CheckRun:
         # started, the later ones are not started, and the summary says what had finished.
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._stop_requested)
-        summary: dict = {}
         try:
             for index, result in enumerate(self.results):
                 if self.stopped_by is not None:

@@ -37,3 +37,9 @@ class SchedulerOutput:
     offload: list[BlockCopy] = field(default_factory=list)
     reload: list[BlockCopy] = field(default_factory=list)
     tier_holds: TierHolds | None = None
+
+    @property
+    def has_swaps(self) -> bool:
+        """Whether the step swaps blocks (a whole request's table, not the host tier's few
+        blocks a step): on CUDA the step-time model does not learn from such a step."""
+        return bool(self.swap_out or self.swap_in)

@@ -42,8 +42,11 @@ def preempt(scheduler: Preempting, request: Request, out: SchedulerOutput) -> No
         if mode == "swap":
             kind = PreemptionKind.SWAP
         else:
+            # What the readmission's lookup would find (prefix.py: none when prompt logprobs are due).
+            kept = (0, 0) if request.prompt_logprobs is not None else kv.num_kept_blocks(
+                request_id, (request.num_tokens - 1) // kv.block_size)
             kind = scheduler.cost_model.choose(request.num_computed_tokens, len(kv.get_block_ids(request_id)),
-                                               kv.num_kept_blocks(request_id), kv.block_size)
+                                               kept, kv.block_size)
     if request.events is not None:
         request.record(Preempted(kind=kind, num_blocks=len(kv.get_block_ids(request_id)),
                                  num_computed_tokens=request.num_computed_tokens))
