@@ -16,7 +16,7 @@ class PreemptionCostModel:
     - recompute ~ prefill time of the tokens whose KV is dropped
       (`num_tokens * prefill_seconds_per_token`), but for those the prefix cache
       keeps for the readmission: blocks another request holds too, or the host
-      tier has (a copy back each);
+      tier has (those cost a copy back each);
     - swap ~ bytes moved out now and back in later
       (`2 * num_blocks * bytes_per_block / swap_bytes_per_second`).
 
