@@ -109,7 +109,7 @@ class ChatCompletionRequest(_Request):
 # ------------------------------------------------------------------ responses
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
-    # Baton's: of cached_tokens, those a worker's host-memory tier held (copied back to the GPU).
+    # Baton's: of cached_tokens, those a worker's host-memory tier held (copied back to its device cache).
     host_cached_tokens: int = 0
 
 
