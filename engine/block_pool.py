@@ -17,7 +17,7 @@ allocation that finds the free list empty evicts it, least recently used first.
 from __future__ import annotations
 
 import collections
-
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -408,10 +408,7 @@ class KVCacheManager:
         the first that is not on, kept by the host tier (engine/kv_offload.py), as a lookup
         goes on from the device to the host. What a preemption by recompute does not redo."""
         pool, host = self.pool, self.swap_pool if self.tier is not None else None
-        # Holders that are no table: frees deferred to a step's end, the host tier's copies.
-        passing = collections.Counter(self._deferred) + collections.Counter(self._deferred_before)
-        if self.tier is not None:
-            passing.update(self.tier.held()[0])
+        passing = collections.Counter(itertools.chain.from_iterable(self._held_apart()))
         kept = copied = 0
         for block_id in self._tables.get(request_id, ())[:limit]:
             block_hash = pool.hash_of(block_id)
@@ -466,6 +463,12 @@ class KVCacheManager:
     def holders(self) -> set[str]:
         return set(self._tables) | set(self._swapped)
 
+    def _held_apart(self) -> tuple[list[int], ...]:
+        """Device blocks held by something other than a request's table, a list per holder:
+        fences, blocks set aside, frees deferred to a step's end, the host tier's copies."""
+        tier_device = self.tier.held()[0] if self.tier is not None else []
+        return (*self._fenced.values(), self._aside, self._deferred, self._deferred_before, tier_device)
+
     def check_integrity(self) -> None:
         """Every block is free, cached and held by nobody, or held by the tables and fences its
         reference count says; rows and tables agree."""
@@ -476,12 +479,12 @@ class KVCacheManager:
                 raise AssertionError(f"row {row} of {request_id} disagrees with its table")
             for block_id in table:
                 held[block_id] = held.get(block_id, 0) + 1
-        tier_device, tier_host = self.tier.held() if self.tier is not None else ([], [])
-        for table in (*self._fenced.values(), self._aside, self._deferred, self._deferred_before, tier_device):
+        for table in self._held_apart():
             for block_id in table:
                 held[block_id] = held.get(block_id, 0) + 1
         self.pool.check_integrity(held)
         swap_held: dict[int, int] = {}
+        tier_host = self.tier.held()[1] if self.tier is not None else []
         for cpu_ids in (*self._swapped.values(), tier_host):
             for block_id in cpu_ids:
                 swap_held[block_id] = swap_held.get(block_id, 0) + 1

@@ -95,8 +95,7 @@ class HostTier:
         until it has ended (`release`)."""
         offloads, reloads = self._offloads, self._reloads
         self._offloads, self._reloads = [], []
-        holds = TierHolds([copy.src for copy in offloads] + [copy.dst for copy in reloads],
-                          [copy.dst for copy in offloads] + [copy.src for copy in reloads])
+        holds = _holds(offloads, reloads)
         self.num_written += len(offloads)
         if holds:
             self._issued.append(holds)
@@ -112,9 +111,15 @@ class HostTier:
 
     def held(self) -> tuple[list[int], list[int]]:
         """(device blocks, host blocks) the tier holds now, one entry per hold."""
-        device = [copy.src for copy in self._offloads] + [copy.dst for copy in self._reloads]
-        host = [copy.dst for copy in self._offloads] + [copy.src for copy in self._reloads]
+        pending = _holds(self._offloads, self._reloads)
+        device, host = pending.device_ids, pending.host_ids
         for holds in self._issued:
             device += holds.device_ids
             host += holds.host_ids
         return device, host
+
+
+def _holds(offloads: list[BlockCopy], reloads: list[BlockCopy]) -> TierHolds:
+    """What copies hold: each copy's device block and host block."""
+    return TierHolds([copy.src for copy in offloads] + [copy.dst for copy in reloads],
+                     [copy.dst for copy in offloads] + [copy.src for copy in reloads])
