@@ -213,8 +213,8 @@ class EngineStats:
                                             "baton_kv_offload_reload_seconds")
     num_kv_offload_evicted: int = stat(COUNTER, "Host-tier blocks evicted for space (by the tier, or by swap "
                                        "preemption).", 62, "baton_kv_offload_evictions")
-    kv_copy_bytes_per_s: float = stat(GAUGE, "Host-device KV copy bandwidth (swaps, host-tier reloads): measured, "
-                                      "else a guess.", 63, "baton_kv_copy_bytes_per_second")
+    kv_copy_bytes_per_s: float = stat(GAUGE, "Host-device KV copy bandwidth (swaps, the host tier's copies): "
+                                      "measured, else a guess.", 63, "baton_kv_copy_bytes_per_second")
     num_kv_landed: int = stat(COUNTER, "Handed-off requests whose KV went into blocks set aside as they arrived.", 47,
                               "baton_kv_landed")
     # The step-time model (engine/step_time.py), measured at start and refitted as it
