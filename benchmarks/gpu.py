@@ -240,7 +240,7 @@ def section_attention(run: BenchRun) -> dict:
     from transformers import AutoConfig
 
     from engine.dummy_models import dummy_model
-    from engine.kv_cache import KVLayout
+    from engine.kv.cache import KVLayout
     from engine.model.llama import ModelArch
 
     run.release_decode_llm()

@@ -244,7 +244,7 @@ class AttentionPoint:
 def attention_cache(layout, num_tokens: int, device: torch.device, seed: int = 0):
     """A block-major KVCache of `layout` (all its layers, as the engine's) with room for
     `num_tokens` tokens plus a margin, filled with random values."""
-    from engine.kv_cache import KVCache
+    from engine.kv.cache import KVCache
 
     num_blocks = math.ceil(num_tokens / layout.block_size) + 64
     cache = KVCache(layout, num_blocks, 0, device)

@@ -158,7 +158,7 @@ def tier_cache_sizes(shape: ChatShape, workload: str, tier_on: bool) -> dict:
 def shared_fraction(prompts: list[list[int]], block_size: int) -> float:
     """Share of all prompt tokens in full blocks that an earlier prompt began with alike:
     what an unbounded prefix cache would not compute (or move) again."""
-    from engine.prefix_hash import block_hashes
+    from engine.kv.prefix_hash import block_hashes
 
     seen: set[bytes] = set()
     shared = total = 0

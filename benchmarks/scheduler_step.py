@@ -24,14 +24,14 @@ import time
 
 import torch
 
-from engine.block_pool import KVCacheManager, cdiv
 from engine.config import SchedulerConfig
-from engine.decode_graphs import StaticDecode, graph_batch_sizes
-from engine.forward_batch import prepare_forward_batch
-from engine.preemption import PreemptionCostModel
+from engine.kv.manager import KVCacheManager, cdiv
 from engine.request import Request
+from engine.runner.decode_graphs import StaticDecode, graph_batch_sizes
+from engine.runner.forward_batch import prepare_forward_batch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler.preemption import PreemptionCostModel
 
 TARGET_MS = 0.3
 

@@ -36,8 +36,8 @@ from baton.runtime.clients import Metadata, PrefillWorkerClient
 from baton.runtime.metrics import TransferTally
 from baton.runtime.security import TlsConfig
 from baton.wire.records import KvHandle, OpenKvChannel, SendKv, SendKvAccepted, SendKvDone
-from engine.kv_cache import KVCache
-from engine.thread_device import device_executor
+from engine.kv.cache import KVCache
+from engine.runner.device import device_executor
 from kvtransfer import (
     KvEndpoint,
     KvLayoutSpec,

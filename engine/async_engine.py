@@ -28,12 +28,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from engine.engine import LLMEngine
-from engine.landing import Landing
+from engine.kv.landing import Landing
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine.request import InvalidRequestError
-from engine.structured_output import StructuredOutputError
+from engine.runner.device import use_device
 from engine.sampling_params import SamplingParams
-from engine.thread_device import use_device
+from engine.structured_output import StructuredOutputError
 
 logger = logging.getLogger(__name__)
 

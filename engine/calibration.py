@@ -9,10 +9,10 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from engine.block_pool import cdiv
+from engine.kv.manager import cdiv
+from engine.runner.step_time import MIN_PREFILL_SAMPLE_TOKENS
 from engine.sampling_params import SamplingParams
 from engine.scheduler.stats import SchedulerCounters
-from engine.step_time import MIN_PREFILL_SAMPLE_TOKENS
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine

@@ -8,30 +8,30 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from engine.block_pool import KVCacheManager, cdiv
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize
-from engine.kv_cache import KVCache, KVLayout
-from engine.landing import Landing
-from engine.memory import (DeviceMemory, GraphReserve, check_share_is_free, kv_cache_budget, profile_memory,
-                           read_device_memory)
+from engine.kv.cache import KVCache, KVLayout
+from engine.kv.landing import Landing
+from engine.kv.manager import KVCacheManager, cdiv
 from engine.model.loader import LoadedModel, load_model
-from engine.decode_graphs import GraphCapture, graph_batch_sizes, static_decode_bytes
-from engine.grammar import GrammarCompiler
-from engine.model_runner import RELOAD, LaunchedStep, ModelRunner
 from engine.outputs import KvReceive, RequestOutput, StepOutput
-from engine import prompt_logprobs
-from engine.preemption import PreemptionCostModel
 from engine.request import InvalidRequestError, Request
 from engine.request_inputs import bad_word_ids, check_sampling_ids, check_token_ids, start_grammar
-from engine.sampler import make_generator, skip_sample_draw
+from engine.runner.decode_graphs import GraphCapture, graph_batch_sizes, static_decode_bytes
+from engine.runner.device import engine_device
+from engine.runner.memory import (DeviceMemory, GraphReserve, check_share_is_free, kv_cache_budget, profile_memory,
+                                  read_device_memory)
+from engine.runner.model_runner import RELOAD, LaunchedStep, ModelRunner
+from engine.runner.step_time import StepTimeModel
+from engine.sampling import prompt_logprobs
+from engine.sampling.grammar import GrammarCompiler
+from engine.sampling.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.scheduler.preemption import PreemptionCostModel
 from engine.spec_decode.draft import DraftProposer
 from engine.spec_decode.speculator import Speculator
-from engine.step_time import StepTimeModel
 from engine.step_outputs import note_tokens, record_chunks, running_output
-from engine.thread_device import engine_device
 from engine.timeline import StepBatch
 
 logger = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.grammar import GrammarCompiler
 from engine.request import InvalidRequestError, Request
+from engine.sampling.grammar import GrammarCompiler
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputError
 

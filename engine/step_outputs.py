@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine import prompt_logprobs
 from engine.outputs import RequestOutput
 from engine.request import PENDING_TOKEN, RequestStatus
+from engine.sampling import prompt_logprobs
 from engine.timeline import PrefillChunk
 
 if TYPE_CHECKING:
-    from engine.block_pool import KVCacheManager
+    from engine.kv.manager import KVCacheManager
     from engine.request import Request
     from engine.scheduler import Scheduler
     from engine.timeline import StepBatch

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.preemption import PreemptionKind
+from engine.scheduler.preemption import PreemptionKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.prefix_hash import BlockHash, extend_block_hashes
+from engine.kv.prefix_hash import BlockHash, extend_block_hashes
 
 
 class PromptBlocks:

@@ -118,7 +118,7 @@ def _run(rank: int, conn, layout: dict, num_blocks: int, repeats: int, tuning: d
          device: str, start_signal) -> None:
     """One side: build a cache, open the channels, run every kind in turn."""
     from engine.envs import configure_process
-    from engine.kv_cache import KVCache, KVLayout
+    from engine.kv.cache import KVCache, KVLayout
     from kvtransfer.channel import KvChannel
     from kvtransfer.checksum import block_checksums
     from kvtransfer.connect import join, listen

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import first_line
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from kvtransfer.group import RendezvousCancelled, StoreServer, StoreUnreachableError, abort_group, join_group
 from kvtransfer.transport import KvTransferError, KvTransport, TransferStats
 from kvtransfer.wire import (

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 
 # Integer view of each element size: the checksum reads raw bits, never float values,
 # so -0.0 vs 0.0 and NaN payloads count as different data.

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from kvtransfer.channel import KvChannel
 from kvtransfer.endpoint import GLOO, IPC, NCCL
 from kvtransfer.ipc import IpcChannel

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.errors import first_line
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from kvtransfer.ipc_frames import (
     ABORT,
     ABORTED,

@@ -22,8 +22,8 @@ import weakref
 
 import torch
 
-from engine.kv_cache import KVCache
-from engine.shared_memory import SharedMemory
+from engine.kv.cache import KVCache
+from engine.kv.shared_memory import SharedMemory
 from kvtransfer.endpoint import gpu_uuid
 from kvtransfer.layout import KvLayoutSpec
 from kvtransfer.transport import KvTransferError

@@ -10,7 +10,7 @@ from engine.config import DTYPES
 if TYPE_CHECKING:
     import torch
 
-    from engine.kv_cache import KVLayout
+    from engine.kv.cache import KVLayout
 
 
 class KvLayoutMismatchError(ValueError):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from engine.kv_cache import KVCache
+    from engine.kv.cache import KVCache
 
 
 class KvTransferError(RuntimeError):

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from baton.runtime.metrics import TransferTally
 from baton.wire.records import KvChannelOpened, OpenKvChannel, ReleaseKv, SendKv, SendKvAccepted, SendKvDone
 from engine.async_engine import AsyncEngine
-from engine.kv_cache import KVCache
-from engine.thread_device import device_executor
+from engine.kv.cache import KVCache
+from engine.runner.device import device_executor
 from kvtransfer import (
     KvEndpoint,
     KvLayoutSpec,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.block_pool import KVCacheManager
 from engine.config import SchedulerConfig
-from engine.preemption import PreemptionCostModel
+from engine.kv.manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler.preemption import PreemptionCostModel
 
 EOS = 2
 

@@ -105,7 +105,7 @@ def test_prefix_index_evicts_tails_before_heads():
 
 
 def test_an_extended_prompt_hashes_only_its_new_blocks_and_equals_a_fresh_chain():
-    from engine.prefix_hash import block_hashes
+    from engine.kv.prefix_hash import block_hashes
     from gateway.affinity import PromptBlocks
 
     prompt = PromptBlocks(list(range(10)))

@@ -292,7 +292,7 @@ def test_caches_with_overlapping_blocks_are_refused(backend_name):
 
 
 def test_empty_block_major_cache():
-    from engine.kv_cache import KVCache, KVLayout
+    from engine.kv.cache import KVCache, KVLayout
 
     cache = KVCache(KVLayout(2, 4, 2, 8, torch.float32), 0, 0)
     assert cache.block_rows.shape == (0, 2 * 2 * 4 * 2 * 8)

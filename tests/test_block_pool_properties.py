@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import KVCacheManager
-from engine.kv_pool import BlockPool
+from engine.kv.block_pool import BlockPool
+from engine.kv.manager import KVCacheManager
 from engine.scheduler import SchedulerOutput
 from tests.scheduler_harness import fake_step, make_request, make_scheduler
 

@@ -22,7 +22,7 @@ from baton.wire.records import OpenKvChannel, SendKv, SendKvAccepted, SendKvDone
 from decode_worker import kv_receiver
 from decode_worker.kv_receiver import KvReceiver
 from engine.async_engine import AsyncEngine
-from engine.kv_cache import KVLayout
+from engine.kv.cache import KVLayout
 from kvtransfer import KvEndpoint, KvLayoutSpec, KvTransferError, Rendezvous, TransferStats
 from kvtransfer.connect import ChannelOffer
 from prefill_worker import kv_sender

@@ -16,17 +16,11 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.attention import get_attention_backend
-from engine.block_pool import KVCacheManager
-from engine.decode_graphs import (
-    GraphKey,
-    StaticDecode,
-    context_bounds,
-    graph_batch_sizes,
-    padded_batch_size,
-    static_decode_bytes,
-)
 from engine.envs import use_triton_interpreter
+from engine.kv.manager import KVCacheManager
 from engine.request import PENDING_TOKEN
+from engine.runner.decode_graphs import (GraphKey, StaticDecode, context_bounds, graph_batch_sizes, padded_batch_size,
+                                         static_decode_bytes)
 from tests.test_handoff import handoff
 from tests.test_parity import TINY_CONFIGS, mixed_workload
 from tests.tiny_models import hf_greedy, make_tiny_model

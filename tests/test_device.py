@@ -93,7 +93,7 @@ def test_step_inputs_are_views_of_one_buffer():
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=3))
     engine.step()  # the prompt
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=3))
-    from engine.forward_batch import prepare_forward_batch
+    from engine.runner.forward_batch import prepare_forward_batch
 
     batch = prepare_forward_batch(engine.scheduler.schedule(), engine.kv_manager)
     batch.attn.check_integrity(engine.kv_layout.block_size)

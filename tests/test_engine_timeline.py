@@ -10,8 +10,8 @@ import torch
 
 from engine import SamplingParams
 from engine.config import CacheConfig
-from engine.preemption import PreemptionKind
 from engine.scheduler import RECENT_WINDOW_S
+from engine.scheduler.preemption import PreemptionKind
 from engine.timeline import (
     Admitted,
     FirstDecodeStep,

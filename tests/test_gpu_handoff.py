@@ -41,7 +41,7 @@ LAYOUT = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=
 
 
 def _cache(seed: int | None, *, shareable: bool = False):
-    from engine.kv_cache import KVCache, KVLayout
+    from engine.kv.cache import KVCache, KVLayout
 
     cache = KVCache(KVLayout(**LAYOUT), POOL, 0, "cuda:0", shareable=shareable)
     if seed is None:

@@ -7,14 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.memory import (
-    CAPTURE_WORKSPACE_BYTES,
-    DeviceMemory,
-    GraphReserve,
-    MemoryProfile,
-    check_share_is_free,
-    kv_cache_budget,
-)
+from engine.runner.memory import (CAPTURE_WORKSPACE_BYTES, DeviceMemory, GraphReserve, MemoryProfile,
+                                  check_share_is_free, kv_cache_budget)
 
 GiB = 2**30
 TOTAL = 80 * GiB
@@ -89,7 +83,7 @@ def test_the_profiling_forward_measures_the_step_and_the_largest_decode_batch(tm
     import torch
 
     from engine import LLM
-    from engine.memory import profile_memory
+    from engine.runner.memory import profile_memory
     from tests.tiny_models import make_tiny_model
 
     _, model_dir = make_tiny_model(tmp_path, dtype=torch.float32)

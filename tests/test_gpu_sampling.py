@@ -14,11 +14,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.dummy_models import DummyModel
-from engine.grammar import apply_bitmask
 from engine.request import PENDING_TOKEN
-from engine.sampler import apply_logit_edits
-from engine.sampling_batch import PENDING_OUTPUT, SamplingBatch
-from engine.sampling_inputs import bad_word_bans
+from engine.sampling.batch import PENDING_OUTPUT, SamplingBatch
+from engine.sampling.grammar import apply_bitmask
+from engine.sampling.inputs import bad_word_bans
+from engine.sampling.sampler import apply_logit_edits
 from engine.structured_output import StructuredOutput
 from engine.tokenizer import dummy_tokenizer
 from tests.tiny_models import make_tiny_model

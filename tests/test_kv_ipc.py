@@ -20,7 +20,7 @@ import traceback
 import pytest
 import torch
 
-from engine.kv_cache import KVCache, KVLayout
+from engine.kv.cache import KVCache, KVLayout
 from kvtransfer import KvTransferError, block_checksums
 from kvtransfer.connect import join, listen
 

@@ -18,7 +18,7 @@ import torch
 from baton.wire import convert, kv_convert
 from baton.wire.internal.v1 import worker_pb2
 from baton.wire.records import FieldError, OpenKvChannel
-from engine.kv_cache import KVCache, KVLayout
+from engine.kv.cache import KVCache, KVLayout
 from kvtransfer import KvEndpoint, KvLayoutSpec, Rendezvous, TransportRefusedError, choose_transport
 from kvtransfer.endpoint import host_identity, local_endpoint, receiver_shares_cache
 

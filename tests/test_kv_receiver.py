@@ -20,7 +20,7 @@ from baton.wire.records import SendKvAccepted, SendKvDone
 from decode_worker import kv_receiver
 from decode_worker.kv_receiver import KvReceiver, _Channel
 from decode_worker.server import DecodeWorkerService
-from engine.kv_cache import KVCache, KVLayout
+from engine.kv.cache import KVCache, KVLayout
 from kvtransfer import KvEndpoint, TransferStats, TransportRefusedError, ipc_memory
 from tests.tiny_models import make_tiny_model
 

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from engine.kv_cache import KVCache, KVLayout
+from engine.kv.cache import KVCache, KVLayout
 from kvtransfer import KvTransferError
 from kvtransfer.connect import join, listen
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from baton.wire.records import OpenKvChannel, ReleaseKv, SendKv
-from engine.kv_cache import KVCache, KVLayout
+from engine.kv.cache import KVCache, KVLayout
 from kvtransfer import KvEndpoint, KvLayoutSpec, Rendezvous
 from prefill_worker.kv_sender import (LEASE_SWEEP_S, MIN_LEASE_S, AlreadyClaimed, BlockCountMismatch, ChannelInUse,
                                       KvSender, NotHeld, _Channel)

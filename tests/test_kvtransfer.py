@@ -13,7 +13,7 @@ import traceback
 import pytest
 import torch
 
-from engine.kv_cache import KVCache, KVLayout
+from engine.kv.cache import KVCache, KVLayout
 from kvtransfer import (
     KvChannel,
     KvLayoutMismatchError,

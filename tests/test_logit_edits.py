@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.dummy_models import DummyModel
 from engine.request import PENDING_TOKEN, InvalidRequestError
 from engine.request_inputs import bad_word_ids
-from engine.sampler import apply_logit_edits
-from engine.sampling_batch import PENDING_OUTPUT, SamplingBatch
-from engine.sampling_inputs import bad_word_bans
+from engine.sampling.batch import PENDING_OUTPUT, SamplingBatch
+from engine.sampling.inputs import bad_word_bans
+from engine.sampling.sampler import apply_logit_edits
 from engine.sampling_params import SamplingParamError
 from engine.tokenizer import dummy_tokenizer
-from engine.dummy_models import DummyModel
 from tests.tiny_models import make_tiny_model
 
 VOCAB = 320

@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import cdiv
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.kv.manager import cdiv
 from engine.request import PENDING_TOKEN
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model

@@ -16,9 +16,9 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import KVCacheManager
-from engine.kv_pool import BlockPool
-from engine.prefix_hash import block_hashes, hash_block, root_hash
+from engine.kv.block_pool import BlockPool
+from engine.kv.manager import KVCacheManager
+from engine.kv.prefix_hash import block_hashes, hash_block, root_hash
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput

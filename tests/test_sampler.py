@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine import sampler as sampler_module
 from engine.request import PENDING_TOKEN
-from engine.sampler import Sampler, apply_repetition_penalty, make_generator, skip_sample_draw
-from engine.sampling_batch import SamplingBatch
+from engine.sampling import sampler as sampler_module
+from engine.sampling.batch import SamplingBatch
+from engine.sampling.sampler import Sampler, apply_repetition_penalty, make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
 
 # Probabilities with no top-p / min-p boundary near a float tie; placed at

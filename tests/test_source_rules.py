@@ -26,16 +26,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("baton", "engine", "gateway", "prefill_worker", "decode_worker", "kvtransfer")
 ROLES = ("gateway", "prefill_worker", "decode_worker")
 # What "model, attention or kernel code" is: modules that run or build the model.
-MODEL_CODE = ("engine.model", "engine.attention", "engine.kernels", "engine.model_runner", "engine.engine",
-              "engine.forward_batch", "engine.sampler", "engine.sampling_batch", "engine.decode_graphs", "engine.llm",
-              "engine.async_engine", "engine.memory")
+MODEL_CODE = ("engine.model", "engine.attention", "engine.kernels", "engine.runner.model_runner", "engine.engine",
+              "engine.runner.forward_batch", "engine.sampling.sampler", "engine.sampling.batch", "engine.runner.decode_graphs", "engine.llm",
+              "engine.async_engine", "engine.runner.memory")
 # All the gateway may load of the libraries: records, the tokenizer and the detokenizer
 # (and the dummy models' table, for their tokenizer's vocabulary).
 GATEWAY_LIBRARY = {
     "engine", "engine.lazy", "engine.errors", "engine.config", "engine.sampling_params", "engine.structured_output", "engine.outputs",
     "engine.tokenizer",
-    "engine.dummy_models", "engine.prefix_hash",  # the gateway hashes prompt blocks as workers do (prefix affinity)
-    "engine.detokenizer", "engine.scheduler", "engine.scheduler.stats", "engine.statistics", "engine.preemption",
+    "engine.dummy_models", "engine.kv", "engine.kv.prefix_hash",  # the gateway hashes prompt blocks as workers do (prefix affinity)
+    "engine.detokenizer", "engine.scheduler", "engine.scheduler.stats", "engine.statistics", "engine.scheduler.preemption",
     "engine.timeline",
     "kvtransfer", "kvtransfer.layout", "kvtransfer.transport", "kvtransfer.endpoint",  # records read by the gateway; no torch
 }

@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import SpeculativeConfig
-from engine.preemption import PreemptionCostModel
 from engine.request import Request
+from engine.runner.step_time import StepTimeModel
 from engine.sampling_params import SamplingParams
+from engine.scheduler.preemption import PreemptionCostModel
 from engine.spec_decode.acceptance import accept_agreeing, accept_sampled
 from engine.spec_decode.ngram import NgramIndex, propose_ngram
 from engine.spec_decode.speculator import PROBE_STEPS, Speculator
-from engine.step_time import StepTimeModel
 
 # Chi-square critical values at significance 0.001 by degrees of freedom: a correct
 # sampler fails one of these about once in a thousand runs; the draws are seeded, so a

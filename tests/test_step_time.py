@@ -14,11 +14,11 @@ from baton.runtime.settings import PrefillWorkerSettings
 from baton.runtime.worker import build_engine
 from baton.wire import stats_convert
 from baton.wire.records import WorkerStats
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.preemption import PreemptionCostModel
-from engine.sampling_params import SamplingParams
 from engine.calibration import calibrate_step_time
-from engine.step_time import DECODE_WINDOW, DecodeStepFit, StepLine, fit_line
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.runner.step_time import DECODE_WINDOW, DecodeStepFit, StepLine, fit_line
+from engine.sampling_params import SamplingParams
+from engine.scheduler.preemption import PreemptionCostModel
 from prefill_worker.server import PrefillWorkerService
 from tests.tiny_models import make_tiny_model
 
@@ -90,9 +90,9 @@ def test_the_window_keeps_the_last_steps_and_calibration_adopts_its_medians():
 
 
 def test_decode_steps_with_proposals_give_a_proposals_cost():
-    from engine.model_runner import ModelRunnerOutput
+    from engine.runner.model_runner import ModelRunnerOutput
+    from engine.runner.step_time import StepTimeModel
     from engine.scheduler import SchedulerOutput
-    from engine.step_time import StepTimeModel
 
     model = StepTimeModel(PreemptionCostModel(bytes_per_block=1))
     one_row = SchedulerOutput(requests=[object()], num_scheduled_tokens=[1], total_num_scheduled_tokens=1)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.dummy_models import DummyModel
-from engine.grammar import GrammarCompiler
 from engine.request import InvalidRequestError
+from engine.sampling.grammar import GrammarCompiler
 from engine.structured_output import StructuredOutput, StructuredOutputError
 from engine.tokenizer import dummy_tokenizer, load_tokenizer
 from tests.tiny_models import make_tiny_model

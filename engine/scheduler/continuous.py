@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.block_pool import PrefixHit, cdiv
 from engine.config import SchedulerConfig
+from engine.kv.manager import PrefixHit, cdiv
 from engine.request import Request
 from engine.scheduler.policy import Admission, AdmissionPolicy, AdmissionView, Choices
 from engine.scheduler.waiting import WaitingQueue

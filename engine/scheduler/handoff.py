@@ -21,9 +21,9 @@ from engine.request import Request, RequestStatus, by_sort_key
 from engine.timeline import KvReceived, KvReceiveFailed
 
 if TYPE_CHECKING:
-    from engine.block_pool import KVCacheManager
+    from engine.kv.landing import Landing
+    from engine.kv.manager import KVCacheManager
     from engine.scheduler.policy import AdmissionPolicy
-    from engine.landing import Landing
     from engine.scheduler.prefix import PrefixMatcher
 
 

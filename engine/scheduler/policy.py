@@ -18,8 +18,8 @@ from engine.request import Request
 from engine.scheduler.waiting import WaitingQueue
 
 if TYPE_CHECKING:
-    from engine.block_pool import KVCacheManager, PrefixHit
     from engine.config import SchedulerConfig
+    from engine.kv.manager import KVCacheManager, PrefixHit
     from engine.scheduler.prefix import PrefixMatcher
 
 

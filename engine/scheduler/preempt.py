@@ -5,16 +5,16 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Protocol
 
-from engine.preemption import PreemptionKind
 from engine.request import Request, RequestStatus, by_sort_key
+from engine.scheduler.preemption import PreemptionKind
 from engine.timeline import Preempted
 
 if TYPE_CHECKING:
-    from engine.block_pool import KVCacheManager
     from engine.config import SchedulerConfig
-    from engine.preemption import PreemptionCostModel
+    from engine.kv.manager import KVCacheManager
     from engine.scheduler.output import SchedulerOutput
     from engine.scheduler.policy import AdmissionPolicy
+    from engine.scheduler.preemption import PreemptionCostModel
     from engine.scheduler.stats import SchedulerCounters
 
 

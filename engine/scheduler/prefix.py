@@ -11,8 +11,8 @@ request's chain is hashed once, as far as it is needed, and kept on it.
 
 from __future__ import annotations
 
-from engine.block_pool import NO_PREFIX, KVCacheManager, PrefixHit
-from engine.prefix_hash import extend_block_hashes
+from engine.kv.manager import NO_PREFIX, KVCacheManager, PrefixHit
+from engine.kv.prefix_hash import extend_block_hashes
 from engine.request import PENDING_TOKEN, Request
 
 class PrefixMatcher:

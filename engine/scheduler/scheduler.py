@@ -27,10 +27,9 @@ import bisect
 import time
 from collections.abc import Callable
 
-from engine.block_pool import KVCacheManager, PrefixHit, cdiv
 from engine.config import SchedulerConfig
-from engine.landing import Landing, LandingZone
-from engine.preemption import PreemptionCostModel
+from engine.kv.landing import Landing, LandingZone
+from engine.kv.manager import KVCacheManager, PrefixHit, cdiv
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
                             by_sort_key, deadline_key)
 from engine.scheduler.budget import UNLIMITED, prefill_limit
@@ -40,11 +39,12 @@ from engine.scheduler.integrity import check_scheduler_integrity
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import AdmissionPolicy
 from engine.scheduler.preempt import preempt
+from engine.scheduler.preemption import PreemptionCostModel
 from engine.scheduler.prefix import PrefixMatcher
 from engine.scheduler.speculative import schedule_proposals, settle_proposals
 from engine.scheduler.static import StaticAdmission
-from engine.scheduler.stopping import ends_by_length, stop_status
 from engine.scheduler.stats import SchedulerCounters, SchedulerStats, snapshot_stats
+from engine.scheduler.stopping import ends_by_length, stop_status
 from engine.statistics import RecentStats
 from engine.timeline import Admitted, SwappedIn
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from engine.block_pool import cdiv
+from engine.kv.manager import cdiv
 from engine.request import Request
 
 if TYPE_CHECKING:
-    from engine.block_pool import KVCacheManager
+    from engine.kv.manager import KVCacheManager
     from engine.scheduler.output import SchedulerOutput
     from engine.scheduler.prefix import PrefixMatcher
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING
 
-from engine.block_pool import cdiv
+from engine.kv.manager import cdiv
 from engine.request import Request, by_sort_key
 from engine.scheduler.policy import Admission, AdmissionPolicy, AdmissionView, Choices
 

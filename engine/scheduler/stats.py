@@ -14,12 +14,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from engine.preemption import PreemptionCostModel, PreemptionKind
+from engine.scheduler.preemption import PreemptionCostModel, PreemptionKind
 from engine.statistics import EngineStats, RecentStats
 
 if TYPE_CHECKING:
-    from engine.block_pool import KVCacheManager, PrefixCacheStats
     from engine.config import SchedulerConfig
+    from engine.kv.manager import KVCacheManager, PrefixCacheStats
     from engine.request import Request
     from engine.scheduler.handoff import KvHandoffs
 

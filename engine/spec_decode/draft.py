@@ -19,11 +19,11 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.block_pool import KVCacheManager, cdiv
-from engine.kv_cache import KVCache, KVLayout
+from engine.kv.cache import KVCache, KVLayout
+from engine.kv.manager import KVCacheManager, cdiv
 from engine.model.loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner
 from engine.request import Request
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
 

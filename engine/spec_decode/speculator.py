@@ -42,11 +42,11 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.request import PENDING_TOKEN, Request
-from engine.sampler import skip_sample_draw
+from engine.runner.step_time import StepTimeModel
+from engine.sampling.sampler import skip_sample_draw
 from engine.spec_decode.acceptance import accept_agreeing
 from engine.spec_decode.draft import DraftProposer
 from engine.spec_decode.ngram import NgramIndex
-from engine.step_time import StepTimeModel
 
 # A row that chose not to speculate proposes one token on one step in this many.
 PROBE_STEPS = 16

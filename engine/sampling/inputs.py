@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.request import PENDING_TOKEN, Request
-from engine.sampling_batch import PENDING_OUTPUT, SamplingBatch
+from engine.sampling.batch import PENDING_OUTPUT, SamplingBatch
 
 
 def sampling_batch(requests: Sequence[Request], device: torch.device) -> SamplingBatch:

@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.kv_pool import BlockCopy, BlockPool
-from engine.prefix_hash import BlockHash
+from engine.kv.block_pool import BlockCopy, BlockPool
+from engine.kv.prefix_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)

@@ -49,9 +49,9 @@ from typing import NamedTuple
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionBatch
-from engine.block_pool import KVCacheManager
-from engine.forward_batch import DecodeRows, ForwardBatch, PackedLayout, decode_rows, split_checks
-from engine.prompt_logprobs import wants_rows
+from engine.kv.manager import KVCacheManager
+from engine.runner.forward_batch import DecodeRows, ForwardBatch, PackedLayout, decode_rows, split_checks
+from engine.sampling.prompt_logprobs import wants_rows
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)

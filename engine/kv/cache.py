@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_pool import BlockCopy
-from engine.shared_memory import SharedMemory
+from engine.kv.block_pool import BlockCopy
+from engine.kv.shared_memory import SharedMemory
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_pool import KVCacheManager
-from engine.decode_graphs import GraphCapture, StaticDecode, graph_batch_sizes
-from engine.forward_batch import ForwardBatch, prepare_forward_batch
-from engine.grammar import bitmask_words, fill_bitmask
-from engine.kv_cache import KVCache
-from engine.prompt_logprobs import PendingPromptLogprobs
+from engine.kv.cache import KVCache
+from engine.kv.manager import KVCacheManager
 from engine.request import Request
-from engine.sampler import SampledTokens, Sampler, SamplerOutput
-from engine.sampling_inputs import sampling_batch
+from engine.runner.decode_graphs import GraphCapture, StaticDecode, graph_batch_sizes
+from engine.runner.forward_batch import ForwardBatch, prepare_forward_batch
+from engine.sampling.grammar import bitmask_words, fill_bitmask
+from engine.sampling.inputs import sampling_batch
+from engine.sampling.prompt_logprobs import PendingPromptLogprobs
+from engine.sampling.sampler import SampledTokens, Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 
 # The kinds of host-device block copies a step makes (ModelRunner.finished_copies).

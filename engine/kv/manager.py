@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.kv_offload import HostTier, TierHolds
-from engine.kv_pool import BlockCopy, BlockPool
-from engine.prefix_hash import BlockHash
+from engine.kv.block_pool import BlockCopy, BlockPool
+from engine.kv.host_tier import HostTier, TierHolds
+from engine.kv.prefix_hash import BlockHash
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import SequenceSpan, build_attention_batch
-from engine.block_pool import cdiv
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache, KVLayout
+from engine.kv.cache import KVCache, KVLayout
+from engine.kv.manager import cdiv
 
 logger = logging.getLogger(__name__)
 

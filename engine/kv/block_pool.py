@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.prefix_hash import BlockHash
+from engine.kv.prefix_hash import BlockHash
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.block_pool import cdiv
+from engine.kv.manager import cdiv
 
 if TYPE_CHECKING:
-    from engine.block_pool import KVCacheManager
+    from engine.kv.manager import KVCacheManager
 
 
 @dataclass(frozen=True, slots=True)

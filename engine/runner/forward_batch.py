@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBatch, PrefillChunk
-from engine.block_pool import KVCacheManager, cdiv
-from engine.prompt_logprobs import PromptRows, prompt_rows, wants_rows
+from engine.kv.manager import KVCacheManager, cdiv
 from engine.request import PENDING_TOKEN, Request
+from engine.sampling.prompt_logprobs import PromptRows, prompt_rows, wants_rows
 from engine.scheduler import SchedulerOutput
 
 

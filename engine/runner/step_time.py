@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunnerOutput
-    from engine.preemption import PreemptionCostModel
+    from engine.runner.model_runner import ModelRunnerOutput
     from engine.scheduler import SchedulerOutput
+    from engine.scheduler.preemption import PreemptionCostModel
 
 logger = logging.getLogger(__name__)
 

@@ -53,9 +53,9 @@ import torch
 from torch import Tensor
 
 from engine import kernels
-from engine.grammar import apply_bitmask
 from engine.outputs import TokenLogprobs
-from engine.sampling_batch import PENDING_OUTPUT, SamplingBatch, SamplingRows
+from engine.sampling.batch import PENDING_OUTPUT, SamplingBatch, SamplingRows
+from engine.sampling.grammar import apply_bitmask
 
 # Candidates per sampled row. Large enough to hold a typical nucleus and most
 # of an LLM's probability mass; rows needing more fall back to full-vocab work.
