@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -16,6 +17,15 @@ DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 
 SchedulerPolicy = Literal["continuous", "static"]
 PreemptionMode = Literal["auto", "recompute", "swap"]
+
+
+class PreemptionKind(enum.Enum):
+    """How one request was preempted (the mode "auto" picks one per request)."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
 # Attention backend names (engine.attention.get_attention_backend builds them). "auto":
 # "triton" on CUDA; on CPU the native backend when its kernels build, else "torch".
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")

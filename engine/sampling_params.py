@@ -20,6 +20,13 @@ MAX_ABS_LOGIT_BIAS = 100.0
 MAX_N = 128  # OpenAI's bound on choices per request
 
 
+def length_limit(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """The length rule: a request ends by length once it holds this many tokens, prompt and
+    output (its max_tokens generated, or max_model_len reached). Every check of it asks here:
+    the scheduler's stop check and peak KV, and the gateway's, for a request that moved."""
+    return min(num_prompt_tokens + max_tokens, max_model_len)
+
+
 class SamplingParamError(ValueError):
     """A SamplingParams attribute holds a value it cannot take; `name` is the attribute,
     so that a server can tell its caller which field of its request is at fault."""

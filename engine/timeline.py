@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.scheduler.preemption import PreemptionKind
+from engine.config import PreemptionKind
 
 
 @dataclass(frozen=True, slots=True)

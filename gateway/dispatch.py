@@ -37,6 +37,7 @@ import grpc
 from baton.runtime import latency, tracing
 from baton.runtime.tasks import BackgroundTasks
 from baton.wire.records import DecodeRequest, PrefillResult, ReleaseKv, TokenEvent, WorkRequest
+from engine.sampling_params import length_limit
 from gateway.affinity import PromptBlocks
 from gateway.errors import RequestError
 from gateway.prepare import PreparedRequest
@@ -108,7 +109,9 @@ class Dispatcher:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                        f"the request lost {len(lost)} decode workers; giving up "
                                        f"(last: {error})") from None
-                if len(generated) >= work.params.max_tokens:  # lost as the last token came
+                num_prompt = len(work.prompt_token_ids)  # lost as the last token came:
+                if num_prompt + len(generated) >= length_limit(num_prompt, work.params.max_tokens,
+                                                               prepared.max_model_len):
                     yield TokenEvent([], [], "length")
                     return
                 attempt = work.continued(generated, f"{work.request_id}~{len(lost)}")

@@ -51,6 +51,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    max_model_len: int  # the served model's: the length rule's bound on prompt and output tokens
     arrival: float = field(default_factory=time.monotonic)  # for the latency metrics
     span: object | None = None  # its `generate` span (None: tracing off)
     # The id the workers know it by (None: request_id): unique among every gateway's
@@ -83,7 +84,8 @@ class RequestPreparer:
             raise RequestError(_INVALID, "stop strings need a model with a tokenizer", field="sampling.stop")
         prompt_token_ids = self._traced_tokenize(request, span)
         self._check_tokens(prompt_token_ids, _PROMPT_FIELDS[request.prompt_kind])
-        return PreparedRequest(request_id, prompt_token_ids, request.params, request.priority, span=span,
+        return PreparedRequest(request_id, prompt_token_ids, request.params, request.priority,
+                               self.info.max_context_length, span=span,
                                prompt_field=_PROMPT_FIELDS[request.prompt_kind])
 
     def _check_tokens(self, prompt_token_ids: list[int], prompt_field: str) -> None:

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.config import CacheConfig
+from engine.config import CacheConfig, PreemptionKind
 from engine.scheduler import RECENT_WINDOW_S
-from engine.scheduler.preemption import PreemptionKind
 from engine.timeline import (
     Admitted,
     FirstDecodeStep,

@@ -231,7 +231,8 @@ async def _until(predicate, timeout_s: float = 2.0) -> None:
 
 
 def _prepared(request_id: str) -> PreparedRequest:
-    return PreparedRequest(request_id, [5, 6, 7, 8], SamplingParams(max_tokens=4), priority=0)
+    return PreparedRequest(request_id, [5, 6, 7, 8], SamplingParams(max_tokens=4), priority=0,
+                           max_model_len=2048)
 
 
 def test_a_stream_closed_at_its_first_token_releases_the_held_kv():
@@ -331,7 +332,7 @@ def test_a_request_moves_off_a_lost_decode_worker_with_what_it_streamed(failure)
         pool = _DecodePool(lost, other)
         pool.alive[pool.decode[0].address] = failure != "stalled worker"
         prepared = PreparedRequest("r", [5, 6, 7], SamplingParams(max_tokens=4, min_tokens=3, seed=9,
-                                                                  temperature=1.0), priority=0)
+                                                                  temperature=1.0), priority=0, max_model_len=2048)
         tokens = await _collect(Dispatcher(pool), prepared)
         return tokens, other.requests, pool
 
@@ -344,6 +345,23 @@ def test_a_request_moves_off_a_lost_decode_worker_with_what_it_streamed(failure)
     assert work.attempt == 1  # moved work: no worker refuses it
     assert (work.params.max_tokens, work.params.min_tokens, work.params.seed) == (2, 1, 9)
     assert not pool.decode[0].is_up and pool.decode[0].lost.is_set()
+
+
+@pytest.mark.parametrize(("max_tokens", "max_model_len"), [(2, 2048), (10, 5)])
+def test_a_request_lost_as_its_last_token_came_ends_by_length_and_does_not_move(max_tokens, max_model_len):
+    """Its max_tokens out, or its context full (3 prompt tokens + 2 = max_model_len): the
+    length rule ends it, as the worker would have; a move would be a prompt no worker takes."""
+
+    async def scenario():
+        lost, other = _FakeDecodeClient([100, 101], grpc.StatusCode.UNAVAILABLE), _FakeDecodeClient([102])
+        prepared = PreparedRequest("r", [5, 6, 7], SamplingParams(max_tokens=max_tokens), priority=0,
+                                   max_model_len=max_model_len)
+        events = [event async for event in Dispatcher(_DecodePool(lost, other)).run(prepared, lambda: 30.0)]
+        return events, other.requests
+
+    events, moved = asyncio.run(scenario())
+    assert [t for event in events for t in event.token_ids] == [100, 101]
+    assert events[-1].finish_reason == "length" and moved == []
 
 
 @pytest.mark.parametrize(("code", "attempt"), [

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.config import PreemptionKind
 from engine.request import RequestStatus
 from engine.scheduler import SchedulerOutput
-from engine.scheduler.preemption import PreemptionKind
 from tests.scheduler_harness import fake_step, make_request, make_scheduler, run_to_completion
 
 

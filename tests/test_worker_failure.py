@@ -93,7 +93,7 @@ def test_the_requests_of_a_failed_engine_move_to_another_worker(tmp_path):
             GatewaySettings(decode_workers=(a.address,))))
         await pool.start()
         dispatcher = Dispatcher(pool)
-        prepared = lambda rid: PreparedRequest(rid, list(range(10, 30)), params, priority=0)  # noqa: E731
+        prepared = lambda rid: PreparedRequest(rid, list(range(10, 30)), params, priority=0, max_model_len=2048)  # noqa: E731
         undisturbed = [t async for e in dispatcher.run(prepared("calm"), lambda: 60.0) for t in e.token_ids]
         tokens = []
         async for event in dispatcher.run(prepared("doomed"), lambda: 60.0):

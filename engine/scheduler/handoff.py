@@ -13,17 +13,15 @@ prefill here.
 
 from __future__ import annotations
 
-import bisect
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from engine.request import Request, RequestStatus, by_sort_key
+from engine.request import Request, RequestStatus
 from engine.timeline import KvReceived, KvReceiveFailed
 
 if TYPE_CHECKING:
     from engine.kv.landing import Landing
     from engine.kv.manager import KVCacheManager
-    from engine.scheduler.policy import AdmissionPolicy
     from engine.scheduler.prefix import PrefixMatcher
 
 
@@ -78,46 +76,3 @@ class KvHandoffs:
         else:
             self.kv.free(request.request_id)
             request.status = RequestStatus.WAITING
-
-
-class Handing(Protocol):
-    """What ending a handoff changes of the scheduler (the Scheduler is one)."""
-
-    kv: KVCacheManager
-    handoffs: KvHandoffs
-    running: list[Request]
-    policy: AdmissionPolicy
-
-    def finish_request(self, request: Request, status: RequestStatus) -> None: ...
-
-
-def release_held(self: Handing, request_id: str) -> Request | None:
-    """End a HELD request whose KV was handed off (or given up); frees its blocks."""
-    request = self.handoffs.held.get(request_id)
-    if request is not None:
-        self.finish_request(request, RequestStatus.FINISHED_HANDED_OFF)
-    return request
-
-
-def complete_kv_receive(self: Handing, request_id: str, ok: bool, fence_id: str | None = None,
-                        landing: str | None = None) -> Request | None:
-    """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here). With
-    `fence_id`, the failed receive's blocks go under that fence (KVCacheManager.fence).
-    `landing`: the ticket it received into; None: admitted from the queue (a receive
-    for another request of the same id changes nothing)."""
-    request = self.handoffs.receiving.get(request_id)
-    if request is None or request.landing != landing:
-        return None
-    if fence_id is not None:
-        assert not ok, "a completed receive has nothing to fence"
-        # The reused prefix was never written: only the blocks being received are in doubt.
-        self.kv.fence(request_id, fence_id, start=request.num_reused_blocks)
-    if request.abort_requested:
-        self.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        return None
-    self.handoffs.end_receive(request, ok)
-    if ok:
-        bisect.insort(self.running, request, key=by_sort_key)
-    else:
-        self.policy.add(request)
-    return request

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import PreemptionKind
 from engine.kv.block_pool import BlockCopy
 from engine.kv.host_tier import TierHolds
 from engine.request import Request
-from engine.scheduler.preemption import PreemptionKind
 
 
 @dataclass(slots=True)

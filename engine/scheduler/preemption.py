@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import enum
-
-
-class PreemptionKind(enum.Enum):
-    RECOMPUTE = "recompute"
-    SWAP = "swap"
+from engine.config import PreemptionKind
 
 
 class PreemptionCostModel:

@@ -27,18 +27,18 @@ import bisect
 import time
 from collections.abc import Callable
 
-from engine.config import SchedulerConfig
+from engine.config import PreemptionKind, SchedulerConfig
 from engine.kv.landing import Landing, LandingZone
 from engine.kv.manager import KVCacheManager, PrefixHit, cdiv
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
                             by_sort_key, deadline_key)
+from engine.sampling_params import length_limit
 from engine.scheduler.budget import UNLIMITED, prefill_limit
 from engine.scheduler.continuous import ContinuousAdmission
-from engine.scheduler.handoff import KvHandoffs, complete_kv_receive, release_held
+from engine.scheduler.handoff import KvHandoffs
 from engine.scheduler.integrity import check_scheduler_integrity
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import AdmissionPolicy
-from engine.scheduler.preempt import preempt
 from engine.scheduler.preemption import PreemptionCostModel
 from engine.scheduler.prefix import PrefixMatcher
 from engine.scheduler.speculative import schedule_proposals, settle_proposals
@@ -46,7 +46,7 @@ from engine.scheduler.static import StaticAdmission
 from engine.scheduler.stats import SchedulerCounters, SchedulerStats, snapshot_stats
 from engine.scheduler.stopping import ends_by_length, stop_status
 from engine.statistics import RecentStats
-from engine.timeline import Admitted, SwappedIn
+from engine.timeline import Admitted, Preempted, SwappedIn
 
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     "continuous": ContinuousAdmission,
@@ -115,7 +115,7 @@ class Scheduler:
     def peak_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The most tokens a request ever holds in the KV cache (the last sampled token ends
         the request before its KV is computed)."""
-        return min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
+        return length_limit(num_prompt_tokens, max_tokens, self.max_model_len) - 1
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise InvalidRequestError for a request that could never run here: PromptTooLongError
@@ -193,6 +193,36 @@ class Scheduler:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def release_held(self, request_id: str) -> Request | None:
+        """End a HELD request whose KV was handed off (or given up); frees its blocks."""
+        request = self.handoffs.held.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_HANDED_OFF)
+        return request
+
+    def complete_kv_receive(self, request_id: str, ok: bool, fence_id: str | None = None,
+                            landing: str | None = None) -> Request | None:
+        """A RECEIVING request's KV arrived (`ok`) or will not (then it prefills here). With
+        `fence_id`, the failed receive's blocks go under that fence (KVCacheManager.fence).
+        `landing`: the ticket it received into; None: admitted from the queue (a receive
+        for another request of the same id changes nothing)."""
+        request = self.handoffs.receiving.get(request_id)
+        if request is None or request.landing != landing:
+            return None
+        if fence_id is not None:
+            assert not ok, "a completed receive has nothing to fence"
+            # The reused prefix was never written: only the blocks being received are in doubt.
+            self.kv.fence(request_id, fence_id, start=request.num_reused_blocks)
+        if request.abort_requested:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            return None
+        self.handoffs.end_receive(request, ok)
+        if ok:
+            bisect.insort(self.running, request, key=by_sort_key)
+        else:
+            self.policy.add(request)
+        return request
+
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         self.landing.drain()  # the step sees every free block
@@ -242,7 +272,7 @@ class Scheduler:
                 continue
             if remaining == 1 and request.spec_token_ids:
                 # Its proposals, as far as the budget leaves each row after it its token.
-                num_new += schedule_proposals(self, out, request, budget - (len(running) - i))
+                num_new += schedule_proposals(kv, out, request, budget - (len(running) - i), self.max_model_len)
             while not kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 victim = running[-1]
                 self._preempt(victim, out)
@@ -296,9 +326,6 @@ class Scheduler:
     def _growth_reserve(self) -> int:
         """Blocks kept free so the running batch can grow for a few decode steps."""
         return cdiv(len(self.running) * self.config.admission_reserve_steps, self.block_size)
-
-    release_held = release_held  # (handoff.py)
-    complete_kv_receive = complete_kv_receive
 
     def _admit_chosen(self, out: SchedulerOutput, budget: int, chunk_cap: int, now: float) -> int:
         """Admit the waiting requests the policy chooses, one by one (it sees each admission
@@ -383,7 +410,44 @@ class Scheduler:
         out.num_scheduled_tokens.append(num_new)
         return budget - num_new
 
-    _preempt = preempt  # (preempt.py)
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Take `request` out of the running batch to free its blocks: swapped out to CPU, or
+        dropped to recompute later (back in the queue), as the preemption mode and the cost
+        model choose."""
+        kind = self._preemption_kind(request)
+        kv, request_id = self.kv, request.request_id
+        if request.events is not None:
+            request.record(Preempted(kind=kind, num_blocks=len(kv.get_block_ids(request_id)),
+                                     num_computed_tokens=request.num_computed_tokens))
+        self.running.remove(request)
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        out.preempted.append((request, kind))
+        if kind is PreemptionKind.SWAP:
+            copies = kv.swap_out(request_id)
+            out.swap_out.extend(copies)
+            self.counters.record_preemption(kind, len(copies))
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=by_sort_key)
+        else:
+            self.counters.record_preemption(kind)
+            kv.free(request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.policy.requeue(request)
+
+    def _preemption_kind(self, request: Request) -> PreemptionKind:
+        """Swap or recompute, as the preemption mode says, or (auto) the cost model finds cheaper."""
+        mode, kv, request_id = self.config.preemption_mode, self.kv, request.request_id
+        if mode == "recompute" or not kv.can_swap_out(request_id):
+            return PreemptionKind.RECOMPUTE
+        if mode == "swap":
+            return PreemptionKind.SWAP
+        # What the readmission's lookup would find (prefix.py: none when prompt logprobs are due).
+        kept = (0, 0) if request.prompt_logprobs is not None else kv.num_kept_blocks(
+            request_id, (request.num_tokens - 1) // kv.block_size)
+        return self.cost_model.choose(request.num_computed_tokens, len(kv.get_block_ids(request_id)), kept,
+                                      kv.block_size)
 
     # ---------------------------------------------------------------- update
     def complete_step(self, out: SchedulerOutput, sampled_requests: list[Request],
@@ -464,7 +528,7 @@ class Scheduler:
                     break
             else:
                 if proposals and request.request_id in proposals:
-                    settle_proposals(self, request, len(tokens) - 1)
+                    settle_proposals(self.prefix, self.kv, request, len(tokens) - 1)
         return finished
 
     def end_step(self, out: SchedulerOutput) -> None:

@@ -12,7 +12,7 @@ Proposals never preempt: a row whose table cannot grow by them runs its one toke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from engine.kv.manager import cdiv
 from engine.request import Request
@@ -23,31 +23,23 @@ if TYPE_CHECKING:
     from engine.scheduler.prefix import PrefixMatcher
 
 
-class Speculating(Protocol):
-    """What scheduling proposals reads and changes of the scheduler (the Scheduler is one)."""
-
-    kv: KVCacheManager
-    prefix: PrefixMatcher
-    max_model_len: int
-    block_size: int
-
-
-def schedule_proposals(scheduler: Speculating, out: SchedulerOutput, request: Request, spare_budget: int) -> int:
+def schedule_proposals(kv: KVCacheManager, out: SchedulerOutput, request: Request, spare_budget: int,
+                       max_model_len: int) -> int:
     """Schedule as many of a decoding row's proposals as `spare_budget` (tokens the
     budget holds beyond one for each row still to schedule), max_model_len and the free
     blocks allow; recorded in `out.spec_token_ids`. Returns how many."""
     start = request.num_computed_tokens
-    num_spec = min(len(request.spec_token_ids), spare_budget, scheduler.max_model_len - start - 1)
-    if num_spec <= 0 or not scheduler.kv.allocate_slots(request.request_id, start + 1 + num_spec):
+    num_spec = min(len(request.spec_token_ids), spare_budget, max_model_len - start - 1)
+    if num_spec <= 0 or not kv.allocate_slots(request.request_id, start + 1 + num_spec):
         return 0
     out.spec_token_ids[request.request_id] = request.spec_token_ids[:num_spec]
     return num_spec
 
 
-def settle_proposals(scheduler: Speculating, request: Request, num_accepted: int) -> None:
+def settle_proposals(prefix: PrefixMatcher, kv: KVCacheManager, request: Request, num_accepted: int) -> None:
     """After a row checked its proposals and goes on: the accepted ones are computed
     (their KV holds), and its table drops the blocks past its tokens (the rejected
     proposals' slots; the next step's token has its slot in the blocks kept)."""
     request.num_computed_tokens += num_accepted
-    scheduler.prefix.cache_computed(request)
-    scheduler.kv.truncate(request.request_id, cdiv(len(request.all_token_ids), scheduler.block_size))
+    prefix.cache_computed(request)
+    kv.truncate(request.request_id, cdiv(len(request.all_token_ids), kv.block_size))

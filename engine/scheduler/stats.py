@@ -14,11 +14,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from engine.scheduler.preemption import PreemptionCostModel, PreemptionKind
+from engine.config import PreemptionKind, SchedulerConfig
+from engine.scheduler.preemption import PreemptionCostModel
 from engine.statistics import EngineStats, RecentStats
 
 if TYPE_CHECKING:
-    from engine.config import SchedulerConfig
     from engine.kv.manager import KVCacheManager, PrefixCacheStats
     from engine.request import Request
     from engine.scheduler.handoff import KvHandoffs

@@ -4,13 +4,12 @@ min_tokens are out, a grammar that is complete, or the length limits."""
 from __future__ import annotations
 
 from engine.request import Request, RequestStatus
+from engine.sampling_params import length_limit
 
 
 def ends_by_length(request: Request, num_tokens: int, max_model_len: int) -> bool:
-    """Whether a request ends once it has `num_tokens` tokens (prompt and output): its
-    max_tokens, or max_model_len, reached."""
-    return (num_tokens >= max_model_len
-            or num_tokens - len(request.prompt_token_ids) >= request.sampling_params.max_tokens)
+    """Whether a request ends once it has `num_tokens` tokens (prompt and output)."""
+    return num_tokens >= length_limit(request.num_prompt_tokens, request.sampling_params.max_tokens, max_model_len)
 
 
 def stop_status(request: Request, token_id: int, num_tokens: int, max_model_len: int) -> RequestStatus | None:
@@ -29,6 +28,6 @@ def stop_status(request: Request, token_id: int, num_tokens: int, max_model_len:
         return RequestStatus.FINISHED_STOPPED
     if grammar is not None and grammar.is_done:
         return RequestStatus.FINISHED_STOPPED  # the output is complete: nothing may follow
-    if num_tokens >= max_model_len or num_output >= params.max_tokens:  # ends_by_length, here once per token
+    if ends_by_length(request, num_tokens, max_model_len):
         return RequestStatus.FINISHED_LENGTH
     return None
