@@ -54,7 +54,7 @@ def set_mode(llm, mode: str, static_decode) -> None:
     engine = llm.engine
     assert not engine.has_unfinished_requests()
     engine.runner.static_decode = static_decode if graphs else None
-    engine.overlap = overlap
+    engine.overlap.enabled = overlap
 
 
 def measure_steady_decode(llm, mode: str, batch_size: int, context_len: int, num_steps: int,

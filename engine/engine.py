@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize
@@ -16,22 +16,23 @@ from engine.kv.manager import KVCacheManager, cdiv
 from engine.model.loader import LoadedModel, load_model
 from engine.outputs import KvReceive, RequestOutput, StepOutput
 from engine.request import InvalidRequestError, Request
-from engine.request_inputs import bad_word_ids, check_sampling_ids, check_token_ids, start_grammar
 from engine.runner.decode_graphs import GraphCapture, graph_batch_sizes, static_decode_bytes
 from engine.runner.device import engine_device
 from engine.runner.memory import (DeviceMemory, GraphReserve, check_share_is_free, kv_cache_budget, profile_memory,
                                   read_device_memory)
-from engine.runner.model_runner import RELOAD, LaunchedStep, ModelRunner
+from engine.runner.model_runner import RELOAD, ModelRunner
+from engine.runner.overlap import Overlap, UnresolvedStep
+from engine.runner.step_outputs import note_tokens, record_chunks, running_output
 from engine.runner.step_time import StepTimeModel
 from engine.sampling import prompt_logprobs
 from engine.sampling.grammar import GrammarCompiler
+from engine.sampling.request_inputs import bad_word_ids, check_sampling_ids, check_token_ids, start_grammar
 from engine.sampling.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.scheduler import Scheduler, SchedulerStats
 from engine.scheduler.preemption import PreemptionCostModel
 from engine.spec_decode.draft import DraftProposer
 from engine.spec_decode.speculator import Speculator
-from engine.step_outputs import note_tokens, record_chunks, running_output
 from engine.timeline import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.kv_manager, num_heads=arch.num_heads,
                                   seed=config.seed)
         self.graph_capture = self._capture_graphs() if graph_sizes else None
-        self.overlap = self._overlaps()
+        self.overlap = Overlap(self._overlaps(), self.kv_manager, self.runner)
         self.speculator = self._speculator()
-        self._in_flight: _UnresolvedStep | None = None
         # Set (AsyncEngine): given a step's admissions with remote KV as it is scheduled, not in its output.
         self.on_kv_receives: Callable[[list[KvReceive]], None] | None = None
         self._request_counter = itertools.count()
@@ -107,7 +107,7 @@ class LLMEngine:
             spec.draft_model, config.dtype, self.max_model_len, self.vocab_size, self.device, config.cache.block_size,
             spec.draft_num_kv_blocks or self.kv_manager.pool.num_blocks, config.attention_backend, config.seed)
         return None if spec.method is None else Speculator(spec, self.step_time, self.max_model_len, self.vocab_size,
-                                                           config.dtype, draft, backoff_empty=self.overlap)
+                                                           config.dtype, draft, backoff_empty=self.overlap.enabled)
 
     def _overlaps(self) -> bool:
         """Overlapped scheduling (the step launched last, its tokens not yet reported: see
@@ -304,12 +304,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._aborted_outputs)
-                or self._in_flight is not None)
+                or self.overlap.step is not None)
 
     def has_work(self) -> bool:
         """Whether `step` would do anything (HELD and RECEIVING requests wait on a handoff)."""
         return (self.scheduler.has_schedulable_requests() or bool(self._aborted_outputs)
-                or self._in_flight is not None)
+                or self.overlap.step is not None)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)
@@ -319,54 +319,22 @@ class LLMEngine:
         """Schedule and launch one step, then report each request's new tokens.
 
         Plain: the tokens of the step just launched. Overlapped (`overlap_scheduling`):
-        the step is launched first and the tokens reported are those of the step before
-        it, so the host schedules and prepares step N+1 while the device runs step N.
-        A request that step N ends (EOS, a stop token or string) has then also run in
-        step N+1: that token reaches no one, and its blocks are freed with the request,
-        but go back to the pool only once step N+1 has ended (KVCacheManager.defer_frees).
-        Speculating, a step whose rows check proposals needs their last tokens: the step
-        in flight is completed first and this one runs plain.
+        the tokens of the step before it, so the host schedules and prepares step N+1
+        while the device runs step N (engine/runner/overlap.py). Speculating, a step
+        whose rows check proposals needs their last tokens: the step in flight is
+        completed first and this one runs plain.
         """
         started = time.perf_counter()
-        step_output = StepOutput()
+        outputs, self._aborted_outputs = self._aborted_outputs, []
         plan = self.speculator.plan(self.scheduler.running) if self.speculator is not None else []
-        if plan and self._in_flight is not None:
-            step_output.outputs.extend(self._drain())
+        if plan and self.overlap.step is not None:
+            outputs += self.overlap.drain(self._complete)
             started = time.perf_counter()
         launched = self._launch(plan) if self.scheduler.has_schedulable_requests() else None
-        done = [launched]
-        overlap = self.overlap and not plan
-        if overlap:
-            done = [self._in_flight]
-            self._in_flight = launched
-            if launched is not None and not launched.scheduled.requests:
-                # Nothing runs on the device (only admissions, swaps): nothing to wait for later.
-                done.append(launched)
-                self._in_flight = None
-            self.kv_manager.defer_frees(self._in_flight is not None)
-        for step in done:
-            if step is not None:
-                step_output.outputs.extend(self._complete(step, started).outputs)
-        if overlap:
-            self.kv_manager.free_deferred()  # freed while the steps just completed ran
-        if launched is not None and launched.launched.deferred is not None:
-            self.runner.sample_deferred(launched.launched)  # its grammars have seen the tokens just completed
-        if launched is not None and launched.kv_receives:
-            step_output.kv_receives = launched.kv_receives
-        if self._aborted_outputs:
-            step_output.outputs[:0] = self._aborted_outputs
-            self._aborted_outputs = []
-        return step_output
+        outputs += self.overlap.turn(launched, self._complete, started, plain=bool(plan))
+        return StepOutput(outputs, launched.kv_receives if launched is not None else [])
 
-    def _drain(self) -> list[RequestOutput]:
-        """Complete the step in flight now (not timed: its time is the last call's)."""
-        step, self._in_flight = self._in_flight, None
-        self.kv_manager.defer_frees(False)
-        outputs = self._complete(step, None).outputs
-        self.kv_manager.free_deferred()
-        return outputs
-
-    def _launch(self, plan: list) -> _UnresolvedStep:
+    def _launch(self, plan: list) -> UnresolvedStep:
         scheduler = self.scheduler
         if self.speculator is not None:
             self.speculator.propose(scheduler.running, plan)
@@ -385,8 +353,7 @@ class LLMEngine:
             for request, num_new in zip(sched_out.requests, sched_out.num_scheduled_tokens)
             if request.events is not None and request.request_id not in sched_out.spec_token_ids
         ]
-        previous = self._in_flight
-        launched = self.runner.launch(sched_out, previous.launched if previous is not None else None)
+        launched = self.runner.launch(sched_out, self.overlap.launched_before)
         positions = scheduler.advance(sched_out, launched.requests)
         scheduler.end_step(sched_out)
         batch = None
@@ -399,9 +366,9 @@ class LLMEngine:
             # Recorded at launch, in order with the next schedule's events (on CUDA the
             # chunk may still be running: its time is when it was launched).
             record_chunks(traced, batch)
-        return _UnresolvedStep(sched_out, launched, positions, batch, kv_receives)
+        return UnresolvedStep(sched_out, launched, positions, batch, kv_receives)
 
-    def _complete(self, step: _UnresolvedStep, started: float | None) -> StepOutput:
+    def _complete(self, step: UnresolvedStep, started: float | None) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs (in the `step` call
         that began at perf_counter `started`; None: not timed)."""
         runner_out = step.launched.result()
@@ -441,7 +408,7 @@ class LLMEngine:
             self.cost_model.observe_swap(num_bytes, seconds)
             if kind == RELOAD:
                 self.kv_manager.tier.reload_seconds += seconds
-        return StepOutput(outputs=outputs)
+        return outputs
 
     def _final_output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list | None = None
@@ -487,14 +454,3 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-
-
-@dataclass(frozen=True, slots=True)
-class _UnresolvedStep:
-    """A launched step, until its sampled tokens are back and resolved (Scheduler.resolve)."""
-
-    scheduled: SchedulerOutput
-    launched: LaunchedStep
-    positions: list[int | None]  # Scheduler.advance: where each sampled token goes
-    batch: StepBatch | None  # traced steps only
-    kv_receives: list[KvReceive]

@@ -59,7 +59,7 @@ def test_greedy_parity_on_gpu_float32(name, eager, tmp_path):
     )
     engine = llm.engine
     assert engine.runner.backend.name == "triton"
-    assert (engine.graph_capture is None) == eager and engine.overlap == (not eager)
+    assert (engine.graph_capture is None) == eager and engine.overlap.enabled == (not eager)
     replayed = []
     if not eager:
         assert engine.graph_capture.batch_sizes == (1, 2, 4, 8, 16, 20)

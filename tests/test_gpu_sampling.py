@@ -60,7 +60,7 @@ def test_constrained_and_penalized_steps_wait_on_the_device_only_for_their_token
     llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
               num_kv_blocks=256)
     engine = llm.engine
-    assert engine.overlap and engine.graph_capture is not None
+    assert engine.overlap.enabled and engine.graph_capture is not None
     options = [
         SamplingParams(temperature=1.0, seed=5, max_tokens=60, structured_output=StructuredOutput(
             json_schema=json.dumps(SCHEMA))),

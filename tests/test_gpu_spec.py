@@ -35,7 +35,7 @@ def test_greedy_parity_with_speculation_on_gpu(eager, tmp_path):
     llm = LLM(model_dir, enforce_eager=eager, speculative="ngram", num_speculative_tokens=5, prompt_lookup_min=1,
               adaptive=False, **GREEDY_KW)
     engine = llm.engine
-    assert engine.runner.backend.name == "triton" and engine.overlap
+    assert engine.runner.backend.name == "triton" and engine.overlap.enabled
     kinds = count_step_kinds(engine)
     checked = []
     if not eager:

@@ -13,9 +13,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.dummy_models import DummyModel
 from engine.request import PENDING_TOKEN, InvalidRequestError
-from engine.request_inputs import bad_word_ids
 from engine.sampling.batch import PENDING_OUTPUT, SamplingBatch
 from engine.sampling.inputs import bad_word_bans
+from engine.sampling.request_inputs import bad_word_ids
 from engine.sampling.sampler import apply_logit_edits
 from engine.sampling_params import SamplingParamError
 from engine.tokenizer import dummy_tokenizer

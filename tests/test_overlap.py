@@ -204,7 +204,7 @@ def test_blocks_a_step_in_flight_may_write_go_back_once_it_has_ended(tiny):
     engine.step()
     engine.step()  # a step of "a" is in flight
     num_blocks = len(engine.kv_manager.get_block_ids("a"))
-    assert engine._in_flight is not None and num_blocks > 0
+    assert engine.overlap.step is not None and num_blocks > 0
     assert engine.abort_request("a")
     assert not engine.kv_manager.has_blocks("a")
     assert engine.get_metrics().num_kv_blocks_used == num_blocks

@@ -60,7 +60,7 @@ def count_step_kinds(engine: LLMEngine) -> dict[str, int]:
 
     def counting_step():
         out = step()
-        kinds["overlapped"] += engine._in_flight is not None
+        kinds["overlapped"] += engine.overlap.step is not None
         return out
 
     engine._launch, engine.step = counting_launch, counting_step
@@ -88,7 +88,7 @@ def test_greedy_parity_with_speculation_under_chunking_and_preemption(name, pree
               overlap_scheduling=True,  # the steps that check nothing overlap; those that check run plain
               speculative="ngram", num_speculative_tokens=5, prompt_lookup_min=1, adaptive=False)
     engine = llm.engine
-    assert engine.overlap
+    assert engine.overlap.enabled
     kinds = count_step_kinds(engine)
     requests = run_checked(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                                              for n in max_tokens])
