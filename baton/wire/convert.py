@@ -11,6 +11,7 @@ layout raises KvLayoutMismatchError (a ValueError too).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 from baton.wire.internal.v1 import worker_pb2
@@ -64,40 +65,28 @@ def sampling_params_from_pb(message: pb.SamplingParams, *, with_stop_strings: bo
         raise FieldError(f"{field}.{error.name}", str(error)) from None
 
 
-_DEFAULT_PARAMS = SamplingParams()
+# Every field of SamplingParams but its structured output (a oneof of kinds, and pretty_json)
+# is the message's field of the same name, copied by name: a field added to both travels
+# with no line here (tests/test_wire_records.py holds the two lists together).
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "structured_output")
+_PB_PARAM_FIELDS = pb.SamplingParams.DESCRIPTOR.fields_by_name
 
 
 def _sampling_params_from_pb(message: pb.SamplingParams, with_stop_strings: bool) -> SamplingParams:
-    defaults = _DEFAULT_PARAMS
-    has = message.HasField
-    return SamplingParams(
-        temperature=message.temperature if has("temperature") else defaults.temperature,
-        top_p=message.top_p if has("top_p") else defaults.top_p,
-        top_k=message.top_k if has("top_k") else defaults.top_k,
-        min_p=message.min_p if has("min_p") else defaults.min_p,
-        seed=message.seed if has("seed") else None,
-        repetition_penalty=(
-            message.repetition_penalty if has("repetition_penalty") else defaults.repetition_penalty
-        ),
-        max_tokens=message.max_tokens if has("max_tokens") else defaults.max_tokens,
-        min_tokens=message.min_tokens,
-        stop=list(message.stop) if with_stop_strings else None,
-        stop_token_ids=list(message.stop_token_ids),
-        ignore_eos=message.ignore_eos,
-        logprobs=message.logprobs if has("logprobs") else None,
-        include_stop_str_in_output=message.include_stop_str_in_output,
-        skip_special_tokens=(
-            message.skip_special_tokens if has("skip_special_tokens") else defaults.skip_special_tokens
-        ),
-        presence_penalty=message.presence_penalty,
-        frequency_penalty=message.frequency_penalty,
-        logit_bias=dict(message.logit_bias) if message.logit_bias else None,
-        allowed_token_ids=list(message.allowed_token_ids) if message.allowed_token_ids else None,
-        bad_words=list(message.bad_words) if message.bad_words else None,
-        structured_output=_structured_output_from_pb(message),
-        n=message.n if has("n") else 1,
-        prompt_logprobs=message.prompt_logprobs if has("prompt_logprobs") else None,
-    )
+    values = {}
+    for name in _PARAM_FIELDS:
+        descriptor = _PB_PARAM_FIELDS[name]
+        if descriptor.has_presence:  # optional: unset takes the default
+            if message.HasField(name):
+                values[name] = getattr(message, name)
+        elif descriptor.is_repeated:  # empty takes the default
+            if value := getattr(message, name):
+                values[name] = dict(value) if descriptor.message_type is not None else list(value)
+        else:
+            values[name] = getattr(message, name)
+    if not with_stop_strings:
+        values.pop("stop", None)
+    return SamplingParams(**values, structured_output=_structured_output_from_pb(message))
 
 
 def _structured_output_from_pb(message: pb.SamplingParams) -> StructuredOutput | None:
@@ -110,27 +99,18 @@ def _structured_output_from_pb(message: pb.SamplingParams) -> StructuredOutput |
 
 def sampling_params_to_pb(params: SamplingParams, *, with_stop_strings: bool = True) -> pb.SamplingParams:
     """Every field set explicitly (None stays unset), so the other side reads exactly `params`."""
-    stop = params.stop if with_stop_strings else None
-    message = pb.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        max_tokens=params.max_tokens,
-        min_tokens=params.min_tokens,
-        stop=[stop] if isinstance(stop, str) else list(stop or ()),
-        stop_token_ids=list(params.stop_token_ids or ()),
-        ignore_eos=params.ignore_eos,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        skip_special_tokens=params.skip_special_tokens,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        logit_bias=dict(params.logit_bias),
-        allowed_token_ids=params.allowed_token_ids or (),
-        bad_words=params.bad_words,
-        n=params.n,
-    )
+    message = pb.SamplingParams()
+    for name in _PARAM_FIELDS:
+        value = getattr(params, name)
+        if value is None or (name == "stop" and not with_stop_strings):
+            continue
+        descriptor = _PB_PARAM_FIELDS[name]
+        if descriptor.is_repeated and descriptor.message_type is not None:  # a map: (key, value) pairs
+            getattr(message, name).update(value)
+        elif descriptor.is_repeated:
+            getattr(message, name).extend(value)
+        else:
+            setattr(message, name, value)
     structured = params.structured_output
     if structured is not None:
         kind = structured.kind
@@ -139,12 +119,6 @@ def sampling_params_to_pb(params: SamplingParams, *, with_stop_strings: bool = T
         else:
             setattr(message, kind, getattr(structured, kind))
         message.pretty_json = structured.pretty_json
-    if params.seed is not None:
-        message.seed = params.seed
-    if params.logprobs is not None:
-        message.logprobs = params.logprobs
-    if params.prompt_logprobs is not None:
-        message.prompt_logprobs = params.prompt_logprobs
     return message
 
 

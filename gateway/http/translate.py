@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import fields
 
 import grpc
 
@@ -99,20 +100,17 @@ def check_supported(body: api.CompletionRequest | api.ChatCompletionRequest) -> 
             raise invalid(name, f"{name} is not supported yet")
 
 
+# SamplingParams' fields that an OpenAI body (protocol.py) carries under their own names;
+# the others are read apart (max_tokens and logprobs have other names in a chat body).
+_PARAMS_BY_NAME = tuple(f.name for f in fields(SamplingParams)
+                        if f.name not in ("max_tokens", "logprobs", "stop", "structured_output"))
+
+
 def sampling(body: api.CompletionRequest | api.ChatCompletionRequest, max_tokens: int | None,
              logprobs: int | None) -> SamplingParams:
     """The request's SamplingParams; a bad value names its field."""
-    chosen = {
-        "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
-        "seed": body.seed, "repetition_penalty": body.repetition_penalty, "max_tokens": max_tokens,
-        "min_tokens": body.min_tokens, "ignore_eos": body.ignore_eos, "logprobs": logprobs,
-        "stop_token_ids": body.stop_token_ids, "skip_special_tokens": body.skip_special_tokens,
-        "include_stop_str_in_output": body.include_stop_str_in_output,
-        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
-        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-        "logit_bias": body.logit_bias, "allowed_token_ids": body.allowed_token_ids, "bad_words": body.bad_words,
-        "n": body.n, "prompt_logprobs": body.prompt_logprobs,
-    }
+    chosen = {name: getattr(body, name) for name in _PARAMS_BY_NAME}
+    chosen.update(max_tokens=max_tokens, logprobs=logprobs, stop=[body.stop] if isinstance(body.stop, str) else body.stop)
     try:
         return SamplingParams(**{k: v for k, v in chosen.items() if v is not None},
                               structured_output=structured_output(body))
