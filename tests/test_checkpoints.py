@@ -220,7 +220,8 @@ def test_what_published_checkpoints_carry_beside_the_weights(tmp_path):
 def test_the_gateway_needs_only_the_tokenizer(tmp_path, hub_cache, capsys):
     """A quantized checkpoint is refused by name for the workers; the gateway, which never
     reads weights, starts its checks from --tokenizer alone, without the model's files."""
-    from baton.cli.main import check_model, main
+    from baton.cli.main import main
+    from baton.cli.preflight import check_model
     from baton.runtime.settings import SettingsError
 
     model, _ = make_tiny_model(tmp_path / "made", "llama", 4, 2, 16, True, dtype=torch.float32)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from baton.cli.local import Deployment, free_port, start_deployment
+from baton.cli.preflight import check_model
 from baton.runtime.logs import LOG_FORMATS, configure_logging
 from baton.runtime.security import TlsConfig
 from baton.runtime.settings import (
@@ -51,13 +52,14 @@ from baton.runtime.settings import (
     SettingsError,
     default_of,
     from_args,
+    kv_transport_setting,
     load_api_key,
     load_tls,
     setting,
 )
 from baton.runtime.values import format_size, parse_list
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SpeculativeConfig, device_type
-from kvtransfer.endpoint import IPC, TRANSPORT_CHOICES
+from kvtransfer.endpoint import IPC
 
 STARTUP_TIMEOUT_S = 900.0
 
@@ -88,9 +90,7 @@ class UpSettings:
                                    "(--no-prefix-caching: off)")
     kv_offload_memory: int = setting(default_of(CacheConfig, "kv_offload_bytes"),
                                      KV_OFFLOAD_MEMORY_HELP + ", per worker", size="GiB", shown="0: off")
-    kv_transport: str = setting("auto", "how KV moves from the prefill to the decode worker: auto (ipc: they "
-                                        "share this host), ipc, nccl (two GPUs) or gloo (CPU)",
-                                choices=TRANSPORT_CHOICES)
+    kv_transport: str = kv_transport_setting()
     speculative: str | None = setting(None, SPECULATIVE_HELP, choices=SPECULATIVE_CHOICES, shown="off")
     num_speculative_tokens: int = setting(default_of(SpeculativeConfig, "num_speculative_tokens"),
                                           NUM_SPECULATIVE_TOKENS_HELP)
@@ -188,8 +188,6 @@ class UpSettings:
 
 
 def up_command(args: argparse.Namespace) -> int:
-    from baton.cli.main import check_model
-
     settings = from_args(UpSettings, args)
     check_model(settings.model, settings.revision, settings.tokenizer)
     configure_logging(settings.log_level, settings.log_format)

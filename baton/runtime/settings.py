@@ -105,6 +105,13 @@ GPU_MEMORY_UTILIZATION_HELP = ("CUDA: fraction of the GPU's memory for weights, 
                                "which gets what the rest leaves")
 
 
+def kv_transport_setting():
+    """--kv-transport, declared once for the decode and prefill workers and `baton up`."""
+    return setting("auto", "how KV moves from a prefill worker to a decode worker: auto (ipc on one host, "
+                           "else nccl between GPUs or gloo between CPU hosts), ipc, nccl or gloo",
+                   choices=TRANSPORT_CHOICES)
+
+
 # ------------------------------------------------------------------ flags and env
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """A flag per setting of `cls`; its default is left to `from_args`, which knows the
@@ -230,8 +237,7 @@ class WorkerSettings:
                                                      "(net.ipv4.ip_local_port_range) the same, since Gloo and "
                                                      "NCCL open theirs there", parse=parse_port_range,
                                                shown="any free port")
-    kv_transport: str = setting("auto", "KV handoff (auto: ipc on one host, else gloo or nccl)",
-                                choices=TRANSPORT_CHOICES)
+    kv_transport: str = kv_transport_setting()
     grace_s: float = setting(GRACE_S, "SIGTERM: seconds for in-flight requests")
     stall_report_s: float = setting(60.0, "liveness turns NOT_SERVING when the engine thread has been stuck "
                                           "in a step this long")
