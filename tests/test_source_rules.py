@@ -1,6 +1,7 @@
 """Rules the source keeps, checked on the source itself: the layers (from the import
-graph), protobuf only at the edges, environment variables read in one place per layer,
-file sizes, and no task left without a reference.
+graph), no import cycle, protobuf only at the edges, environment variables read in one
+place per layer, file sizes, methods defined in their classes, and no task left
+without a reference.
 
 The layers, bottom to top (docs/ARCHITECTURE.md draws them):
 
@@ -19,16 +20,16 @@ import ast
 import re
 import subprocess
 import sys
+import warnings
 from functools import cache
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("baton", "engine", "gateway", "prefill_worker", "decode_worker", "kvtransfer")
 ROLES = ("gateway", "prefill_worker", "decode_worker")
-# What "model, attention or kernel code" is: modules that run or build the model.
-MODEL_CODE = ("engine.model", "engine.attention", "engine.kernels", "engine.runner.model_runner", "engine.engine",
-              "engine.runner.forward_batch", "engine.sampling.sampler", "engine.sampling.batch", "engine.runner.decode_graphs", "engine.llm",
-              "engine.async_engine", "engine.runner.memory")
+# What "model, attention or kernel code" is: the packages and modules that run or build the model.
+MODEL_CODE = ("engine.model", "engine.attention", "engine.kernels", "engine.runner", "engine.sampling",
+              "engine.engine", "engine.llm", "engine.async_engine")
 # All the gateway may load of the libraries: records, the tokenizer and the detokenizer
 # (and the dummy models' table, for their tokenizer's vocabulary).
 GATEWAY_LIBRARY = {
@@ -50,7 +51,9 @@ PROTOBUF_EDGE = {
 GRPC_EDGE = (PROTOBUF_EDGE - {"baton.wire.convert", "baton.wire.kv_convert", "baton.wire.stats_convert",
                                "baton.wire.status"}
              | {"baton.runtime.clients"})
-MAX_LINES = 500
+# A file past SOFT_MAX_LINES is asking to be split along a seam (a warning); past MAX_LINES, it must.
+SOFT_MAX_LINES = 600
+MAX_LINES = 800
 MAX_FUNCTION_LINES = 50  # in engine/ and gateway/, kernels excepted
 
 
@@ -170,19 +173,17 @@ def declared_imports(name: str) -> frozenset[str]:
     return frozenset(found)
 
 
-def import_cycles(prefix: str) -> list[list[str]]:
-    """The cycles of declared imports among the modules under `prefix` (each strongly
-    connected group of more than one module)."""
-    graph = {name: {t for t in declared_imports(name) if within(t, prefix)} for name in modules() if within(name, prefix)}
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of more than one node that reach each other (Tarjan's algorithm)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     cycles = []
 
-    def visit(node: str) -> None:  # Tarjan's strongly connected components
+    def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
-        for target in graph[node]:
+        for target in graph.get(node, ()):
             if target not in index:
                 visit(target)
                 low[node] = min(low[node], low[target])
@@ -201,11 +202,45 @@ def import_cycles(prefix: str) -> list[list[str]]:
     return cycles
 
 
-def test_no_import_cycle_inside_the_engine():
-    """Type-checking imports included: a module that needs another's types only to annotate
-    a back-reference is a cycle in the design (engine/scheduler/'s policies read an
-    AdmissionView, its statistics a SchedulerState, not the Scheduler)."""
-    assert import_cycles("engine") == []
+def import_cycles(prefixes: tuple[str, ...] = PACKAGES) -> list[list[str]]:
+    """The cycles of declared imports among the modules under `prefixes`."""
+    return strongly_connected({name: {t for t in declared_imports(name) if within(t, *prefixes)}
+                               for name in modules() if within(name, *prefixes)})
+
+
+def room(name: str) -> str:
+    """A module's room: a top-level module of a package, or a sub-package whole
+    (engine.kv.manager is in engine.kv; engine.request is its own)."""
+    return ".".join(name.split(".")[:2])
+
+
+def test_no_import_cycle_anywhere():
+    """In the whole tree, type-checking imports included: a module that needs another's
+    types only to annotate a back-reference is a cycle in the design (engine/scheduler/'s
+    policies read an AdmissionView, its statistics a SchedulerState, not the Scheduler)."""
+    assert import_cycles() == []
+
+
+def test_no_import_cycle_between_rooms():
+    """A sub-package is one room of its package, a top-level module another: no room
+    imports one that imports it back (the layers within a package go one way)."""
+    graph: dict[str, set[str]] = {}
+    for name in modules():
+        graph.setdefault(room(name), set()).update(room(t) for t in declared_imports(name) if room(t) != room(name))
+    assert strongly_connected(graph) == []
+
+
+def test_the_engine_top_level_is_what_callers_import():
+    """docs/engine.md: a module at engine/'s top level is imported from outside the engine
+    (or is a name the engine package hands on, or an entry point); machinery sits in a
+    sub-package."""
+    lazy = set(lazy_names("engine").values())
+    top = [name for name, path in modules().items() if name.count(".") == 1 and within(name, "engine")
+           and path.name != "__init__.py" and path.parent == REPO_ROOT / "engine"]
+    callers = {t for name in modules() if not within(name, "engine") for t in declared_imports(name)}
+    machinery = [name for name in top if name not in callers | lazy
+                 and '__name__ == "__main__"' not in modules()[name].read_text()]
+    assert machinery == []
 
 
 def test_no_admission_policy_imports_the_scheduler():
@@ -302,14 +337,36 @@ def test_environment_variables_are_read_in_one_module_per_layer():
 
 
 # ------------------------------------------------------------------ size and tasks
-def test_no_hand_written_source_file_over_500_lines():
+def test_no_hand_written_source_file_is_over_the_line_limits():
+    """Past SOFT_MAX_LINES a warning (split it along a seam, the new file named for what it
+    holds: STYLE.md); past MAX_LINES a failure."""
     files = [p for p in REPO_ROOT.rglob("*") if p.suffix in (".py", ".cpp", ".h", ".proto")
              and "_pb2" not in p.name
              and not {".git", "build", "node_modules"} & set(parts := p.relative_to(REPO_ROOT).parts)
              and not parts[0].startswith(".venv")]  # .venv, and make rehearse-gpu-stack's
     assert len(files) > 50
-    long = {str(p.relative_to(REPO_ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert long == {}
+    lengths = {str(p.relative_to(REPO_ROOT)): len(p.read_text().splitlines()) for p in files}
+    for path, n in sorted(lengths.items()):
+        if SOFT_MAX_LINES < n <= MAX_LINES:
+            warnings.warn(f"{path} has {n} lines: split it along a seam", stacklevel=1)
+    assert {path: n for path, n in lengths.items() if n > MAX_LINES} == {}
+
+
+def test_every_method_is_defined_in_its_class():
+    """No function defined elsewhere and assigned into a class body (`run = run`): a method
+    that changes its object's state lives with that state."""
+    assigned = []
+    for path in source_files():
+        tree = ast.parse(path.read_text(), str(path))
+        outside = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+        outside |= {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    for alias in node.names}
+        for cls in ast.walk(tree):
+            if isinstance(cls, ast.ClassDef):
+                assigned += [f"{path.relative_to(REPO_ROOT)}:{node.lineno} {cls.name}.{ast.unparse(node)}"
+                             for node in cls.body if isinstance(node, ast.Assign)
+                             and isinstance(node.value, ast.Name) and node.value.id in outside]
+    assert assigned == []
 
 
 def test_no_function_in_the_engine_or_the_gateway_over_50_lines():
