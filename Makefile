@@ -24,7 +24,7 @@ setup: $(STAMP)
 # Build the native CPU kernels now (torch caches the build per source version,
 # so this takes a second once done) rather than inside the first test or request.
 # Without a C++ compiler it warns and goes on: Baton then serves on the plain-torch path
-# (tests/test_kernels.py, which builds them itself, fails loudly where they should build).
+# (tests/kernels/test_kernels.py, which builds them itself, fails loudly where they should build).
 kernels: setup
 	$(RUN_ENV) $(PY) -m engine.kernels
 
@@ -72,7 +72,7 @@ images:
 	docker build -f deploy/Dockerfile.cuda -t $(IMAGE):cuda .
 
 # First the in-process, compute-bound tests two at a time (one thread each), then the
-# rest (servers, deployments, deadlines) one at a time: see PARALLEL_FILES in tests/conftest.py.
+# rest (servers, deployments, deadlines) one at a time: a test's folder says which (tests/support/phases.py).
 # With PYTEST_ARGS naming some tests, a phase that selects none of them is no failure;
 # the whole suite must collect tests in both (pytest's exit code 5 otherwise fails it).
 test: kernels
@@ -91,16 +91,16 @@ test: kernels
 # did; the target fails if one did (with PYTEST_ARGS, not for selecting none of its tests).
 GPU_PYTHON ?= python3
 # The test files that hold tests marked `gpu`.
-GPU_TEST_FILES = $(shell grep -l 'pytest\.mark\.gpu\b' tests/test_*.py)
+GPU_TEST_FILES = $(shell grep -rl --include='test_*.py' 'pytest\.mark\.gpu\b' tests)
 GPU_PYTEST = $(GPU_PYTHON) -m pytest -q --continue-on-collection-errors
 GPU_PHASE_FAILED = [ $$? -eq 5 -a -n "$(PYTEST_ARGS)" ] || status=1
 test-gpu:
 	status=0; \
 	$(GPU_PYTEST) -m "gpu and not gpu_servers" $(GPU_TEST_FILES) $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
 	$(GPU_PYTEST) -m gpu_servers $(GPU_TEST_FILES) $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
-	$(GPU_PYTEST) tests/test_triton_kernels.py tests/test_triton_engine.py tests/test_decode_graphs.py \
-		tests/test_overlap.py $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
-	$(GPU_PYTEST) tests/test_attention.py -k triton $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
+	$(GPU_PYTEST) tests/kernels/test_triton_kernels.py tests/engine/test_triton_engine.py tests/engine/test_decode_graphs.py \
+		tests/engine/test_overlap.py $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
+	$(GPU_PYTEST) tests/kernels/test_attention.py -k triton $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
 	exit $$status
 
 # One call that proves Baton on a GPU (benchmarks/gpu_check): five phases (environment,
@@ -161,9 +161,9 @@ bench-serving: kernels
 # the CI venv), its results under benchmarks/results/gpu-check-rehearsal.
 GPU_STACK_VENV ?= .venv-gpu-stack
 GPU_STACK_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
-GPU_STACK_TESTS ?= tests/test_triton_kernels.py tests/test_triton_engine.py tests/test_decode_graphs.py \
-	tests/test_overlap.py tests/test_sampler.py tests/test_sampling_params.py tests/test_engine.py \
-	tests/test_attention.py tests/test_parity.py tests/test_kernels.py tests/test_model.py
+GPU_STACK_TESTS ?= tests/kernels/test_triton_kernels.py tests/engine/test_triton_engine.py tests/engine/test_decode_graphs.py \
+	tests/engine/test_overlap.py tests/engine/test_sampler.py tests/engine/test_sampling_params.py tests/engine/test_engine.py \
+	tests/kernels/test_attention.py tests/engine/test_parity.py tests/kernels/test_kernels.py tests/engine/test_model.py
 GPU_STACK_DESELECT ?= not smollm2
 GPU_STACK_CHECK ?= $(RUN_ENV) $(GPU_STACK_PY) -m benchmarks.gpu_check --device cpu \
 	--out benchmarks/results/gpu-check-rehearsal

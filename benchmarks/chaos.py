@@ -82,7 +82,7 @@ def is_idle_within(deployment: Deployment, timeout_s: float) -> bool:
 # --------------------------------------------------------------------- recovery
 class Streams:
     """Concurrent streams through a gateway, one a request: each one's tokens and their
-    arrival times (time.monotonic()). tests/test_chaos.py drives its streams with it too."""
+    arrival times (time.monotonic()). tests/serving/test_chaos.py drives its streams with it too."""
 
     def __init__(self, requests: list[pb.GenerateRequest], timeout_s: float) -> None:
         self.requests = requests

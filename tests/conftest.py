@@ -19,31 +19,9 @@ from engine.envs import configure_process
 configure_process(num_threads=int(os.environ.get("BATON_TEST_THREADS", "2")))
 
 
-# Test files that run in this process only, compute-bound, with no timing and no other
-# process: `make test` runs them first, two at a time (pytest-xdist, one thread each),
-# then everything else one at a time (servers, deployments, deadlines, machine-wide checks
-# such as /dev/shm and network namespaces, which concurrency would disturb).
-PARALLEL_FILES = frozenset({
-    "test_admission.py", "test_affinity.py", "test_attention.py", "test_block_pool_properties.py", "test_checkpoints.py",
-    "test_cuda_threads.py", "test_dashboard.py", "test_decode_graphs.py", "test_deploy.py", "test_detokenizer.py",
-    "test_engine.py",
-    "test_gpu.py", "test_gpu_benchmark.py", "test_gpu_memory.py", "test_gpu_sampling.py", "test_gpu_spec.py", "test_handoff.py",
-    "test_kernels.py", "test_kv_lease.py", "test_kv_offload.py", "test_landing.py", "test_logs.py", "test_logit_edits.py", "test_model.py", "test_otlp_sink.py", "test_overlap.py",
-    "test_parity.py", "test_prefix_cache.py", "test_prompt_logprobs.py", "test_sampler.py", "test_sampling_params.py",
-    "test_scheduler.py", "test_source_rules.py", "test_spec_decode.py", "test_spec_engine.py", "test_spec_decode_benchmark.py",
-    "test_statistics.py", "test_step_time.py",
-    "test_structured_output.py",
-    "test_triton_engine.py", "test_triton_kernels.py",
-})
-
-
 def pytest_collection_modifyitems(config, items):
-    """Tests in PARALLEL_FILES are marked `parallel`, but for those that start processes on
-    the GPU (`gpu_servers`). Tests marked `gpu` need CUDA: skipped where torch sees no GPU
-    (`make test-gpu` runs them)."""
-    for item in items:
-        if item.path.name in PARALLEL_FILES and item.get_closest_marker("gpu_servers") is None:
-            item.add_marker(pytest.mark.parallel)
+    """Tests marked `gpu` need CUDA: skipped where torch sees no GPU (`make test-gpu` runs
+    them). Which phase of `make test` a test runs in is its folder's (tests/support/phases.py)."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu on a GPU machine)")

@@ -1,7 +1,7 @@
 """A Baton deployment over several hosts (network namespaces, netns.py): the gateway on
 one, prefill and decode workers on others, each bound to its host's address only, found
 by the gateway through DNS names (each host's /etc/hosts) as on Kubernetes, and pulling
-KV across hosts on a fixed port range. tests/test_multihost.py and the serving
+KV across hosts on a fixed port range. tests/serving/test_multihost.py and the serving
 benchmark's multi-host topologies run it.
 
     with Network(["gw", "h1", "h2"]) as net:

@@ -67,7 +67,7 @@ def sampling_params_from_pb(message: pb.SamplingParams, *, with_stop_strings: bo
 
 # Every field of SamplingParams but its structured output (a oneof of kinds, and pretty_json)
 # is the message's field of the same name, copied by name: a field added to both travels
-# with no line here (tests/test_wire_records.py holds the two lists together).
+# with no line here (tests/api/test_wire_records.py holds the two lists together).
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "structured_output")
 _PB_PARAM_FIELDS = pb.SamplingParams.DESCRIPTOR.fields_by_name
 

@@ -27,31 +27,31 @@ PLANTED_SERVER = "baton-gpu-check planted server"
 
 # pytest arguments per device. The kernel and engine tests compile many Triton variants: on a
 # GPU several pytest workers (pytest-xdist) compile at once. The handoff tests start servers
-# that take shares of the GPU's memory: one at a time. tests/test_gpu_memory.py (the KV
+# that take shares of the GPU's memory: one at a time. tests/gpu/test_gpu_memory.py (the KV
 # cache's sizing, on made-up memory readings) runs on CPU only: nothing in it needs a GPU.
 KERNEL_TESTS = {
-    "cuda": ["tests/test_triton_kernels.py", "-n", "8"],
-    "cpu": ["tests/test_triton_kernels.py", "-k",
+    "cuda": ["tests/kernels/test_triton_kernels.py", "-n", "8"],
+    "cpu": ["tests/kernels/test_triton_kernels.py", "-k",
             "(test_paged_attention_matches_dense_reference and kv1-g8-d64-bs16-tile32 and (decode or chunks or mixed))"
             " or test_split_kv_matches_single_pass[3 or test_table_stride_read_from_memory[3]"
             " or (test_rope_and_store_kv and dtype0) or test_add_rms_norm[576"],
 }
 ENGINE_TESTS = {
-    "cuda": ["tests/test_gpu.py", "-m", "not gpu_servers", "tests/test_triton_engine.py", "tests/test_gpu_sampling.py",
-             "tests/test_decode_graphs.py", "tests/test_gpu_spec.py", "-n", "4"],
-    "cpu": ["tests/test_triton_engine.py::test_triton_backend_greedy_parity[llama3-rope-gqa-hd16]",
-            "tests/test_decode_graphs.py::test_a_step_is_written_as_the_layout_says",
-            "tests/test_decode_graphs.py::test_graphs_at_llama_8b_shapes_follow_the_longest_context",
-            "tests/test_overlap.py::test_a_stop_token_ends_the_stream_without_the_step_after",
-            "tests/test_gpu_memory.py"],
+    "cuda": ["tests/gpu/test_gpu.py", "-m", "not gpu_servers", "tests/engine/test_triton_engine.py", "tests/gpu/test_gpu_sampling.py",
+             "tests/engine/test_decode_graphs.py", "tests/gpu/test_gpu_spec.py", "-n", "4"],
+    "cpu": ["tests/engine/test_triton_engine.py::test_triton_backend_greedy_parity[llama3-rope-gqa-hd16]",
+            "tests/engine/test_decode_graphs.py::test_a_step_is_written_as_the_layout_says",
+            "tests/engine/test_decode_graphs.py::test_graphs_at_llama_8b_shapes_follow_the_longest_context",
+            "tests/engine/test_overlap.py::test_a_stop_token_ends_the_stream_without_the_step_after",
+            "tests/gpu/test_gpu_memory.py"],
 }
 HANDOFF_TESTS = {
     # Colocated serving on the GPU: the figures phase's serving section.
-    "cuda": ["tests/test_gpu_handoff.py"],
-    "cpu": ["tests/test_kv_ipc.py::test_ipc_transfers_are_bitwise_and_touch_nothing_else",
-            "tests/test_kv_ipc.py::test_a_sender_killed_mid_copy_fails_the_receiver_at_once_and_leaves_nothing_behind",
-            "tests/test_kv_ipc.py::test_a_receiver_killed_mid_transfer_leaves_the_sender_serving",
-            "tests/test_device.py::test_baton_up_serves_a_dummy_model_disaggregated_over_ipc"],
+    "cuda": ["tests/gpu/test_gpu_handoff.py"],
+    "cpu": ["tests/kvtransfer/test_kv_ipc.py::test_ipc_transfers_are_bitwise_and_touch_nothing_else",
+            "tests/kvtransfer/test_kv_ipc.py::test_a_sender_killed_mid_copy_fails_the_receiver_at_once_and_leaves_nothing_behind",
+            "tests/kvtransfer/test_kv_ipc.py::test_a_receiver_killed_mid_transfer_leaves_the_sender_serving",
+            "tests/serving/test_device.py::test_baton_up_serves_a_dummy_model_disaggregated_over_ipc"],
 }
 
 
