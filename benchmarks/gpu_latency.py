@@ -164,7 +164,7 @@ def section_latency(run) -> dict:
         "graph_capture": None if capture is None else {
             "batch_sizes": list(capture.batch_sizes), "num_graphs": len(capture.graph_keys),
             "seconds": capture.seconds, "memory_bytes": capture.memory_bytes,
-            # what sizing the KV cache kept for the graphs (engine/memory.py); None: a sized cache
+            # what sizing the KV cache kept for the graphs (engine/runner/memory.py); None: a sized cache
             "reserve_bytes": llm.engine.graph_reserve_bytes},
         "points": [{**point.__dict__, "ms_per_token": point.ms_per_token} for point in points.values()],
         "targets": [target.to_json() for target in targets],

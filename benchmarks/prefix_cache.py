@@ -17,7 +17,7 @@ Systems (`--systems`):
     disaggregated   gateway + prefill worker + decode worker (separate processes, KV
                     handed over ipc), caching on / off in both workers (--no-prefix-caching)
 
-With `--tier`, the comparison is the prefix cache's host tier (engine/kv_offload.py) against
+With `--tier`, the comparison is the prefix cache's host tier (engine/kv/host_tier.py) against
 the device cache alone, caching on in both, on two workloads of the shared kind (4 turns), in
 the shape of LMCache's multi-round QA benchmark: each user's conversation starts with a
 history of its own (HISTORY tokens, --history-tokens: 512; LMCache's example has 2,000 on a

@@ -68,7 +68,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             tls=self.settings.tls,
         )
         await self._share_cache()
-        # Handed-off requests land in blocks set aside while a step runs (engine/landing.py):
+        # Handed-off requests land in blocks set aside while a step runs (engine/kv/landing.py):
         # as many as one step's worth of prompt tokens.
         num_tokens = self.llm_engine.config.scheduler.max_num_batched_tokens
         await self.engine.call(lambda llm: llm.scheduler.landing.open(num_tokens))
@@ -184,7 +184,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                                                        num_generated_tokens=work.num_generated_tokens, land=land)
 
     def _lands(self, prompt_token_ids: list[int]) -> bool:
-        """Whether a handed-off prompt may take blocks set aside (engine/landing.py), which it
+        """Whether a handed-off prompt may take blocks set aside (engine/kv/landing.py), which it
         fills whole, rather than wait for admission, which starts its table with the blocks the
         prefix cache holds and pulls only the rest: not when a prompt served lately began with
         the same block (it may be cached here). Every prompt served is remembered."""

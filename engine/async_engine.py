@@ -13,7 +13,7 @@ coroutine, is a command queued to that thread and run between steps.
 
 Outputs and receives travel back with `loop.call_soon_threadsafe`, in step
 order, so a request's outputs never overtake each other. A request that lands
-in blocks the engine set aside (engine/landing.py) has its receive given on the
+in blocks the engine set aside (engine/kv/landing.py) has its receive given on the
 loop as its add is queued, before the engine thread has seen it.
 """
 
@@ -202,7 +202,7 @@ class AsyncEngine:
         land: bool = False,
     ) -> RequestStream:
         """Queue a request whose prompt KV will be received (see LLMEngine.add_prefilled_request).
-        With `land`, it takes blocks the engine set aside if there are enough (engine/landing.py):
+        With `land`, it takes blocks the engine set aside if there are enough (engine/kv/landing.py):
         `on_kv_receive` gets them at once, before the add runs, so its KV is pulled while the
         engine finishes its step."""
         await self._prepare(params)

@@ -1,4 +1,4 @@
-"""Calibrating the step-time model (engine/step_time.py) on an idle engine before it
+"""Calibrating the step-time model (engine/runner/step_time.py) on an idle engine before it
 serves: decode steps at two batch sizes and one prefill step, through the engine itself,
 so that the first requests (a burst arriving at once) are admitted on a measured model."""
 

@@ -78,7 +78,7 @@ class CacheConfig:
     profiling forward at the full token budget (as vLLM sizes it). The swap
     pool (host memory, pinned on CUDA, for swap preemption) is sized by
     `num_swap_blocks` or, if that is None, by `swap_space_bytes`. The prefix cache's
-    host tier (engine/kv_offload.py: full blocks kept in host memory once the device
+    host tier (engine/kv/host_tier.py: full blocks kept in host memory once the device
     cache evicts them) adds `num_offload_blocks` or, if None, `kv_offload_bytes` of host
     memory to that pool, which the two share; 0: no host tier.
     """
@@ -95,7 +95,7 @@ class CacheConfig:
     # (kvtransfer's ipc transport; see KVCache). A decode worker's cache is shareable.
     shareable: bool = False
     # Keep the KV of full blocks by content and share it between requests whose
-    # prompts start alike (engine/prefix_hash.py, KVCacheManager).
+    # prompts start alike (engine/kv/prefix_hash.py, KVCacheManager).
     enable_prefix_caching: bool = True
 
     DEFAULT_KV_CACHE_MEMORY_BYTES = 1024**3
@@ -260,11 +260,11 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     attention_backend: str = "auto"
     seed: int = 0
-    # CUDA: decode steps replay CUDA graphs (engine/decode_graphs.py) unless this is set.
+    # CUDA: decode steps replay CUDA graphs (engine/runner/decode_graphs.py) unless this is set.
     enforce_eager: bool = False
     # Schedule step N+1 while the device runs step N (see LLMEngine.step); None: on CUDA only.
     overlap_scheduling: bool | None = None
-    # Measure the step-time model when a worker starts (engine/step_time.py), so that it
+    # Measure the step-time model when a worker starts (engine/runner/step_time.py), so that it
     # is published before the first request.
     calibrate_step_time: bool = True
 

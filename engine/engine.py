@@ -48,7 +48,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device = engine_device(config.device)
-        # This process's share of the GPU must be free before anything is loaded (engine/memory.py).
+        # This process's share of the GPU must be free before anything is loaded (engine/runner/memory.py).
         memory_at_start = None
         if self.device.type == "cuda" and not config.cache.is_sized:
             memory_at_start = read_device_memory(self.device)
@@ -89,7 +89,7 @@ class LLMEngine:
 
     def _make_kv_cache(self, num_blocks: int) -> tuple[KVCacheManager, KVCache]:
         """The block tables over a device pool of `num_blocks` and the host pool (swap
-        preemption's blocks and the prefix cache's host tier, engine/kv_offload.py), and their tensors."""
+        preemption's blocks and the prefix cache's host tier, engine/kv/host_tier.py), and their tensors."""
         cache, block_size = self.config.cache, self.config.cache.block_size
         num_swap = cache.resolve_num_swap_blocks(self.kv_layout.bytes_per_block)
         num_offload = cache.resolve_num_offload_blocks(self.kv_layout.bytes_per_block)
@@ -128,7 +128,7 @@ class LLMEngine:
     def _size_kv_cache(self, loaded: LoadedModel, memory_at_start: DeviceMemory | None,
                        graph_sizes: Sequence[int]) -> int:
         """The KV cache's blocks: as configured, or what the GPU's share holds once a
-        profiling forward and the CUDA graphs' reserve are counted (engine/memory.py)."""
+        profiling forward and the CUDA graphs' reserve are counted (engine/runner/memory.py)."""
         config, arch = self.config, loaded.arch
         self.graph_reserve_bytes: int | None = None  # what sizing the KV cache kept for the graphs
         free_bytes = None

@@ -36,7 +36,7 @@ class RequestOutput:
     # Prompt tokens whose KV the prefix cache held when its prefill was first admitted
     # here (None: its prompt was not prefilled here, e.g. its KV was handed off to us).
     num_cached_tokens: int | None = None
-    num_host_cached_tokens: int = 0  # of them, those the host tier held (engine/kv_offload.py)
+    num_host_cached_tokens: int = 0  # of them, those the host tier held (engine/kv/host_tier.py)
     text: str | None = None  # the whole output text, on the finishing step when a tokenizer exists
     new_logprobs: list[TokenLogprobs] | None = None
     # On its first answer, when asked: prompt token i + 1's logprob and top alternatives
@@ -57,7 +57,7 @@ class KvReceive:
     """A request admitted with remote KV: receive its prompt's KV into these blocks,
     then call `LLMEngine.complete_kv_receive`. The first `num_reused_blocks` hold a
     cached prefix already (prefix caching): only the blocks after them are received.
-    `ticket`: the request landed in blocks set aside (engine/landing.py) as its call
+    `ticket`: the request landed in blocks set aside (engine/kv/landing.py) as its call
     arrived; if its add failed they are under a fence of that name."""
 
     request_id: str

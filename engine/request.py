@@ -137,7 +137,7 @@ class Request:
         "kv_remote": "Disaggregated serving: the prompt's KV comes from another engine; admission allocates "
                      "its blocks and waits (RECEIVING) instead of prefilling.",
         "abort_requested": "Aborted while RECEIVING: it ends when the receive does.",
-        "landing": "The ticket of the blocks set aside that it received into (engine/landing.py); None: "
+        "landing": "The ticket of the blocks set aside that it received into (engine/kv/landing.py); None: "
                    "admitted from the queue.",
         "kv_ready_time": "A received prompt's KV landed (monotonic).",
         "prefill_start_time": "First admitted to prefill here (monotonic).",
@@ -147,20 +147,20 @@ class Request:
         "timings_taken": "take_timings() handed them out (its last output here).",
         "decode_timed": "take_decode_timings() handed them out (its second token's output).",
         "block_hashes": "Prefix caching: the hash chain of its full blocks, as far as it was needed "
-                        "(engine/prefix_hash.py).",
+                        "(engine/kv/prefix_hash.py).",
         "num_cached_tokens": "The prompt tokens its first prefill admission here found cached (None: never "
                              "admitted to prefill here, or its prompt's KV was received: a preemption's "
                              "recompute is no prefill of the prompt).",
-        "num_host_cached_tokens": "Of those, the ones the host tier held (engine/kv_offload.py).",
+        "num_host_cached_tokens": "Of those, the ones the host tier held (engine/kv/host_tier.py).",
         "num_reused_blocks": "A kv_remote request's prompt blocks found cached here, which its handoff skips.",
         "num_cached_estimate": "Its prompt tokens the cache held when last looked up (the queued-work estimate).",
         "output_start": "Where its generated tokens start in all_token_ids: before the prompt's end when an "
                         "earlier attempt generated its last tokens elsewhere (they count as output for the "
                         "penalties, bad words and a grammar).",
         "bad_word_ids": "Its bad words as token id sequences (the engine tokenizes them).",
-        "grammar": "Its structured output's matcher (engine.grammar.GrammarState); None: free text.",
+        "grammar": "Its structured output's matcher (engine.sampling.grammar.GrammarState); None: free text.",
         "prompt_logprobs": "The prompt logprobs computed so far, until its first answer takes them "
-                           "(engine.prompt_logprobs); None: not asked, or taken.",
+                           "(engine.sampling.prompt_logprobs); None: not asked, or taken.",
         "spec_token_ids": "Speculative decoding: the tokens proposed to follow its last one, for the next "
                           "step to check (engine/spec_decode); empty: none.",
         "spec_num_checked": "Its proposals the model has checked (up to and including each step's first "

@@ -194,7 +194,7 @@ class EngineStats:
                                              "(decode).", 40, "baton_prefix_cache_received_blocks")
     prefix_cache_reused_blocks: int = stat(COUNTER, "Prompt blocks of handed-off requests already held here: not "
                                            "transferred.", 41, "baton_prefix_cache_reused_blocks")
-    # The prefix cache's host tier (engine/kv_offload.py; off: all zero).
+    # The prefix cache's host tier (engine/kv/host_tier.py; off: all zero).
     num_kv_offload_blocks_total: int = stat(GAUGE, "Host blocks of the prefix cache's host tier, besides swap's "
                                             "(0: none).", 56, "baton_kv_offload_blocks_total")
     num_kv_offload_blocks_cached: int = stat(GAUGE, "Blocks the host tier holds, by the hashes that name them on "
@@ -217,7 +217,7 @@ class EngineStats:
                                       "measured, else a guess.", 63, "baton_kv_copy_bytes_per_second")
     num_kv_landed: int = stat(COUNTER, "Handed-off requests whose KV went into blocks set aside as they arrived.", 47,
                               "baton_kv_landed")
-    # The step-time model (engine/step_time.py), measured at start and refitted as it
+    # The step-time model (engine/runner/step_time.py), measured at start and refitted as it
     # serves; the gateway predicts waits with it. 0.0: not measured yet.
     decode_step_base_s: float = stat(GAUGE, "A decode step of n sequences takes decode_step_base_s + "
                                      "decode_step_per_seq_s * n seconds (least squares over the recent decode-only "

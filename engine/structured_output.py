@@ -1,5 +1,5 @@
 """What a request's output must match: the constraint a request names (this record), which
-engine.grammar compiles and enforces with a token bitmask in the sampler."""
+engine.sampling.grammar compiles and enforces with a token bitmask in the sampler."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Prefix affinity: which worker's prefix cache likely holds a prompt's first blocks.
 
 Each worker names its cached KV blocks by a hash chain over their tokens
-(engine/prefix_hash.py). The gateway computes the same chain for every prompt
+(engine/kv/prefix_hash.py). The gateway computes the same chain for every prompt
 it routes and remembers, per worker, the block hashes it sent there, least
 recently used first, up to the worker's cache size in blocks: an estimate of
 that worker's cache, kept without asking it (its own eviction order is the same
@@ -10,7 +10,7 @@ LRU over the same traffic, seen from one gateway). The routing choice
 the same units: prefill tokens saved against prefill tokens queued, KV blocks
 not transferred against free blocks.
 
-A worker with a host tier (engine/kv_offload.py) keeps what its device cache evicts in
+A worker with a host tier (engine/kv/host_tier.py) keeps what its device cache evicts in
 host memory: the blocks pushed out of the estimate's device part go on in a host part, up
 to the tier's size, and a prompt's run continues there. Those blocks are copied back, not
 computed, nor moved by a handoff, but they take device blocks again: the prefill side

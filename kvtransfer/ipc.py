@@ -3,7 +3,7 @@ straight into the receiver's cache. No serialization and no socket in the data p
 
 The receiver (decode worker) shares its whole cache with each channel, exported once
 (ipc_memory.py; a decode worker exports it at startup): on CPU the cache lives in a
-memfd segment (engine/shared_memory.py) whose descriptor it passes over the channel's
+memfd segment (engine/kv/shared_memory.py) whose descriptor it passes over the channel's
 Unix socket (SCM_RIGHTS); on CUDA it passes a CUDA IPC handle of the cache's allocation
 (what torch.multiprocessing's tensor reductions send, as plain fields: no pickle).
 The sender maps it and, per transfer, copies each run of blocks from its cache into

@@ -172,7 +172,7 @@ def prepare_transfer(
     min_run_bytes: int = MIN_RUN_BYTES,
 ) -> PreparedTransfer:
     """Check a transfer's arguments on one side (this side's ids against `kv_cache`, an
-    engine.kv_cache.KVCache) and plan it. ValueError on a bad tag, an id out of range,
+    engine.kv.cache.KVCache) and plan it. ValueError on a bad tag, an id out of range,
     two blocks landing in one, or a plan too long."""
     if not isinstance(tag, int) or tag < 0:
         raise ValueError(f"tag must be a non-negative int, got {tag!r}")

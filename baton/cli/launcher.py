@@ -212,7 +212,7 @@ def role_args(settings: UpSettings) -> RoleArgs:
     prefill_device, decode_device = settings.worker_devices()
     prefill, decode = ["--device", prefill_device], ["--device", decode_device]
     if settings.shares_a_gpu:
-        # Each worker's --gpu-memory-utilization is its own share of the GPU (engine/memory.py).
+        # Each worker's --gpu-memory-utilization is its own share of the GPU (engine/runner/memory.py).
         # The workers start one after another (start_deployment's stagger), so each finds its
         # share free.
         prefill_share, decode_share = settings.gpu_memory_shares()

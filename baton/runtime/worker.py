@@ -40,7 +40,7 @@ DRAIN_POLL_S = 0.05
 def build_engine(config: EngineConfig) -> LLMEngine:
     """Load the model and warm it up: one short request end to end (first-call costs:
     kernel builds, allocator growth, oneDNN primitive creation); then, unless configured
-    off, measure its step-time model (engine/step_time.py), published before the first
+    off, measure its step-time model (engine/runner/step_time.py), published before the first
     request. The engine is nobody else's yet: this thread is its only one."""
     engine = LLMEngine(config)
     engine.add_request([0], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))

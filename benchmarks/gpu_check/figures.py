@@ -47,7 +47,7 @@ def section_checks(log: CheckLog, device: str, name: str, section: dict | None, 
         log.add("graph memory within its reserve", PASS if capture["memory_bytes"] <= capture["reserve_bytes"]
                 else FAIL, value=capture["memory_bytes"] / 2**20, unit="MiB",
                 target=f"<= {capture['reserve_bytes'] / 2**20:.0f}",
-                detail="this process's allocator growth over the capture, against engine/memory.py's reserve")
+                detail="this process's allocator growth over the capture, against engine/runner/memory.py's reserve")
     for target in section.get("targets", []):
         name_, value, minimum = target["name"], target["value"], target["minimum"]
         if name_.startswith(("offline-sharegpt", "offline-mixed-vs-hf")):

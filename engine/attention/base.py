@@ -60,7 +60,7 @@ class AttentionBatch:
     max_seq_len: int
     decode_max_seq_len: int
     prefills: tuple[PrefillChunk, ...]  # sequences D..B-1 again, one record each
-    # A static decode batch (engine/decode_graphs.py) keeps its launches the same every
+    # A static decode batch (engine/runner/decode_graphs.py) keeps its launches the same every
     # step: `max_seq_len` is then a bound (the longest context its graph serves, which sets
     # its split count), and block_tables' row stride,
     # the width written that step, is this [1] int64 tensor's value rather than its shape's.
@@ -171,7 +171,7 @@ class AttentionBackend(ABC):
     """
 
     name: str
-    # Whether the backend runs static decode batches (engine/decode_graphs.py), whose launches
+    # Whether the backend runs static decode batches (engine/runner/decode_graphs.py), whose launches
     # must not change with the step's values: padding rows (slot -1: stored nowhere, one key
     # of context) and `AttentionBatch.table_stride`. Only such a backend's steps are
     # captured as CUDA graphs.

@@ -58,7 +58,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def num_decode_splits(self, num_seqs: int, num_kv_heads: int, max_seq_len: int, *, is_static: bool) -> int:
         """Parts each context of a decode-only batch is split into on this device. A static
-        batch (engine/decode_graphs.py) gets few distinct counts (`choose_static_num_splits`):
+        batch (engine/runner/decode_graphs.py) gets few distinct counts (`choose_static_num_splits`):
         each is a CUDA graph of its own."""
         choose = choose_static_num_splits if is_static else choose_num_splits
         return choose(num_seqs, num_kv_heads, max_seq_len, self.num_sms)

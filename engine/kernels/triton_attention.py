@@ -270,7 +270,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 
 def choose_static_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """`choose_num_splits` for a static decode batch (a CUDA graph's, engine/decode_graphs.py):
+    """`choose_num_splits` for a static decode batch (a CUDA graph's, engine/runner/decode_graphs.py):
     for its longest context rounded up to a power of 2, so that a batch size gets a new
     split count (a graph) at most once per doubling of the context. Contexts too short to
     split keep 1. Never fewer splits than `choose_num_splits` gives the context itself."""

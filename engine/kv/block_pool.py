@@ -1,5 +1,5 @@
 """BlockPool: the free list, reference counts and content cache of one pool of KV blocks
-(the picture of who owns a block is in engine/block_pool.py)."""
+(the picture of who owns a block is in engine/kv/manager.py)."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ class KVCache:
 
     `shareable`: another process on this host may map the device blocks and write
     into them (kvtransfer's ipc transport). On CPU they then live in a memfd segment
-    (`shared_memory`, engine/shared_memory.py); a CUDA allocation is shareable as it
+    (`shared_memory`, engine/kv/shared_memory.py); a CUDA allocation is shareable as it
     is, through CUDA IPC handles.
     """
 

@@ -1,5 +1,5 @@
 """The prefix cache's host tier: the KV of full blocks kept in host memory by the hashes
-that name them on the device (engine/prefix_hash.py), and brought back on a hit.
+that name them on the device (engine/kv/prefix_hash.py), and brought back on a hit.
 
 Its blocks are the host pool's: the swap pool (KVCache.swap_blocks), grown by the
 offload budget, which swap preemption shares. A swapped request holds its host blocks; a

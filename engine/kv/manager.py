@@ -9,7 +9,7 @@ tests check):
 Every block id is in exactly one of those places. A held block's reference
 count is the number of holders: the block tables of requests (several, when a
 prefix is shared), and fences. With prefix caching, a full block whose KV is
-computed is registered under the hash of its content (engine/prefix_hash.py);
+computed is registered under the hash of its content (engine/kv/prefix_hash.py);
 when its last holder lets go it stays cached, counted as free, until an
 allocation that finds the free list empty evicts it, least recently used first.
 """
@@ -31,7 +31,7 @@ from engine.kv.prefix_hash import BlockHash
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
     """Cached blocks that start a request's table: the device's `block_ids`, then the host
-    tier's `host_block_ids` (engine/kv_offload.py: copied into new device blocks), the KV
+    tier's `host_block_ids` (engine/kv/host_tier.py: copied into new device blocks), the KV
     of its first (len(block_ids) + len(host_block_ids)) * block_size tokens.
     `num_evictable` of the device blocks are held by nobody now, so taking them takes from
     the free count; `host_hashes` name the host blocks."""
@@ -66,7 +66,7 @@ class PrefixCacheStats:
     # already held here, which the transfer skips.
     num_received_blocks_queried: int = 0
     num_received_blocks_hit: int = 0
-    # Of the hits, those found in the host tier (engine/kv_offload.py).
+    # Of the hits, those found in the host tier (engine/kv/host_tier.py).
     num_host_hit_tokens: int = 0
     num_received_blocks_host_hit: int = 0
 
@@ -327,7 +327,7 @@ class KVCacheManager:
     # --------------------------------------------------------------- host tier
     @property
     def has_tier_copies(self) -> bool:
-        """Host-tier copies wait for a step to run them (engine/kv_offload.py)."""
+        """Host-tier copies wait for a step to run them (engine/kv/host_tier.py)."""
         return self.tier is not None and self.tier.has_pending
 
     def take_tier_copies(self) -> tuple[list[BlockCopy], list[BlockCopy], TierHolds | None]:
@@ -405,7 +405,7 @@ class KVCacheManager:
         """Of the first `limit` blocks of the request's table, the leading ones its readmission
         would find cached if it let go of them now, and how many of those it would copy back:
         (kept, copied). Kept: held by another table too (they stay on the device), or, from
-        the first that is not on, kept by the host tier (engine/kv_offload.py), as a lookup
+        the first that is not on, kept by the host tier (engine/kv/host_tier.py), as a lookup
         goes on from the device to the host. What a preemption by recompute does not redo."""
         pool, host = self.pool, self.swap_pool if self.tier is not None else None
         passing = collections.Counter(itertools.chain.from_iterable(self._held_apart()))

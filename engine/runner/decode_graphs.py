@@ -356,7 +356,7 @@ def graph_keys(backend: AttentionBackend, batch_sizes: tuple[int, ...], max_mode
 def static_decode_bytes(backend: AttentionBackend, batch_sizes: tuple[int, ...], max_model_len: int,
                         block_size: int, num_kv_heads: int, hidden_size: int, dtype: torch.dtype) -> int:
     """Device memory the static decode path keeps while it lives, besides its graphs' working
-    memory (engine/memory.py reserves it before sizing the KV cache): the int64 input buffer
+    memory (engine/runner/memory.py reserves it before sizing the KV cache): the int64 input buffer
     and each graph's [size, hidden] output."""
     largest = batch_sizes[-1]
     buffer = (graph_layout(largest, -(-max_model_len // block_size)).num_elements + largest + 1) * 8

@@ -42,7 +42,7 @@ class ForwardBatch:
     # host): input_ids[pending_rows[i]] is that step's sampled token pending_sources[i].
     pending_rows: torch.Tensor | None = None  # [P] int64
     pending_sources: torch.Tensor | None = None  # [P] int64
-    # Prefill rows whose logits give prompt logprobs (engine.prompt_logprobs).
+    # Prefill rows whose logits give prompt logprobs (engine.sampling.prompt_logprobs).
     prompt_rows: tuple[PromptRows, ...] = ()
 
     def fill_pending_inputs(self, sampled_token_ids: torch.Tensor | None) -> None:
@@ -61,7 +61,7 @@ class PackedLayout:
     part starts 16-byte aligned (an even number of int64s in): Triton specializes kernels
     on pointer alignment, and parts at varying alignment would compile variants mid-run.
     The eager path (prepare_forward_batch) and the CUDA graphs' persistent buffer
-    (engine/decode_graphs.py) are both laid out by one."""
+    (engine/runner/decode_graphs.py) are both laid out by one."""
 
     sizes: dict[str, int]
 

@@ -166,7 +166,7 @@ def profile_memory(model: torch.nn.Module, layout: KVLayout, config: EngineConfi
 
 @dataclass(frozen=True, slots=True)
 class GraphReserve:
-    """The decode graphs' memory besides their activations (engine/decode_graphs.py)."""
+    """The decode graphs' memory besides their activations (engine/runner/decode_graphs.py)."""
 
     batch_size: int  # the largest padded batch: its activations size the pool
     persistent_bytes: int  # the graphs' inputs and their outputs, which live as long as the graphs

@@ -35,7 +35,7 @@ class ModelRunnerOutput:
     num_prefill_tokens: int = 0  # prompt (or recompute) tokens in the forward pass
     seconds: float = 0.0  # the step's time on the device (CUDA events), or on the host clock (CPU)
     wait_seconds: float = 0.0  # host time `LaunchedStep.result` spent waiting for the device
-    prompt_logprobs: list = ()  # its prefill chunks' prompt logprobs (engine.prompt_logprobs.record)
+    prompt_logprobs: list = ()  # its prefill chunks' prompt logprobs (engine.sampling.prompt_logprobs.record)
     sample_counts: tuple[int, ...] | None = None  # rows per request (ForwardBatch.sample_counts)
 
     @property
@@ -141,7 +141,7 @@ class ModelRunner:
 
     def use_static_decode(self, max_num_seqs: int, max_model_len: int, capture: bool) -> GraphCapture | None:
         """Run decode-only steps of up to max_num_seqs sequences on persistent inputs
-        (engine/decode_graphs.py), captured as CUDA graphs with `capture`."""
+        (engine/runner/decode_graphs.py), captured as CUDA graphs with `capture`."""
         self.static_decode = StaticDecode(
             self.model,
             self.kv_cache.layers,
@@ -244,7 +244,7 @@ class ModelRunner:
 
     def _copy_blocks(self, out: SchedulerOutput) -> tuple[int, float]:
         """The step's host-device copies, before its forward pass: the swaps, then the prefix
-        cache's host tier's write-through and reloads (engine/kv_offload.py). Returns (bytes,
+        cache's host tier's write-through and reloads (engine/kv/host_tier.py). Returns (bytes,
         seconds on the host clock; 0 on CUDA, where they are asynchronous: see KVCache)."""
         num_bytes, seconds = 0, 0.0
         for kind, copies_out, copies_in in ((SWAP, out.swap_out, out.swap_in), (OFFLOAD, out.offload, ()),

@@ -7,9 +7,9 @@
   about the slope, so it keeps the prior's and moves only the level. Both
   coefficients are clamped at zero.
 - prefill: seconds per prompt token, the preemption cost model's moving average over
-  steps that are mostly prefill (engine/preemption.py).
+  steps that are mostly prefill (engine/scheduler/preemption.py).
 - decode entries (speculative decoding): a decode step of e entries, a decoding row's one
-  token each and one more per proposal it checks (engine/forward_batch.py `decode_rows`),
+  token each and one more per proposal it checks (engine/runner/forward_batch.py `decode_rows`),
   takes about `base_s + per_seq_s * e`: the same least squares over every decode-only
   step, proposals or not. Its slope is what one more proposal costs. Until the entries
   vary (and so give a slope) the decode line stands in for it.

@@ -9,7 +9,7 @@ token came over a second after their first (docs/observability.md, "Latency by p
 
 So once a handed-off request has reached an engine, a step with decoding rows takes at
 most `max_decode_stretch` decode steps' time of prompt tokens, by the engine's step-time
-model (engine/step_time.py): the decode line at that many rows, and the prefill rate. A
+model (engine/runner/step_time.py): the decode line at that many rows, and the prefill rate. A
 step with no decoding row, or on an engine that never received one (a prefill worker, a
 colocated decode worker), has the token budget alone. And a step that carries a
 handed-off request's first decode step (the one that samples its second token) takes no

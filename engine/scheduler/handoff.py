@@ -43,7 +43,7 @@ class KvHandoffs:
 
     def land(self, request: Request, landing: Landing) -> None:
         """A kv_remote request RECEIVING at once in the blocks set aside that it claimed,
-        its table now (engine/landing.py)."""
+        its table now (engine/kv/landing.py)."""
         self.kv.prefix_stats.num_received_blocks_queried += len(landing.block_ids)
         request.landing = landing.ticket
         request.status = RequestStatus.RECEIVING

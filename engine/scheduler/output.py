@@ -31,7 +31,7 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Requests admitted this step whose prompt KV must now be received into their blocks.
     kv_receives: list[Request] = field(default_factory=list)
-    # The prefix cache's host tier (engine/kv_offload.py): device blocks written through to
+    # The prefix cache's host tier (engine/kv/host_tier.py): device blocks written through to
     # host blocks, host blocks reloaded into device blocks (run after the swaps, in this
     # order), and the blocks they hold until the step has ended (release_tier_holds).
     offload: list[BlockCopy] = field(default_factory=list)

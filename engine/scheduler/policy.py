@@ -107,7 +107,7 @@ class AdmissionPolicy(ABC):
 
     def landing_room(self, view: AdmissionView) -> int:
         """Free blocks that handed-off requests may take at once as they arrive while the
-        step runs (engine/landing.py): none here; continuous admission allows some."""
+        step runs (engine/kv/landing.py): none here; continuous admission allows some."""
         return 0
 
     def waiting_requests(self) -> list[Request]:

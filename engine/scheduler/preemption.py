@@ -18,7 +18,7 @@ class PreemptionCostModel:
     The engine feeds both rates back as it measures them (exponential moving
     averages), so the choice follows the hardware: on a GPU, swapping a long
     sequence over PCIe beats re-running its prefill; a short one is cheaper to
-    recompute. The prefill rate is also the step-time model's (engine/step_time.py).
+    recompute. The prefill rate is also the step-time model's (engine/runner/step_time.py).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""PrefixMatcher: a request's blocks against the prefix cache (engine/prefix_hash.py).
+"""PrefixMatcher: a request's blocks against the prefix cache (engine/kv/prefix_hash.py).
 
 At admission a request starts its table with the cached blocks of the longest
 prefix of its own blocks' hash chain, and counts their tokens as computed. A

@@ -135,7 +135,7 @@ class Scheduler:
 
     def add_request(self, request: Request, landing: Landing | None = None) -> None:
         """Queue a request; one with a `landing` (blocks set aside for it as its call arrived,
-        engine/landing.py) is RECEIVING in them at once."""
+        engine/kv/landing.py) is RECEIVING in them at once."""
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"duplicate request id {request.request_id!r}")
         self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
@@ -247,9 +247,9 @@ class Scheduler:
                 self._step_seq_capped = self.policy.is_seq_capped
 
         out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
-        if not self.swapped and not out.preempted:  # (engine/landing.py)
+        if not self.swapped and not out.preempted:  # (engine/kv/landing.py)
             self.landing.refill(self.policy.landing_room(self), config.max_num_seqs - self.num_seqs)
-        out.offload, out.reload, out.tier_holds = self.kv.take_tier_copies()  # (engine/kv_offload.py)
+        out.offload, out.reload, out.tier_holds = self.kv.take_tier_copies()  # (engine/kv/host_tier.py)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, chunk_cap: int,

@@ -3,7 +3,7 @@ join its step as extra query tokens, and after the step its table rolls back to 
 tokens accepted.
 
 A row with proposals d_1..d_k runs its last token and d_1..d_k as k+1 decode entries
-(engine/forward_batch.py `decode_rows`): k+1 tokens of the step's budget and k+1 KV slots. The slots' KV is computed for every
+(engine/runner/forward_batch.py `decode_rows`): k+1 tokens of the step's budget and k+1 KV slots. The slots' KV is computed for every
 proposal, but holds only for those the model accepts; so the proposals count as computed
 only once accepted (`settle_proposals`), the prefix cache never sees a rejected one (it
 caches computed tokens only), and the blocks past the accepted tokens go back to the pool.

@@ -252,7 +252,7 @@ def snapshot_stats(scheduler: SchedulerState, with_queue_times: bool) -> Schedul
 
 
 def _tier_stats(kv: KVCacheManager, bytes_per_block: int) -> dict[str, float]:
-    """The host tier's statistics (engine/kv_offload.py); none without it."""
+    """The host tier's statistics (engine/kv/host_tier.py); none without it."""
     tier = kv.tier
     if tier is None:
         return {}

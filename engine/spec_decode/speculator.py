@@ -20,7 +20,7 @@ ways the sampler reads from the request (repetition, presence and frequency pena
 bad words, min_tokens not yet reached, a grammar) decode one token at a time, as do rows
 still prefilling. Every other decoding row proposes as many tokens as pay: with its
 acceptance rate a, k proposals yield E(k) = 1 + a + ... + a^k tokens for k extra tokens of
-step time, and the step-time model (engine/step_time.py) knows both: a step of e decode
+step time, and the step-time model (engine/runner/step_time.py) knows both: a step of e decode
 entries (a row's token, or a proposal) takes base + per_entry * e. A row picks
 the k that maximises the batch's tokens per second; 0 when speculating would be slower
 (the off-switch), after which it still proposes one token on the engine's probe steps

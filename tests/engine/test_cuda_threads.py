@@ -1,5 +1,5 @@
 """Every thread that works for an engine on `cuda:N` makes `cuda:N` current first
-(engine/thread_device.py): CUDA's current device is per thread, every thread starts on
+(engine/runner/device.py): CUDA's current device is per thread, every thread starts on
 device 0, and Triton launches on the current device whatever its tensors' device.
 
 No GPU needed: `torch.cuda.set_device` is replaced by a recorder of each thread's

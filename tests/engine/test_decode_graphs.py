@@ -1,4 +1,4 @@
-"""Static decode batches (engine/decode_graphs.py): the padded batch sizes, the layout one
+"""Static decode batches (engine/runner/decode_graphs.py): the padded batch sizes, the layout one
 step writes, and the static path against the normal one, token for token.
 
 The static path is what a CUDA graph replays: without a GPU it runs the same
@@ -232,7 +232,7 @@ def test_graphs_at_llama_8b_shapes_follow_the_longest_context():
         assert choose_num_splits(1, num_kv_heads, seq_len, 132) <= key.num_splits
         assert keys[key] >= seq_len  # a graph's bound holds every context it serves
     assert static.graph_key(1, 127).num_splits == 1 and static.graph_key(1, 128).num_splits == 2
-    # What sizing the KV cache keeps for these graphs besides their pool (engine/memory.py):
+    # What sizing the KV cache keeps for these graphs besides their pool (engine/runner/memory.py):
     # the input buffers this object holds, and one bfloat16 [size, 4096] output per graph.
     inputs = sum(t.numel() * t.element_size() for t in (static.buffer, static.query_start))
     outputs = sum(key.size for key in keys) * 4096 * 2

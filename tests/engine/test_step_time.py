@@ -1,4 +1,4 @@
-"""The step-time model (engine/step_time.py): the decode line's fit, the prefill rate, the
+"""The step-time model (engine/runner/step_time.py): the decode line's fit, the prefill rate, the
 calibration a worker runs at start, and what the worker publishes of them."""
 
 from __future__ import annotations

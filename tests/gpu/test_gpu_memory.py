@@ -1,4 +1,4 @@
-"""Sizing the KV cache on a GPU (engine/memory.py), on made-up device memory readings:
+"""Sizing the KV cache on a GPU (engine/runner/memory.py), on made-up device memory readings:
 `gpu_memory_utilization` is this process's share of the device, memory other processes
 hold does not shrink it but must leave it free, and the decode graphs' reserve comes out
 of it."""

@@ -184,7 +184,7 @@ def test_split_kv_matches_single_pass(num_splits, dtype):
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_table_stride_read_from_memory(num_splits):
-    """A static batch's launch (engine/decode_graphs.py) reads the block tables' row stride
+    """A static batch's launch (engine/runner/decode_graphs.py) reads the block tables' row stride
     from a device tensor: tables written at their own width W behind a view of any other
     width give the plain launch's output, split or not."""
     batch = make_batch([(20, 1), (150, 1), (1, 1), (97, 1)], num_kv_heads=2, group=4, head_dim=64,

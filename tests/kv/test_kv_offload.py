@@ -1,4 +1,4 @@
-"""The prefix cache's host tier (engine/kv_offload.py) on the engine with a real model:
+"""The prefix cache's host tier (engine/kv/host_tier.py) on the engine with a real model:
 prefixes the device cache evicted come back from host memory, the tokens stay those of
 transformers and of caching off, swap preemption shares the host pool, and every block is
 free or evictable at the end. The scheduler-level property test (tests/kv/test_prefix_cache.py)

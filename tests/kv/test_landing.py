@@ -1,4 +1,4 @@
-"""Handed-off requests landing in blocks the engine set aside (engine/landing.py): at the
+"""Handed-off requests landing in blocks the engine set aside (engine/kv/landing.py): at the
 engine level, the blocks copied by hand as in test_handoff.py; with an AsyncEngine, the
 order of the pull and the add; the decode worker's whole path is served in test_serving.py
 and test_latency.py."""

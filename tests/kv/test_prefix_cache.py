@@ -5,7 +5,7 @@ The property test keeps a shadow of the KV cache: each step writes, into every s
 it computes, the whole token sequence up to that slot (what the KV there depends on).
 A request must then find its own tokens in every slot of its table it has computed,
 whatever it shares, and no step may write into a cached block. With the host tier
-(engine/kv_offload.py) the shadow follows its copies too, and every host block it caches
+(engine/kv/host_tier.py) the shadow follows its copies too, and every host block it caches
 holds the tokens its hash names.
 """
 
