@@ -17,7 +17,7 @@ STAMP := $(VENV)/.baton-setup.stamp
 # No hub access here: everything loads from local files.
 RUN_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: setup deps install images kernels test test-gpu gpu-check gpu-wheels bench-gpu run demo protos bench bench-serving clean distclean
+.PHONY: setup deps install images kernels test test-gpu gpu-check gpu-wheels bench-gpu run demo protos hooks bench bench-serving clean distclean
 
 setup: $(STAMP)
 
@@ -140,6 +140,10 @@ demo: kernels
 
 protos: setup
 	$(PY) -m baton.devtools.protogen
+
+# The repository's git hooks (tools/hooks: commit-msg checks a message as docs/CONTRIBUTING.md says).
+hooks:
+	git config core.hooksPath tools/hooks
 
 bench: kernels
 	mkdir -p benchmarks/results
