@@ -297,13 +297,8 @@ def work_request_from_pb(message: worker_pb2.WorkRequest, kv_token: str = "") ->
 _WORK_REQUEST_FIELDS = {
     "request_id": "request.request_id",
     "prompt_token_ids": "request.prompt_token_ids",
-    "sampling_params.max_tokens": "request.sampling.max_tokens",
-    "sampling_params.stop_token_ids": "request.sampling.stop_token_ids",
-    "sampling_params.logit_bias": "request.sampling.logit_bias",
-    "sampling_params.allowed_token_ids": "request.sampling.allowed_token_ids",
-    "sampling_params.bad_words": "request.sampling.bad_words",
-    "sampling_params.structured_output": "request.sampling.structured_output",
-    **{f"sampling_params.{kind}": f"request.sampling.{kind}" for kind in STRUCTURED_KINDS},
+    **{f"sampling_params.{name}": f"request.sampling.{name}" for name in (*_PARAM_FIELDS, "structured_output",
+                                                                        *STRUCTURED_KINDS)},
     "first_token_id": "first_token_id",
 }
 

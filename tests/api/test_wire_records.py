@@ -73,3 +73,11 @@ def test_the_wire_and_the_http_bodies_name_every_sampling_param():
     for body in (api.CompletionRequest, api.ChatCompletionRequest):
         assert names - {"logprobs", "structured_output"} <= set(body.model_fields), body
     assert {"logprobs", "top_logprobs", "max_completion_tokens"} <= set(api.ChatCompletionRequest.model_fields)
+
+
+def test_an_engine_refusal_of_any_sampling_param_names_its_wire_field():
+    """The engine names a request's attribute (InvalidRequestError.name); the worker answers
+    with the field's path in its request message, for every sampling field."""
+    for name in [f.name for f in fields(SamplingParams)] + ["regex", "json_schema"]:
+        assert convert.work_request_field(f"sampling_params.{name}") == f"request.sampling.{name}"
+    assert convert.work_request_field("sampling_params.logit_bias", 7) == "request.sampling.logit_bias[7]"
