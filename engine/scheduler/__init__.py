@@ -1,15 +1,19 @@
 """The scheduler: which requests run each step, with how many tokens.
 
-    scheduler.py    Scheduler: queues, the running loop, swap-ins, preemption
+    scheduler.py    Scheduler: queues, the running loop, swap-ins, preemption, handoff ends
     handoff.py      KvHandoffs: HELD and RECEIVING requests (disaggregated serving), a component
     stopping.py     when a sampled token ends its request (EOS, stop tokens, grammar, length)
     policy.py       AdmissionPolicy: chooses the waiting requests to admit (the contract), AdmissionView
     continuous.py   ContinuousAdmission: queue order, whole prompt plus growth room must fit
     static.py       StaticAdmission: batch at a time, worst case reserved up front
     waiting.py      WaitingQueue: the heap of waiting requests (aged priority, then deadline)
-    output.py       SchedulerOutput: one step's work
+    budget.py       the prompt tokens a step may take beside decoding rows (disaggregated serving)
+    preemption.py   PreemptionCostModel: recompute or swap, from measured rates
+    speculative.py  a decoding row's proposals in its step, and its table after the check
     prefix.py       PrefixMatcher: a request's cached prefix at admission; computed blocks into the cache
+    output.py       SchedulerOutput: one step's work
     stats.py        counters, the recent window, SchedulerStats / RecentStats, SchedulerState
+    integrity.py    check_integrity: every request in one queue, holding what its state allows
 
 The names below are imported from their modules when first used, so reading the
 stats records (as the wire layer does) does not load the scheduler itself.
