@@ -1,7 +1,7 @@
 """`python -m engine.demo`: run the offline engine on the default model and print the answers.
 
-The stand-in for `make run` until the gRPC gateway and workers exist: loads
-SmolLM2-135M-Instruct, answers a few chat prompts in one continuous batch,
+The engine alone, without the gateway and workers of `make run` (`make demo`):
+loads SmolLM2-135M-Instruct, answers a few chat prompts in one continuous batch,
 and prints the scheduler's metrics.
 """
 

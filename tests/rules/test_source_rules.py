@@ -17,7 +17,6 @@ The layers, bottom to top (docs/ARCHITECTURE.md draws them):
 from __future__ import annotations
 
 import ast
-import re
 import subprocess
 import sys
 import warnings
@@ -401,26 +400,6 @@ def test_no_task_is_left_without_a_reference():
                     break
                 call = function.value if isinstance(function, ast.Attribute) else None
     assert not dropped, f"tasks created without a kept reference: {dropped}"
-
-
-# ------------------------------------------------------------------ docs
-def _table_paths(markdown: str, heading: str) -> set[str]:
-    """The backticked paths in the first column of the table under `heading`."""
-    section = markdown.split(heading, 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
-    return {path for row in rows for path in re.findall(r"`([^`]+/)`", row.split("|")[1])}
-
-
-def test_the_docs_map_every_package():
-    """docs/ARCHITECTURE.md opens with the package map; README's layout table matches it."""
-    on_disk = {"protos/"} | {f"{package}/" for package in PACKAGES if package != "baton"}
-    on_disk |= {f"baton/{p.parent.name}/" for p in (REPO_ROOT / "baton").glob("*/__init__.py")}
-    architecture = (REPO_ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    assert architecture.index("## Packages") < architecture.index("## Layers") < architecture.index("## The system")
-    mapped = _table_paths(architecture, "## Packages") - {"tests/", "benchmarks/", "deploy/"}
-    readme = _table_paths((REPO_ROOT / "README.md").read_text(), "## Layout") - {"tests/", "benchmarks/", "deploy/"}
-    assert mapped == on_disk
-    assert readme == on_disk
 
 
 # Names vulture cannot see used, each for a reason.
