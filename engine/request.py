@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.sampling_params import length_limit
 from engine.timeline import FirstDecodeStep
 
 if TYPE_CHECKING:
@@ -233,6 +234,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    def max_num_tokens(self, max_model_len: int) -> int:
+        """The length (prompt and output tokens) at which it ends by length: the length rule
+        (engine.sampling_params.length_limit) for this request."""
+        return length_limit(len(self.prompt_token_ids), self.sampling_params.max_tokens, max_model_len)
 
     @property
     def is_prefilling(self) -> bool:

@@ -22,8 +22,9 @@ MAX_N = 128  # OpenAI's bound on choices per request
 
 def length_limit(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
     """The length rule: a request ends by length once it holds this many tokens, prompt and
-    output (its max_tokens generated, or max_model_len reached). Every check of it asks here:
-    the scheduler's stop check and peak KV, and the gateway's, for a request that moved."""
+    output (its max_tokens generated, or max_model_len reached). Every check of it asks here
+    (Request.max_num_tokens for a request): the stop check, the scheduler's peak KV, how
+    many tokens a row may propose, and the gateway's check of a request that moved."""
     return min(num_prompt_tokens + max_tokens, max_model_len)
 
 

@@ -32,7 +32,6 @@ from engine.kv.landing import Landing, LandingZone
 from engine.kv.manager import KVCacheManager, PrefixHit, cdiv
 from engine.request import (PENDING_TOKEN, InvalidRequestError, PromptTooLongError, Request, RequestStatus,
                             by_sort_key, deadline_key)
-from engine.sampling_params import length_limit
 from engine.scheduler.budget import UNLIMITED, prefill_limit
 from engine.scheduler.continuous import ContinuousAdmission
 from engine.scheduler.handoff import KvHandoffs
@@ -112,18 +111,19 @@ class Scheduler:
         """Whether a step could do any work (HELD and RECEIVING requests wait on others)."""
         return bool(self.running or self.swapped or self.policy.num_waiting) or self.kv.has_tier_copies
 
-    def peak_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
+    def peak_kv_tokens(self, request: Request) -> int:
         """The most tokens a request ever holds in the KV cache (the last sampled token ends
         the request before its KV is computed)."""
-        return length_limit(num_prompt_tokens, max_tokens, self.max_model_len) - 1
+        return request.max_num_tokens(self.max_model_len) - 1
 
-    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_admissible(self, request: Request) -> None:
         """Raise InvalidRequestError for a request that could never run here: PromptTooLongError
         for a prompt that reaches max_model_len; one whose peak KV outgrows the whole cache
         names its prompt if that alone does, else its max_tokens (a lower one would fit)."""
+        num_prompt_tokens = request.num_prompt_tokens
         if num_prompt_tokens >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}")
-        peak_tokens = self.peak_kv_tokens(num_prompt_tokens, max_tokens)
+        peak_tokens = self.peak_kv_tokens(request)
         num_blocks = self.kv.pool.num_blocks
         if cdiv(peak_tokens, self.block_size) > num_blocks:
             # The least a request holds is its prompt (max_tokens == 1).
@@ -138,7 +138,7 @@ class Scheduler:
         engine/kv/landing.py) is RECEIVING in them at once."""
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"duplicate request id {request.request_id!r}")
-        self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        self.check_admissible(request)
         if landing is not None:
             self.landing.land(landing, request.request_id)
         request.arrival_step = self.step_index
@@ -366,7 +366,7 @@ class Scheduler:
         # reserving, its worst case.
         num_tokens = request.num_prompt_tokens if request.kv_remote else num_cached
         if reserve:
-            num_tokens = self.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
+            num_tokens = self.peak_kv_tokens(request)
         ok = self.kv.allocate_admission(
             request.request_id, hit, num_tokens, received=request.kv_remote,
             num_queried_tokens=request.num_prompt_tokens if request.kv_remote else request.num_tokens)

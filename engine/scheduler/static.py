@@ -78,5 +78,5 @@ class StaticAdmission(AdmissionPolicy):
 
     def _can_reserve(self, view: AdmissionView, request: Request) -> bool:
         """Whether the request's worst-case blocks fit in the free blocks."""
-        peak = view.peak_kv_tokens(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        peak = view.peak_kv_tokens(request)
         return cdiv(peak, view.block_size) <= view.kv.num_free_blocks - self.num_promised_blocks(view)

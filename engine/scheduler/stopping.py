@@ -4,12 +4,11 @@ min_tokens are out, a grammar that is complete, or the length limits."""
 from __future__ import annotations
 
 from engine.request import Request, RequestStatus
-from engine.sampling_params import length_limit
 
 
 def ends_by_length(request: Request, num_tokens: int, max_model_len: int) -> bool:
     """Whether a request ends once it has `num_tokens` tokens (prompt and output)."""
-    return num_tokens >= length_limit(request.num_prompt_tokens, request.sampling_params.max_tokens, max_model_len)
+    return num_tokens >= request.max_num_tokens(max_model_len)
 
 
 def stop_status(request: Request, token_id: int, num_tokens: int, max_model_len: int) -> RequestStatus | None:

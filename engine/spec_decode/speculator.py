@@ -121,8 +121,7 @@ class Speculator:
                     continue
                 k = max(k, 1)
             # Tokens it may still emit past the next one, and positions the model has.
-            num_tokens = len(request.all_token_ids)
-            left = min(request.sampling_params.max_tokens - request.num_output_tokens, self.max_model_len - num_tokens)
+            left = request.max_num_tokens(self.max_model_len) - len(request.all_token_ids)
             if min(k, left - 1) > 0:
                 planned.append((request, min(k, left - 1)))
         return planned
