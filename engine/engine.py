@@ -325,14 +325,15 @@ class LLMEngine:
         completed first and this one runs plain.
         """
         started = time.perf_counter()
-        outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs = []
         plan = self.speculator.plan(self.scheduler.running) if self.speculator is not None else []
         if plan and self.overlap.step is not None:
             outputs += self.overlap.drain(self._complete)
             started = time.perf_counter()
         launched = self._launch(plan) if self.scheduler.has_schedulable_requests() else None
         outputs += self.overlap.turn(launched, self._complete, started, plain=bool(plan))
-        return StepOutput(outputs, launched.kv_receives if launched is not None else [])
+        aborted, self._aborted_outputs = self._aborted_outputs, []  # (ended between calls)
+        return StepOutput(aborted + outputs, launched.kv_receives if launched is not None else [])
 
     def _launch(self, plan: list) -> UnresolvedStep:
         scheduler = self.scheduler

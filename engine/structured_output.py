@@ -32,7 +32,7 @@ class StructuredOutput:
     JSON output is compact by default (no whitespace between tokens, as OpenAI's
     structured outputs), so it ends: a small model in a JSON mode with free whitespace
     may emit blanks until max_tokens. `pretty_json` allows newlines and indentation,
-    at most a newline and 16 spaces, or one space, at a time (engine.grammar).
+    at most a newline and 16 spaces, or one space, at a time (engine.sampling.grammar).
     """
 
     json_schema: str | None = None

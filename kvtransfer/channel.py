@@ -2,7 +2,7 @@
 sender) into a decode process's cache (rank 1, the receiver) over a two-rank
 torch.distributed group. Messages and tags: wire.py. The group: group.py.
 
-The caches are block-major (engine.kv_cache.KVCache), so a run of ids that is consecutive on
+The caches are block-major (engine.kv.cache.KVCache), so a run of ids that is consecutive on
 both sides is one contiguous piece of both caches: the sender posts all its sends
 straight from its cache, the receiver checks the header and posts all its receives
 straight into its cache, and nothing is copied besides what the backend itself

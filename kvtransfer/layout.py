@@ -21,7 +21,7 @@ class KvLayoutMismatchError(ValueError):
 class KvLayoutSpec:
     """Shape of one block in every layer, with the dtype as its torch name ("bfloat16").
 
-    The same facts as `engine.kv_cache.KVLayout`, but plain ints and a string so
+    The same facts as `engine.kv.cache.KVLayout`, but plain ints and a string so
     the spec can cross a process boundary (control-plane message, transfer header).
     """
 

@@ -1,6 +1,6 @@
 """What one block transfer looks like on the wire: its messages, their tags, its header.
 
-The KV cache is block-major (engine.kv_cache.KVCache): block b's keys and values of
+The KV cache is block-major (engine.kv.cache.KVCache): block b's keys and values of
 every layer are one contiguous row of the cache. A transfer moves sender block
 src_ids[i] into receiver block dst_ids[i], and both sides know both lists (the
 control plane exchanged them), so both derive the same message plan and only the

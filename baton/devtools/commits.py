@@ -16,9 +16,16 @@ from pathlib import Path
 MAX_SUBJECT = 72
 
 
-def message_problems(message: str) -> list[str]:
-    """What is wrong with a commit message (git's comment lines left out); [] if nothing."""
-    lines = [line for line in message.splitlines() if not line.startswith("#")]
+SCISSORS = " ------------------------ >8 ------------------------"
+
+
+def message_problems(message: str, comment_char: str = "#") -> list[str]:
+    """What is wrong with a commit message as git keeps it: its comment lines left out, and
+    everything from the scissors line on (`git commit -v` puts the diff there); [] if nothing."""
+    lines = message.splitlines()
+    if comment_char + SCISSORS in lines:
+        lines = lines[:lines.index(comment_char + SCISSORS)]
+    lines = [line for line in lines if not line.startswith(comment_char)]
     while lines and not lines[-1].strip():
         lines.pop()
     if not lines or not lines[0].strip():
@@ -34,6 +41,13 @@ def message_problems(message: str) -> list[str]:
     if len(lines) > 1 and lines[1].strip():
         problems.append("no blank line between the subject and the body")
     return problems
+
+
+def comment_char(cwd: Path) -> str:
+    """git's core.commentChar ("#" unless set; "auto" picks per message, so "#" is the guess)."""
+    found = subprocess.run(["git", "config", "--get", "core.commentChar"], cwd=cwd, capture_output=True, text=True)
+    value = found.stdout.strip()
+    return value if len(value) == 1 else "#"
 
 
 def commits_since(revision: str, cwd: Path) -> dict[str, str]:
@@ -55,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         messages = {"this commit": Path(args.message_file).read_text()}
     else:
         parser.error("give a message file or --since REV")
-    failed = {name: problems for name, message in messages.items() if (problems := message_problems(message))}
+    char = comment_char(Path.cwd())
+    failed = {name: problems for name, message in messages.items()
+              if (problems := message_problems(message, char if args.since is None else "\0"))}
     for name, problems in failed.items():
         print(f"{name}: {'; '.join(problems)}", file=sys.stderr)
     return 1 if failed else 0

@@ -65,8 +65,7 @@ class Overlap:
         """Complete the step in flight now, for a step that must run plain (untimed: its
         time was the last call's)."""
         step, self.step = self.step, None
-        if step is None:
-            return []
+        assert step is not None, "nothing in flight to drain"
         self.kv.defer_frees(False)
         outputs = complete(step, None)
         self.kv.free_deferred()

@@ -122,7 +122,7 @@ class Sampler:
         `last_token_ids` [S] int64 (on the device): the token each row was fed this
         step, counted as seen by the penalties (the host history may not hold it yet).
         `grammar`: the rows [G] with a structured output and their next-token bitmask
-        [G, W] int32 (engine.grammar), on the device."""
+        [G, W] int32 (engine.sampling.grammar), on the device."""
         num_rows, vocab_size = logits.shape  # [S, V]
         assert num_rows == batch.num_rows, (num_rows, batch.num_rows)
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32

@@ -41,6 +41,9 @@ def test_every_commit_since_the_rule_keeps_it():
     ("fold the norms\n", "lower case"),
     ("Fold the norms\nWhy.\n", "no blank line"),
     ("# only git's comments\n\n", "the subject is empty"),
+    # git commit -v: git's comments after the subject, the diff below the scissors
+    ("Fold the norms into the QKV kernel\n# Please enter the commit message\n"
+     "# ------------------------ >8 ------------------------\n# Do not modify\ndiff --git a/x b/x\n", None),
 ])
 def test_a_message_is_checked_line_by_line(message, problem):
     problems = message_problems(message)

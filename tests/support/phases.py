@@ -2,8 +2,9 @@
 
 `make test` runs the tests marked `parallel` first, two at a time (pytest-xdist, one
 thread each), then everything else one at a time. A folder whose tests run in this
-process only, compute-bound, with no timing and no other process, marks them all
-`parallel` from its conftest.py (`run_in_parallel`); the others (servers, deployments,
+process only, compute-bound, with no timing and no server (a short git or python
+subprocess is fine), marks them all `parallel` from its conftest.py
+(`run_in_parallel`); the others (servers, deployments,
 deadlines, machine-wide checks such as /dev/shm and network namespaces, which
 concurrency would disturb) mark nothing. Tests that start processes on a GPU
 (`gpu_servers`) stay out of the parallel phase wherever they live."""
