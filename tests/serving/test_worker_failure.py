@@ -39,7 +39,12 @@ def test_a_worker_whose_engine_fails_turns_not_serving_and_exits_1(tmp_path):
             if service.engine is not None and service.engine.is_alive and service.address != settings.listen:
                 break
             await asyncio.sleep(0.05)
-        statuses = [await health(service.address)]
+        # Loaded, then SERVING: the worker turns SERVING a moment after its engine is up.
+        for _ in range(600):
+            if (status := await health(service.address)) == health_pb2.HealthCheckResponse.SERVING:
+                break
+            await asyncio.sleep(0.05)
+        statuses = [status]
 
         def fail_every_step() -> None:
             raise RuntimeError("injected step failure")
