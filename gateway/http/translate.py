@@ -101,16 +101,17 @@ def check_supported(body: api.CompletionRequest | api.ChatCompletionRequest) -> 
 
 
 # SamplingParams' fields that an OpenAI body (protocol.py) carries under their own names;
-# the others are read apart (max_tokens and logprobs have other names in a chat body).
+# the others are read apart (max_tokens and logprobs have other names in a chat body). A
+# stop string alone, as OpenAI allows, SamplingParams takes as it takes a list.
 _PARAMS_BY_NAME = tuple(f.name for f in fields(SamplingParams)
-                        if f.name not in ("max_tokens", "logprobs", "stop", "structured_output"))
+                        if f.name not in ("max_tokens", "logprobs", "structured_output"))
 
 
 def sampling(body: api.CompletionRequest | api.ChatCompletionRequest, max_tokens: int | None,
              logprobs: int | None) -> SamplingParams:
     """The request's SamplingParams; a bad value names its field."""
     chosen = {name: getattr(body, name) for name in _PARAMS_BY_NAME}
-    chosen.update(max_tokens=max_tokens, logprobs=logprobs, stop=[body.stop] if isinstance(body.stop, str) else body.stop)
+    chosen.update(max_tokens=max_tokens, logprobs=logprobs)
     try:
         return SamplingParams(**{k: v for k, v in chosen.items() if v is not None},
                               structured_output=structured_output(body))

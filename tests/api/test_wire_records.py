@@ -81,3 +81,12 @@ def test_an_engine_refusal_of_any_sampling_param_names_its_wire_field():
     for name in [f.name for f in fields(SamplingParams)] + ["regex", "json_schema"]:
         assert convert.work_request_field(f"sampling_params.{name}") == f"request.sampling.{name}"
     assert convert.work_request_field("sampling_params.logit_bias", 7) == "request.sampling.logit_bias[7]"
+
+
+def test_an_http_body_stop_string_alone_is_a_list_of_one():
+    """OpenAI's `stop` is a string or a list: both are read by name into SamplingParams."""
+    from gateway.http import translate
+
+    for stop in ("END", ["END"]):
+        body = api.CompletionRequest(prompt="hi", stop=stop, max_tokens=3)
+        assert translate.sampling(body, 3, None).stop == ("END",)
