@@ -63,7 +63,8 @@ def native_arch() -> str:
 
 
 # The Triton kernel modules: their @triton.jit decorators read TRITON_INTERPRET at import.
-_TRITON_KERNEL_MODULES = ("engine.kernels.triton_lang", "engine.kernels.triton_attention", "engine.kernels.triton_ops")
+_TRITON_KERNEL_MODULES = ("engine.kernels.triton_lang", "engine.kernels.triton_attention", "engine.kernels.triton_ops",
+                          "engine.kernels.triton_fp8", "engine.kernels.triton_moe")
 
 
 def use_triton_interpreter() -> None:
