@@ -53,7 +53,7 @@ def make_checkpoint(directory: str) -> None:
     from transformers import AutoConfig
 
     from engine.model.checkpoint import INDEX_FILE, placements
-    from engine.model.llama import ModelArch
+    from engine.model.arch import ModelArch
 
     if os.path.isfile(os.path.join(directory, INDEX_FILE)):
         return

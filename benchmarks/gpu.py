@@ -241,7 +241,7 @@ def section_attention(run: BenchRun) -> dict:
 
     from engine.dummy_models import dummy_model
     from engine.kv.cache import KVLayout
-    from engine.model.llama import ModelArch
+    from engine.model.arch import ModelArch
 
     run.release_decode_llm()
     copy_gb_per_s = run.copy_bandwidth()

@@ -101,7 +101,7 @@ def decode_weight_bytes(arch, dtype: torch.dtype) -> int:
     """Weight bytes one decode step streams: every parameter except the embedding table,
     of which a step gathers only its batch's rows; a tied embedding is read whole as the
     LM head. Counted from the architecture, so CPU-packed copies do not change it."""
-    from engine.model.llama import parameter_shapes
+    from engine.model.arch import parameter_shapes
 
     element_size = torch.empty((), dtype=dtype).element_size()
     shapes = parameter_shapes(arch)

@@ -40,7 +40,7 @@ def measure_transfer(model: str, device: str, dtype: str, num_blocks: int, repea
     from transformers import AutoConfig
 
     from engine.dummy_models import dummy_model
-    from engine.model.llama import ModelArch
+    from engine.model.arch import ModelArch
     from kvtransfer.bench import describe, measure
 
     spec = dummy_model(model)

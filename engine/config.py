@@ -244,6 +244,10 @@ class SpeculativeConfig:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 0 < min <= max")
 
 
+# What `quantization` takes (engine/model/quantization.py).
+QUANTIZATION_CHOICES = ("fp8",)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from."""
@@ -252,6 +256,8 @@ class EngineConfig:
     revision: str | None = None  # of a hub id: a branch, tag or commit (None: main)
     tokenizer: str | None = None  # where the tokenizer is, when not with the model
     served_model_name: str | None = None  # the name clients see (None: `model`)
+    # "fp8": a 16-bit checkpoint's linear weights quantized at load (an FP8 checkpoint is by itself).
+    quantization: str | None = None
     device: str = DEFAULT_DEVICE  # "cpu", "cuda" or "cuda:N"
     dtype: str | torch.dtype = "auto"  # a torch.dtype once constructed ("auto": DEFAULT_DTYPES)
     max_model_len: int | None = None
@@ -273,6 +279,9 @@ class EngineConfig:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"unknown quantization {self.quantization!r}; available: "
+                             + ", ".join(QUANTIZATION_CHOICES))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "

@@ -56,7 +56,7 @@ class LLMEngine:
         if loaded is None:
             loaded = load_model(config.model, config.dtype, config.max_model_len, config.attention_backend,
                                 self.device, config.seed, revision=config.revision, tokenizer=config.tokenizer,
-                                served_model_name=config.served_model_name)
+                                served_model_name=config.served_model_name, quantization=config.quantization)
         self.model_name, self.model_load, self.tokenizer = loaded.name, loaded.load, loaded.tokenizer
         self.eos_token_ids, self.max_model_len = loaded.eos_token_ids, loaded.max_model_len
         arch = loaded.arch

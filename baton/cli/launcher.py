@@ -31,16 +31,18 @@ from baton.runtime.settings import (
     DEFAULT_HTTP_PORT,
     DEVICE_CHOICES,
     DEVICE_HELP,
+    DRAFT_MODEL_HELP,
     DTYPE_CHOICES,
     DTYPE_HELP,
     GPU_MEMORY_UTILIZATION_HELP,
     KV_CACHE_MEMORY_SHOWN,
+    KV_OFFLOAD_MEMORY_HELP,
     LOG_FORMAT_HELP,
     LOG_LEVELS,
     MODEL_HELP,
-    DRAFT_MODEL_HELP,
-    KV_OFFLOAD_MEMORY_HELP,
     NUM_SPECULATIVE_TOKENS_HELP,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_HELP,
     REVISION_HELP,
     SPECULATIVE_CHOICES,
     SPECULATIVE_HELP,
@@ -58,7 +60,13 @@ from baton.runtime.settings import (
     setting,
 )
 from baton.runtime.values import format_size, parse_list
-from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SpeculativeConfig, device_type
+from engine.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    SpeculativeConfig,
+    device_type,
+)
 from kvtransfer.endpoint import IPC
 
 STARTUP_TIMEOUT_S = 900.0
@@ -74,6 +82,7 @@ class UpSettings:
     tokenizer: str | None = setting(None, TOKENIZER_HELP, shown="--model's")
     device: str = setting(default_of(EngineConfig, "device"), DEVICE_HELP, choices=DEVICE_CHOICES)
     dtype: str = setting(default_of(EngineConfig, "dtype"), DTYPE_HELP, choices=DTYPE_CHOICES)
+    quantization: str | None = setting(None, QUANTIZATION_HELP, choices=QUANTIZATION_CHOICES, shown="the checkpoint's")
     gpu_memory_utilization: float = setting(default_of(CacheConfig, "gpu_memory_utilization"),
                                             GPU_MEMORY_UTILIZATION_HELP)
     port: int = setting(int(DEFAULT_GATEWAY_ADDRESS.rsplit(":", 1)[1]), "gateway port")
@@ -189,7 +198,7 @@ class UpSettings:
 
 def up_command(args: argparse.Namespace) -> int:
     settings = from_args(UpSettings, args)
-    check_model(settings.model, settings.revision, settings.tokenizer)
+    check_model(settings.model, settings.revision, settings.tokenizer, quantization=settings.quantization)
     configure_logging(settings.log_level, settings.log_format)
     return up(settings)
 
@@ -243,6 +252,8 @@ def role_args(settings: UpSettings) -> RoleArgs:
         if getattr(settings, name) is not None:
             model += ["--" + name.replace("_", "-"), getattr(settings, name)]
     worker += model
+    if settings.quantization is not None:  # the workers' alone: the gateway reads no weight
+        worker += ["--quantization", settings.quantization]
     gateway = [*logs, *tls, *model]
     if settings.metrics_port is not None:  # 0: a free port chosen here, so the banner can name it
         gateway += ["--metrics-port", str(settings.metrics_port or free_port())]

@@ -93,7 +93,8 @@ def _serve_role(args: argparse.Namespace) -> int:
     from baton.runtime.logs import configure_logging
 
     settings = from_args(ROLES[args.command], args)
-    check_model(settings.model, settings.revision, settings.tokenizer, weights=args.command != "gateway")
+    check_model(settings.model, settings.revision, settings.tokenizer, weights=args.command != "gateway",
+                quantization=getattr(settings, "quantization", None))
     configure_logging(settings.log_level, settings.log_format)
     if args.command == "gateway":
         from gateway.server import serve

@@ -47,15 +47,21 @@ from baton.runtime.settings_base import (
     parser_of,
     setting,
 )
-from baton.runtime.values import format_cpu_list, format_size, parse_cpu_list, parse_port_range
+from baton.runtime.values import (
+    format_cpu_list,
+    format_size,
+    parse_cpu_list,
+    parse_port_range,
+)
 from engine.config import (
     ATTENTION_BACKENDS,
     DEFAULT_MODEL,
     DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+    SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
     PreemptionMode,
-    SPECULATIVE_METHODS,
     SchedulerConfig,
     SpeculativeConfig,
     engine_config,
@@ -73,6 +79,8 @@ MODEL_HELP = (f"model: {DEFAULT_MODEL!r}, a Hugging Face model directory, a .ggu
               "dummy:llama-3.1-8b, ...)")
 REVISION_HELP = "of a hub id --model: a branch, tag or commit in the local Hugging Face cache (not --tokenizer's)"
 TOKENIZER_HELP = "the tokenizer's own directory or hub id, when it is not --model's"
+QUANTIZATION_HELP = ("fp8: quantize a 16-bit checkpoint's linear weights at load (per channel, activations per "
+                     "token); an FP8 checkpoint is served as FP8 without it")
 # The fixed sets some settings take (`setting(choices=...)`), as the engine, kvtransfer
 # and logging accept them; `baton up` takes the same.
 DEVICE_CHOICES = ("cpu", "cuda", "cuda:N")
@@ -193,6 +201,7 @@ class WorkerSettings:
                                             shown="--model")
     device: str = setting(default_of(EngineConfig, "device"), DEVICE_HELP, choices=DEVICE_CHOICES)
     dtype: str = setting(default_of(EngineConfig, "dtype"), DTYPE_HELP, choices=DTYPE_CHOICES)
+    quantization: str | None = setting(None, QUANTIZATION_HELP, choices=QUANTIZATION_CHOICES, shown="the checkpoint's")
     max_model_len: int | None = setting(None, "cap on prompt + output tokens", shown="the model's")
     block_size: int = setting(default_of(CacheConfig, "block_size"), "tokens per KV block")
     num_kv_blocks: int | None = setting(None, "KV blocks", shown="from --kv-cache-memory")
@@ -285,6 +294,7 @@ class WorkerSettings:
         object.__setattr__(self, "engine", engine_config(
             self.model,
             revision=self.revision, tokenizer=self.tokenizer, served_model_name=self.served_model_name,
+            quantization=self.quantization,
             device=self.device, dtype=self.dtype, max_model_len=self.max_model_len, block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
             # An explicit block count sizes the pool by itself.

@@ -1,6 +1,7 @@
 """Llama-family model over a paged KV cache, and its loader (transformers imported on demand)."""
 
-from engine.model.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, ModelArch
+from engine.model.arch import SUPPORTED_MODEL_TYPES, ModelArch
+from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import LoadedModel, load_from_hf_model, load_model
 
 __all__ = [

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.dummy_models import DUMMY_PREFIX, dummy_model
-from engine.model.llama import ModelArch, parameter_shapes
+from engine.model.arch import ModelArch, parameter_shapes
 from engine.outputs import LoadReport
 
 # Standard deviation of the random weights (transformers' usual initializer range).

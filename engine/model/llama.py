@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""The decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, and the mixtures of experts
+Qwen3-MoE, Mixtral and Qwen2-MoE: engine/model/arch.py) over a paged KV cache.
 
 Numerically this follows transformers' eager modules op for op (RMSNorm in
 float32, RoPE tables computed in float32 then cast), so float64 logits match
@@ -16,123 +17,15 @@ Parameters are created on the meta device: the loader assigns every weight
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.model.arch import ModelArch
+from engine.model.mlp import DenseMLP, SparseMoE, meta_linear
 from engine.model.ops import TORCH_OPS, ModelOps
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linear_layers
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
-
-
-@dataclass(frozen=True)
-class ModelArch:
-    """Shape and options of a Llama-family model, read from its Hugging Face config."""
-
-    model_type: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias
-    o_proj_bias: bool
-    mlp_bias: bool
-    max_position_embeddings: int
-    sliding_window: int | None = None  # Mistral's window; attention here is always full
-
-    def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(_unsupported_message(self.model_type))
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
-            )
-
-    @classmethod
-    def from_hf_config(cls, config: Any) -> ModelArch:
-        """Read a transformers config; ValueError for anything this model cannot run exactly."""
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(_unsupported_message(model_type))
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only silu")
-        if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
-            raise ValueError("qwen2 with use_sliding_window=True is not supported")
-        rope_parameters = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope_parameters.get("rope_type", "default")
-        if rope_type in _DYNAMIC_ROPE_TYPES:
-            raise ValueError(f"rope_type {rope_type!r} changes with sequence length; not supported")
-
-        num_heads = config.num_attention_heads
-        is_llama = model_type == "llama"
-        return cls(
-            model_type=model_type,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
-            rms_norm_eps=config.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or (is_llama and bool(config.attention_bias)),
-            o_proj_bias=is_llama and bool(config.attention_bias),
-            mlp_bias=is_llama and bool(getattr(config, "mlp_bias", False)),
-            max_position_embeddings=config.max_position_embeddings,
-            sliding_window=getattr(config, "sliding_window", None) if model_type == "mistral" else None,
-        )
-
-
-def parameter_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """Our parameter names (see LlamaForCausalLM) and their shapes."""
-    hidden, inter, head_dim = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed_tokens.weight": (arch.vocab_size, hidden),
-        "norm.weight": (hidden,),
-    }
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, hidden)
-    for i in range(arch.num_layers):
-        prefix = f"layers.{i}."
-        shapes[prefix + "input_layernorm.weight"] = (hidden,)
-        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
-        shapes[prefix + "self_attn.qkv_proj.weight"] = (qkv_rows, hidden)
-        shapes[prefix + "self_attn.o_proj.weight"] = (hidden, arch.num_heads * head_dim)
-        shapes[prefix + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
-        shapes[prefix + "mlp.down_proj.weight"] = (hidden, inter)
-        if arch.attention_bias:
-            shapes[prefix + "self_attn.qkv_proj.bias"] = (qkv_rows,)
-        if arch.o_proj_bias:
-            shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
-        if arch.mlp_bias:
-            shapes[prefix + "mlp.gate_up_proj.bias"] = (2 * inter,)
-            shapes[prefix + "mlp.down_proj.bias"] = (hidden,)
-    return shapes
-
-
-def _unsupported_message(model_type: object) -> str:
-    return (
-        f"unsupported model_type {model_type!r}; supported architectures: "
-        + ", ".join(SUPPORTED_MODEL_TYPES)
-    )
-
-
-def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    """An nn.Linear without storage (meta): the loader assigns the real weights."""
-    return nn.Linear(in_features, out_features, bias=bias, device="meta")
 
 
 class RMSNorm(nn.Module):
@@ -214,10 +107,17 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         qkv_size = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        self.qkv_proj = _linear(arch.hidden_size, qkv_size, arch.attention_bias)
-        self.o_proj = _linear(arch.num_heads * arch.head_dim, arch.hidden_size, arch.o_proj_bias)
+        self.qkv_proj = meta_linear(arch.hidden_size, qkv_size, arch.attention_bias)
+        self.o_proj = meta_linear(arch.num_heads * arch.head_dim, arch.hidden_size, arch.o_proj_bias)
         self.scale = arch.head_dim**-0.5
         self.backend = backend
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
+
+    @staticmethod
+    def _norm_heads(norm: RMSNorm, heads: torch.Tensor) -> torch.Tensor:  # [N, heads, Dh]
+        num_tokens, num_heads, head_dim = heads.shape
+        return norm(heads.reshape(num_tokens * num_heads, head_dim)).view(num_tokens, num_heads, head_dim)
 
     def forward(
         self,
@@ -230,6 +130,9 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before RoPE
+            qkv[:, :self.num_heads] = self._norm_heads(self.q_norm, qkv[:, :self.num_heads])
+            qkv[:, self.num_heads:num_qk_heads] = self._norm_heads(self.k_norm, qkv[:, self.num_heads:num_qk_heads])
         if self.backend.fuses_rope:
             out = self.backend.forward_rotary(
                 qkv, cos, sin, *kv_cache, attn_metadata, self.num_heads, self.scale
@@ -246,30 +149,19 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch, ops: ModelOps = TORCH_OPS) -> None:
-        super().__init__()
-        self.ops = ops
-        self.gate_up_proj = _linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
-        self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        if self.ops.silu_and_mul is not None:
-            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)  # [N, I] each
-        return self.down_proj(F.silu(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
     """One block. The residual stream is carried beside the hidden states, so each
     norm adds the sublayer's output to it in the same pass (`RMSNorm(x, residual)`)."""
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, ops: ModelOps = TORCH_OPS) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, ops: ModelOps = TORCH_OPS, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.self_attn = LlamaAttention(arch, backend, ops)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = LlamaMLP(arch, ops)
+        self.mlp: nn.Module = (
+            SparseMoE(arch, ops) if arch.is_sparse(layer)
+            else DenseMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
+        )
 
     def forward(
         self, hidden, residual: torch.Tensor | None, cos, sin, kv_cache, attn_metadata
@@ -309,11 +201,11 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, device="meta")
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, attention_backend, ops) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, attention_backend, ops, i) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.lm_head = (
-            None if arch.tie_word_embeddings else _linear(arch.hidden_size, arch.vocab_size, False)
+            None if arch.tie_word_embeddings else meta_linear(arch.hidden_size, arch.vocab_size, False)
         )
 
     @torch.no_grad()

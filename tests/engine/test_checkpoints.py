@@ -16,8 +16,13 @@ import torch
 from baton.cli.local import REPO_ROOT
 from engine import LLM, SamplingParams
 from engine.dummy_models import DummyModel
-from engine.model.checkpoint import INDEX_FILE, CheckpointError, inspect_checkpoint, load_checkpoint
-from engine.model.llama import ModelArch
+from engine.model.arch import ModelArch
+from engine.model.checkpoint import (
+    INDEX_FILE,
+    CheckpointError,
+    inspect_checkpoint,
+    load_checkpoint,
+)
 from engine.model.loader import _state_dict_from_hf, read_config
 from engine.tokenizer import dummy_tokenizer, resolve_source
 from tests.support.tiny_models import hf_greedy, make_tiny_model
@@ -95,12 +100,23 @@ CHECKPOINTS = [  # arch, tied, shards
     ("llama", False, 3),
     ("qwen2", True, 3),  # q/k/v biases
     ("mistral", False, 1),
+    ("qwen3", False, 1),  # q_norm, k_norm
+    ("qwen3_moe", False, 3),  # per-expert tensors into stacked parameters, across shards
+    ("mixtral", True, 1),  # block_sparse_moe.experts.N.w1/w2/w3
+    ("qwen2_moe", False, 3),  # a shared expert and its gate
 ]
+# What each architecture's tiny model needs beyond make_tiny_model's defaults.
+EXTRA = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                  "shared_expert_intermediate_size": 40},
+}
 
 
 @pytest.mark.parametrize("arch, tied, shards", CHECKPOINTS)
 def test_safetensors_load_equals_transformers_bit_for_bit(tmp_path, arch, tied, shards):
-    model, _ = make_tiny_model(tmp_path / "made", arch, 4, 2, 16, tied, dtype=torch.float32)
+    model, _ = make_tiny_model(tmp_path / "made", arch, 4, 2, 16, tied, dtype=torch.float32, **EXTRA.get(arch, {}))
     directory = save_checkpoint(model, tmp_path / "ckpt", shards)
     source = resolve_source(directory)
     _, model_arch = read_config(source)
@@ -118,7 +134,7 @@ def test_safetensors_load_equals_transformers_bit_for_bit(tmp_path, arch, tied, 
 
 @pytest.mark.parametrize("arch, tied, shards", CHECKPOINTS)
 def test_greedy_parity_by_path_and_by_hub_id(tmp_path, hub_cache, arch, tied, shards):
-    model, _ = make_tiny_model(tmp_path / "made", arch, 4, 2, 16, tied, dtype=torch.float64)
+    model, _ = make_tiny_model(tmp_path / "made", arch, 4, 2, 16, tied, dtype=torch.float64, **EXTRA.get(arch, {}))
     snapshot = cache_snapshot(hub_cache, f"acme/tiny-{arch}")
     prompt = [5, 9, 17, 33, 60, 7, 101]
     expected = hf_greedy(model, prompt, 10)
@@ -233,7 +249,7 @@ def test_the_gateway_needs_only_the_tokenizer(tmp_path, hub_cache, capsys):
     capsys.readouterr()
     assert main(["decode-worker", "--model", directory]) == 2
     error = capsys.readouterr().err.strip()
-    assert "gptq-quantized" in error and "config.json" in error and len(error.splitlines()) == 1
+    assert "quant_method 'gptq'" in error and "config.json" in error and len(error.splitlines()) == 1
     tokenizer_dir = tmp_path / "tokenizer"
     dummy_tokenizer(DummyModel("llama", {"vocab_size": 300, "eos_token_id": 2})).save_pretrained(tokenizer_dir)
     check_model("acme/not-here", tokenizer=str(tokenizer_dir), weights=False)  # no model files needed

@@ -12,7 +12,11 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from engine.attention import SequenceSpan, build_attention_batch
@@ -58,6 +62,19 @@ CONFIGS = {
     "mistral-gqa-hd32-untied": MistralConfig(
         **COMMON, num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=None
     ),
+    "qwen3-gqa-hd32-bias": Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                       attention_bias=True),
+    **{
+        f"qwen3-moe-top3-norm-{norm}": Qwen3MoeConfig(
+            **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+            num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=norm, mlp_only_layers=[0])
+        for norm in (True, False)
+    },
+    "mixtral-top2-untied": MixtralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                         num_experts_per_tok=2, sliding_window=None),
+    "qwen2-moe-shared-expert": Qwen2MoeConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, num_experts=6,
+                                              num_experts_per_tok=2, moe_intermediate_size=24,
+                                              shared_expert_intermediate_size=40, tie_word_embeddings=True),
 }
 
 
@@ -73,7 +90,9 @@ def randomize(hf_model: torch.nn.Module, seed: int) -> None:
 def models(request, tmp_path_factory) -> tuple[LoadedModel, torch.nn.Module]:
     """(our model loaded from a saved directory in float64, the HF reference in float64)."""
     torch.manual_seed(0)
-    hf_model = AutoModelForCausalLM.from_config(CONFIGS[request.param], attn_implementation="sdpa")
+    # transformers' eager experts loop: its grouped_mm has no float64.
+    hf_model = AutoModelForCausalLM.from_config(CONFIGS[request.param], attn_implementation="sdpa",
+                                                experts_implementation="eager")
     randomize(hf_model, seed=len(request.param))
     directory = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(directory)

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.request import RequestStatus
-from tests.support.tiny_models import hf_greedy, make_tiny_model
+from tests.support.tiny_models import hf_greedy, make_tiny_model, tiny_configs_2026
 
 # (architecture, num_heads, num_kv_heads, head_dim, tied, extra config)
 TINY_CONFIGS = {
@@ -38,6 +38,7 @@ TINY_CONFIGS = {
     ),
     "qwen2-gqa-hd32-qkv-bias": ("qwen2", 4, 2, 32, True, {}),
     "mistral-gqa-hd16": ("mistral", 4, 2, 16, False, {"sliding_window": None}),
+    **{name: config for name, config in tiny_configs_2026().items()},
 }
 
 

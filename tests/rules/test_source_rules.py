@@ -447,6 +447,7 @@ NOT_DEAD = {
     "owned_by": "an OpenAI response field, serialized for the client",
     "capture_signals": "a uvicorn.Server method, overridden (gateway/http/server.py)",
     "should_exit": "uvicorn.Server's flag, read by its main loop",
+    "extra_repr": "an nn.Module hook, read by its repr",
 }
 
 

@@ -23,8 +23,8 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig, engine_config
 from engine.dummy_models import DUMMY_MODELS, dummy_model
 from engine.model.dummy import random_state_dict
-from engine.model.llama import parameter_shapes
-from engine.model.llama import ModelArch
+from engine.model.arch import parameter_shapes
+from engine.model.arch import ModelArch
 from engine.model.ops import select_ops
 from engine.tokenizer import load_tokenizer
 

@@ -8,6 +8,24 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 
+def tiny_configs_2026() -> dict[str, tuple[str, int, int, int, bool, dict]]:
+    """Qwen3 and the mixtures of experts, as (architecture, heads, kv heads, head_dim,
+    tied, extra config): each MoE with more experts than it routes to, so a short
+    prompt leaves some experts without a token, and qwen3_moe with a dense layer among
+    its sparse ones (mlp_only_layers)."""
+    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    return {
+        "qwen3-gqa-hd32-qk-norm": ("qwen3", 4, 2, 32, True, {}),
+        "qwen3-moe-norm-topk": ("qwen3_moe", 4, 2, 16, False, {**moe, "norm_topk_prob": True}),
+        "qwen3-moe-no-norm-topk-dense-layer": (
+            "qwen3_moe", 4, 2, 16, True, {**moe, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                                          "mlp_only_layers": [1]}),
+        "mixtral-top2": ("mixtral", 4, 2, 16, False, {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                      "sliding_window": None}),
+        "qwen2-moe-shared-expert": ("qwen2_moe", 4, 2, 16, True, {**moe, "shared_expert_intermediate_size": 48}),
+    }
+
+
 def make_tiny_model(
     directory: Path,
     arch: str = "llama",
@@ -24,10 +42,10 @@ def make_tiny_model(
     **extra,
 ) -> tuple[PreTrainedModel, str]:
     """A random `arch` model saved to `directory`; returns it (eval, `dtype`) and the path."""
+    extra.setdefault("intermediate_size", 2 * hidden_size)
     config = AutoConfig.for_model(
         arch,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -41,7 +59,9 @@ def make_tiny_model(
         **extra,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    # transformers' eager experts loop is the reference (its grouped_mm has no float64).
+    moe = {"experts_implementation": "eager"} if "expert" in str(config.to_dict()) else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **moe).eval()
     # Random init is small; widen the weights so logits are not near-ties.
     with torch.no_grad():
         for param in model.parameters():

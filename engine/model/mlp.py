@@ -1,0 +1,153 @@
+"""The decoder's MLPs: a dense SwiGLU, and a mixture of SwiGLU experts behind a router.
+
+`SparseMoE` follows transformers' Qwen3-MoE / Mixtral / Qwen2-MoE blocks op for op:
+the router's logits in the model's dtype, softmax in float32, the top k, optionally
+renormalized, then each token's experts summed with their routing weights. The
+experts' weights are stacked, one parameter per projection per layer
+(`gate_up_proj` [E, 2I, H], gate rows then up rows; `down_proj` [E, H, I]), so the
+loader writes each checkpoint expert into its slice and the GPU kernel reads them
+all as one tensor.
+
+Two paths compute the same sum:
+- CPU (and float64): grouped. The (token, slot) pairs are sorted by expert; each
+  expert with tokens runs one matmul per projection over its gathered rows, and its
+  outputs, times their routing weights, are added into their tokens' rows in
+  ascending expert order, as transformers adds them: exact against it up to the
+  matmuls' summation order.
+- CUDA: one fused-MoE Triton kernel per projection (engine/kernels/triton_moe.py):
+  the pairs sorted into block-padded groups on the device, one grouped GEMM over all
+  experts, the routing weights folded into the down projection's output. Nothing
+  reads back to the host, so a MoE decode step captures in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.arch import ModelArch, MoEArch
+from engine.model.ops import TORCH_OPS, ModelOps
+
+
+def meta_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    """An nn.Linear without storage (meta): the loader assigns the real weights."""
+    return nn.Linear(in_features, out_features, bias=bias, device="meta")
+
+
+def _meta_parameter(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+
+
+class DenseMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up as one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, ops: ModelOps = TORCH_OPS) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = meta_linear(hidden_size, 2 * intermediate_size, bias)
+        self.down_proj = meta_linear(intermediate_size, hidden_size, bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden), self.ops))
+
+
+def silu_and_mul(gate_up: torch.Tensor, ops: ModelOps = TORCH_OPS) -> torch.Tensor:
+    """[N, 2I] (gate, then up) -> silu(gate) * up [N, I]."""
+    if ops.silu_and_mul is not None:
+        return ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Experts(nn.Module):
+    """The stacked weights of a layer's experts (the loader assigns them)."""
+
+    def __init__(self, moe: MoEArch, hidden_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = _meta_parameter(moe.num_experts, 2 * moe.intermediate_size, hidden_size)
+        self.down_proj = _meta_parameter(moe.num_experts, hidden_size, moe.intermediate_size)
+        # FP8 experts (CUDA): each weight's scales, per channel [E, N] or per block [E, N / bn, K / bk].
+        self.register_buffer("gate_up_scale", None, persistent=False)
+        self.register_buffer("down_scale", None, persistent=False)
+        self.block_size: tuple[int, int] | None = None
+
+    def quantize_fp8(self, block_size: tuple[int, int] | None) -> None:
+        """Make the experts' weights FP8, per channel or per `block_size` block, one
+        expert at a time (engine/model/quantization.py's quantize_model)."""
+        from engine.model.fp8 import quantize_fp8
+
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, name)
+            pairs = [quantize_fp8(weight[e], "channel" if block_size is None else "block", block_size or (128, 128))
+                     for e in range(weight.shape[0])]
+            setattr(self, name, nn.Parameter(torch.stack([w for w, _ in pairs]), requires_grad=False))
+            setattr(self, name.replace("_proj", "_scale"), torch.stack([s for _, s in pairs]))
+            del weight, pairs
+        self.block_size = block_size
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (see the module docstring), with Qwen2-MoE's gated
+    shared expert where the architecture has one."""
+
+    def __init__(self, arch: ModelArch, ops: ModelOps = TORCH_OPS) -> None:
+        super().__init__()
+        moe = arch.moe
+        assert moe is not None
+        self.moe = moe
+        self.ops = ops
+        self.router = meta_linear(arch.hidden_size, moe.num_experts, False)
+        self.experts = Experts(moe, arch.hidden_size)
+        self.shared_expert: DenseMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = DenseMLP(arch.hidden_size, moe.shared_intermediate_size, ops=ops)
+            self.shared_expert_gate = meta_linear(arch.hidden_size, 1, False)
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts [N, k] (int64) and their weights [N, k]."""
+        logits = self.router(hidden)  # [N, E] in the model's dtype
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.moe.float32_weights:
+            weights = weights.to(hidden.dtype)
+        return expert_ids, weights
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden]
+        expert_ids, weights = self.route(hidden)
+        if hidden.is_cuda:
+            from engine.kernels.triton_moe import fused_moe
+
+            experts = self.experts
+            out = fused_moe(hidden, experts.gate_up_proj, experts.down_proj, weights, expert_ids,
+                            w13_scale=experts.gate_up_scale, w2_scale=experts.down_scale,
+                            block_shape=experts.block_size)
+        else:
+            out = self.grouped(hidden, expert_ids, weights)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out
+
+    def grouped(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The CPU path: one matmul per projection per expert that has tokens."""
+        top_k = self.moe.top_k
+        flat_ids = expert_ids.flatten()  # [N * k], slot s is token s // k
+        order = torch.argsort(flat_ids, stable=True)  # the slots, grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.moe.num_experts).tolist()
+        flat_weights = weights.flatten()
+        out = torch.zeros_like(hidden)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            slots = order[start:start + count]
+            start += count
+            tokens = slots // top_k
+            hidden_e = silu_and_mul(F.linear(hidden[tokens], gate_up[expert]), self.ops)
+            out_e = F.linear(hidden_e, down[expert]) * flat_weights[slots, None]
+            out.index_add_(0, tokens, out_e.to(out.dtype))
+        return out
