@@ -132,22 +132,28 @@ class SparseMoE(nn.Module):
         return out
 
     def grouped(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The CPU path: one matmul per projection per expert that has tokens."""
-        top_k = self.moe.top_k
+        """The CPU path: the slots sorted by expert and gathered once, one matmul per
+        projection per expert that has tokens (each into its rows of one buffer), the
+        activation and the routing weights over all slots at once, then every slot's
+        output added into its token's row in sorted (ascending expert) order."""
         flat_ids = expert_ids.flatten()  # [N * k], slot s is token s // k
         order = torch.argsort(flat_ids, stable=True)  # the slots, grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.moe.num_experts).tolist()
-        flat_weights = weights.flatten()
-        out = torch.zeros_like(hidden)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        tokens = order // self.moe.top_k
+        rows = hidden.index_select(0, tokens)  # [S, hidden], grouped by expert
+        gate_up = self._per_expert(rows, self.experts.gate_up_proj, counts)  # [S, 2I]
+        down = self._per_expert(silu_and_mul(gate_up, self.ops), self.experts.down_proj, counts)  # [S, hidden]
+        down = down * weights.flatten().index_select(0, order)[:, None]  # float32 for Mixtral's weights
+        return torch.zeros_like(hidden).index_add_(0, tokens, down.to(hidden.dtype))
+
+    @staticmethod
+    def _per_expert(rows: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [S, K] (grouped by expert, `counts` of each) times each group's expert's
+        weight [E, N, K], transposed: [S, N]."""
+        out = rows.new_empty(rows.shape[0], weight.shape[1])
         start = 0
         for expert, count in enumerate(counts):
-            if not count:
-                continue
-            slots = order[start:start + count]
-            start += count
-            tokens = slots // top_k
-            hidden_e = silu_and_mul(F.linear(hidden[tokens], gate_up[expert]), self.ops)
-            out_e = F.linear(hidden_e, down[expert]) * flat_weights[slots, None]
-            out.index_add_(0, tokens, out_e.to(out.dtype))
+            if count:
+                torch.mm(rows[start:start + count], weight[expert].t(), out=out[start:start + count])
+                start += count
         return out

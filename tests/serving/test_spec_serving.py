@@ -1,4 +1,4 @@
-"""Speculative decoding over real processes: decode workers started with `--speculative
+"""Speculative decoding over real processes, on a mixture-of-experts model: decode workers started with `--speculative
 ngram` (or `draft`, with a draft model), disaggregated (every prompt prefilled by the prefill worker and handed off) and
 colocated. Greedy streams equal transformers' greedy tokens, seeded ones the tokens an
 engine without speculation samples; and with a decode worker killed (-9) mid-stream, the
@@ -17,7 +17,7 @@ from baton.wire.v1 import generation_pb2 as pb
 from benchmarks.chaos import Streams
 from engine import LLM, SamplingParams
 from tests.serving.test_chaos import GATEWAY_ARGS, WORKER_ARGS, DecodeKill
-from tests.support.tiny_models import hf_greedy, make_tiny_model
+from tests.support.tiny_models import hf_greedy, make_tiny_model, tiny_configs_2026
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,7 +28,11 @@ SPEC_ARGS = ["--speculative", "ngram", "--num-speculative-tokens", "4"]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("spec-model"), "llama", 4, 2, 16, True, dtype=torch.float64)
+    """A mixture of experts (Qwen3-MoE: q/k norms, 8 experts, top-3): speculation's
+    multi-token steps route each proposed token to its own experts."""
+    arch, heads, kv_heads, head_dim, tied, extra = tiny_configs_2026()["qwen3-moe-no-norm-topk-dense-layer"]
+    return make_tiny_model(tmp_path_factory.mktemp("spec-model"), arch, heads, kv_heads, head_dim, tied,
+                           dtype=torch.float64, **extra)
 
 
 def prompts() -> list[list[int]]:
