@@ -98,7 +98,8 @@ test-gpu:
 	status=0; \
 	$(GPU_PYTEST) -m "gpu and not gpu_servers" $(GPU_TEST_FILES) $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
 	$(GPU_PYTEST) -m gpu_servers $(GPU_TEST_FILES) $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
-	$(GPU_PYTEST) tests/kernels/test_triton_kernels.py tests/engine/test_triton_engine.py tests/engine/test_decode_graphs.py \
+	$(GPU_PYTEST) tests/kernels/test_triton_kernels.py tests/kernels/test_triton_moe.py tests/kernels/test_triton_fp8.py \
+		tests/engine/test_triton_engine.py tests/engine/test_decode_graphs.py \
 		tests/engine/test_overlap.py $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
 	$(GPU_PYTEST) tests/kernels/test_attention.py -k triton $(PYTEST_ARGS) || $(GPU_PHASE_FAILED); \
 	exit $$status
@@ -117,9 +118,10 @@ gpu-check: $(if $(filter cpu,$(DEVICE)),kernels)
 		--budget-s $(BUDGET_S) --out $(OUT)
 
 # What the lent GPU machine lacks beyond ../shared/gpu/prepare.sh's wheels: the HTTP front end
-# (FastAPI, uvicorn), llguidance, the test clients (openai, httpx2, jsonschema) and tqdm, as Python 3.12 wheels at this
+# (FastAPI, uvicorn), llguidance, compressed-tensors (FP8 checkpoints; with loguru and psutil), the test clients
+# (openai, httpx2, jsonschema) and tqdm, as Python 3.12 wheels at this
 # venv's versions, into .gpu/wheels (which .gpu/env.sh installs there). Run once here after prepare.sh.
-GPU_EXTRA_WHEELS ?= fastapi uvicorn pydantic openai httpx2 tqdm llguidance jsonschema
+GPU_EXTRA_WHEELS ?= fastapi uvicorn pydantic openai httpx2 tqdm llguidance jsonschema compressed-tensors loguru psutil
 gpu-wheels: setup
 	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \

@@ -16,6 +16,9 @@ short keeps what finished; a section that fails is recorded and the rest still r
              hf-continuous on a ShareGPT-like and on the mixed workload (benchmarks/workload.py)
   handoff    the KV handoff on one GPU (benchmarks/gpu_handoff.py): ipc between two processes
              against a same-process copy, and serving disaggregated on the GPU against colocated
+  models     a mixture of experts (dummy:qwen3-30b-a3b) and FP8 weights (dummy:llama-3.1-8b,
+             quantization fp8), one engine each (benchmarks/gpu_models.py): decode at batch 1 and
+             64 against the floor of the bytes a step reads, offline throughput of 64 requests
 
 Targets are printed PASS/FAIL and recorded in gpu.json, never asserted: the exit code
 is 0 unless a section raised. Targets: the roofline point at batch 256 x context 1024
@@ -25,7 +28,9 @@ graphs >= 1.5x faster than eager at batch 1; the GPU idle <= 10% between steady 
 steps at batch 64; baton-continuous >= 3x hf-static and >= 1.5x hf-continuous
 (transformers' generate_batch) on the mixed workload, and >= 2.5x baton-static on each workload;
 KV over ipc at >= 0.8x a same-process copy's speed, checksums equal; disaggregated on one
-GPU at >= 0.85x colocated output tokens/s, with no fallback and no block left held.
+GPU at >= 0.85x colocated output tokens/s, with no fallback and no block left held; the MoE
+model's batch-1 step within 2x the read time of its routed experts' and other weights
+(>= 0.5 of it); the FP8 8B batch-1 step <= 0.6x the bfloat16 one.
 Plots (PNG, matplotlib) go beside gpu.json when matplotlib is installed. An existing
 gpu.json in --out (same model and device) keeps the sections this run does not measure.
 
@@ -58,11 +63,12 @@ from benchmarks.gpu_bandwidth import (
 )
 from benchmarks.gpu_handoff import section_handoff
 from benchmarks.gpu_latency import section_latency
+from benchmarks.gpu_models import section_models
 from benchmarks.gpu_offline import ALL_SYSTEMS, HF_CB_CUDA_GRAPHS, WORKLOADS, release_memory, section_offline
 from benchmarks.gpu_sizes import CHECK, FULL, QUICK, TINY, BenchSizes
 from benchmarks.gpu_targets import Target
 
-SECTIONS = ("bandwidth", "decode", "roofline", "latency", "attention", "offline", "handoff")
+SECTIONS = ("bandwidth", "decode", "roofline", "latency", "attention", "offline", "handoff", "models")
 JSON_NAME = "gpu.json"
 
 
@@ -82,6 +88,7 @@ class BenchRun:
         self._decode_llm = None
         self._decode_points = {}
         self.copy_gb_per_s: float | None = None
+        self.sections_measured: set[str] = set()  # by this run; the payload may keep older ones
 
     def _initial_payload(self) -> dict:
         path = self.out_dir / JSON_NAME
@@ -108,6 +115,7 @@ class BenchRun:
         partial.replace(self.out_dir / JSON_NAME)
 
     def record(self, name: str, section: dict) -> None:
+        self.sections_measured.add(name)
         self.payload["sections"][name] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                           "mode": self.payload["mode"], **section}
         self.write()
@@ -274,7 +282,7 @@ def section_attention(run: BenchRun) -> dict:
 
 SECTION_RUNNERS = {"bandwidth": section_bandwidth, "decode": section_decode, "roofline": section_roofline,
                    "latency": section_latency, "attention": section_attention, "offline": section_offline,
-                   "handoff": section_handoff}
+                   "handoff": section_handoff, "models": section_models}
 
 
 # ----------------------------------------------------------------------------- main

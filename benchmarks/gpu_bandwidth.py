@@ -6,7 +6,9 @@ KV context once, and does little arithmetic per byte, so its floor is
 
     step time >= (weight bytes + KV bytes) / memory bandwidth
 
-and the measured device-to-device copy bandwidth stands in for that bandwidth.
+and the measured device-to-device copy bandwidth stands in for that bandwidth. Of a
+mixture of experts a step reads only the experts its tokens route to, and FP8 weights
+are a byte each (`decode_weight_bytes`).
 Device time comes from CUDA events on a GPU and from `time.perf_counter` on CPU
 (the CPU smoke run).
 """
@@ -97,17 +99,55 @@ def measure_copy_bandwidth(device: torch.device, buffer_bytes: int, iters: int) 
 # ----------------------------------------------------------------------------- decode steps
 
 
-def decode_weight_bytes(arch, dtype: torch.dtype) -> int:
-    """Weight bytes one decode step streams: every parameter except the embedding table,
-    of which a step gathers only its batch's rows; a tied embedding is read whole as the
-    LM head. Counted from the architecture, so CPU-packed copies do not change it."""
+# Stacked expert weights (engine/model/arch.py's names), [E, N, K] each.
+_EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def decode_weight_bytes(arch, dtype: torch.dtype, quantization=None, batch_size: int = 1) -> int:
+    """Weight bytes one decode step of `batch_size` sequences reads: every parameter except
+    the embedding table, of which a step gathers only its batch's rows (a tied embedding is
+    read whole as the LM head); of each sparse layer's experts only those the batch routes
+    to (`expected_active_experts`: exactly top-k at batch 1); and with an FP8
+    `quantization` (engine/model/quantization.py) one byte per FP8 weight plus its float32
+    scales, one per output channel or per block, as a GPU stores them. Counted from the
+    architecture, so CPU-packed copies do not change it (pass no quantization for a CPU,
+    which keeps FP8-rounded weights in `dtype`)."""
     from engine.model.arch import parameter_shapes
+    from engine.model.quantization import is_quantized_weight
 
     element_size = torch.empty((), dtype=dtype).element_size()
     shapes = parameter_shapes(arch)
     if not arch.tie_word_embeddings:
         del shapes["embed_tokens.weight"]
-    return sum(math.prod(shape) for shape in shapes.values()) * element_size
+    active = 0.0 if arch.moe is None else expected_active_experts(arch.moe, batch_size) / arch.moe.num_experts
+    total = 0.0
+    for name, shape in shapes.items():
+        if quantization is not None and is_quantized_weight(name):
+            num_bytes = math.prod(shape) + fp8_scale_count(shape, quantization) * 4
+        else:
+            num_bytes = math.prod(shape) * element_size
+        # Stacked experts [E, N, K]: a step reads the rows of the experts its tokens chose.
+        total += num_bytes * active if name.endswith(_EXPERT_WEIGHTS) else num_bytes
+    return round(total)
+
+
+def expected_active_experts(moe, batch_size: int) -> float:
+    """Distinct experts a layer's `batch_size` tokens route to, expected under uniform
+    routing: each expert is missed by a token with probability 1 - k/E, so
+    E * (1 - (1 - k/E)^b) (k at batch 1, all E as b grows)."""
+    return moe.num_experts * (1.0 - (1.0 - moe.top_k / moe.num_experts) ** batch_size)
+
+
+def fp8_scale_count(shape: tuple[int, ...], quantization) -> int:
+    """float32 scales of an FP8 weight of `shape` ([N, K], or [E, N, K] stacked): one per
+    output channel, or one per (bn, bk) block of each matrix."""
+    *leading, num_rows, num_cols = shape
+    if quantization.layout == "block":
+        block_n, block_k = quantization.block_size
+        per_matrix = -(-num_rows // block_n) * -(-num_cols // block_k)
+    else:
+        per_matrix = num_rows
+    return math.prod(leading) * per_matrix
 
 
 def kv_bytes_per_token(layout) -> int:
@@ -218,7 +258,7 @@ def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, warmu
         num_steps=num_steps,
         step_seconds=statistics.median(seconds),
         mean_context_len=mean_tokens / batch_size,
-        weight_bytes=decode_weight_bytes(engine.runner.model.arch, layout.dtype),
+        weight_bytes=decode_weight_bytes(engine.runner.model.arch, layout.dtype, batch_size=batch_size),
         kv_bytes=mean_tokens * kv_bytes_per_token(layout),
     )
 

@@ -58,7 +58,9 @@ def set_mode(llm, mode: str, static_decode) -> None:
 
 
 def measure_steady_decode(llm, mode: str, batch_size: int, context_len: int, num_steps: int,
-                          warmup_steps: int, seed: int = 0) -> LatencyPoint:
+                          warmup_steps: int, seed: int = 0, quantization=None) -> LatencyPoint:
+    """`num_steps` steady decode steps of `batch_size` sequences in `mode`; `quantization`:
+    the model's FP8 layout on this device, for the weight bytes (gpu_bandwidth.decode_weight_bytes)."""
     engine = llm.engine
     runner = engine.runner
     launched = []
@@ -99,7 +101,7 @@ def measure_steady_decode(llm, mode: str, batch_size: int, context_len: int, num
         ms_per_step=wall / num_steps * 1e3,
         host_ms_per_step=statistics.median(host_seconds) * 1e3,
         gpu_idle_fraction=_idle_fraction(launched),
-        weight_bytes=decode_weight_bytes(runner.model.arch, engine.kv_layout.dtype),
+        weight_bytes=decode_weight_bytes(runner.model.arch, engine.kv_layout.dtype, quantization, batch_size),
     )
 
 

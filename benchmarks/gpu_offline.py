@@ -160,7 +160,6 @@ def _baton_inputs(requests: list[BenchRequest]):
 def run_baton(policy: str, loaded, requests: list[BenchRequest], config: OfflineConfig) -> SystemResult:
     from engine import LLM
 
-    name = f"baton-{policy}"
     llm = LLM(
         config.model,
         loaded_model=loaded,
@@ -174,19 +173,25 @@ def run_baton(policy: str, loaded, requests: list[BenchRequest], config: Offline
         seed=config.seed,
     )
     try:
-        llm.generate(*_baton_inputs(warmup_requests(requests, config.num_warmup_requests)))
-        before = llm.engine.get_metrics(with_queue_times=False)
-        prompts, params = _baton_inputs(requests)
-        synchronize(config.device)
-        start = perf_counter()
-        outs = llm.generate(prompts, params)
-        synchronize(config.device)
-        seconds = perf_counter() - start
-        after = llm.engine.get_metrics(with_queue_times=False)
-        num_blocks = llm.engine.kv_cache.num_blocks
+        return time_generation(llm, f"baton-{policy}", requests, config.num_warmup_requests, config.device)
     finally:
         del llm
         release_memory(config.device)
+
+
+def time_generation(llm, name: str, requests: list[BenchRequest], num_warmup_requests: int,
+                    device: torch.device) -> SystemResult:
+    """`requests` through a ready engine, timed, after an untimed warmup on the first
+    `num_warmup_requests` of them; the engine's steps and preemptions over the timed run."""
+    llm.generate(*_baton_inputs(warmup_requests(requests, num_warmup_requests)))
+    before = llm.engine.get_metrics(with_queue_times=False)
+    prompts, params = _baton_inputs(requests)
+    synchronize(device)
+    start = perf_counter()
+    outs = llm.generate(prompts, params)
+    synchronize(device)
+    seconds = perf_counter() - start
+    after = llm.engine.get_metrics(with_queue_times=False)
     token_ids = [list(out.token_ids)[: r.max_tokens] for out, r in zip(outs, requests)]
     _check_lengths(name, token_ids, requests)
     num_steps = after.num_steps - before.num_steps
@@ -196,7 +201,7 @@ def run_baton(policy: str, loaded, requests: list[BenchRequest], config: Offline
         "mean_seqs_per_step": num_seqs / max(num_steps, 1),
         "num_preemptions": (after.num_preemptions_recompute + after.num_preemptions_swap
                             - before.num_preemptions_recompute - before.num_preemptions_swap),
-        "num_kv_blocks": num_blocks,
+        "num_kv_blocks": llm.engine.kv_cache.num_blocks,
     }
     return SystemResult(name, seconds, total_output_tokens(requests), token_ids, extra)
 

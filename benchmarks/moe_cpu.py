@@ -11,7 +11,11 @@ Both decode the same 32 prompts of 16 tokens greedily for 64 tokens each (EOS
 ignored) at batch 32, through engine.LLM, rounds alternating between the models
 so that a shared machine's drift falls out of the ratio. The MoE's figure is its
 output tokens/s over the dense model's: the grouping (one matmul per projection
-per expert that has tokens) must pay for its routing. Target: >= 0.7x. Beside it,
+per expert that has tokens) must pay for its routing. Target: >= 0.7x. At batch 32
+all 8 experts have tokens, so a MoE step reads about 2.8x the dense step's weight
+bytes; the report also gives each model's weight bytes streamed per second, MoE over
+dense, the figure the grouping's own cost shows in when the machine is
+bandwidth-bound. Beside it,
 transformers' own MoE forward (`generate`, batch 32, its default experts
 implementation) on the same MoE weights.
 
@@ -57,6 +61,21 @@ def make_model(kind: str, num_layers: int, directory: Path):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)
     return model
+
+
+def weight_bytes_per_step(kind: str, num_layers: int, batch: int) -> float:
+    """Weight bytes a decode step of `batch` reads (float32): every layer's attention and
+    MLP (for the MoE only the experts the batch touches: E * (1 - (1 - k/E)^batch) of E
+    under uniform routing), the norms, and the tied embedding read whole as the LM head."""
+    hidden, heads, kv_heads, head_dim = (WIDTH[k] for k in ("hidden_size", "num_attention_heads",
+                                                            "num_key_value_heads", "head_dim"))
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 2 * hidden
+    _, extra = MODELS[kind]
+    mlp = 3 * hidden * extra["intermediate_size"]
+    if kind == "moe":
+        experts, top_k = extra["num_local_experts"], extra["num_experts_per_tok"]
+        mlp = mlp * experts * (1 - (1 - top_k / experts) ** batch) + experts * hidden  # + the router
+    return 4 * (num_layers * (attention + mlp) + WIDTH["vocab_size"] * hidden + hidden)
 
 
 def prompts(num: int, length: int, vocab: int) -> list[list[int]]:
@@ -115,16 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     warm = {kind: statistics.median(values[1:] or values) for kind, values in results.items() if values}
     cold = {kind: values[0] for kind, values in results.items() if values}
     ratio = warm["moe"] / warm["dense"]
+    # How close each comes to streaming its own weights: tokens/s times bytes a step reads.
+    bytes_ratio = weight_bytes_per_step("moe", args.num_layers, args.batch) / weight_bytes_per_step(
+        "dense", args.num_layers, args.batch)
     report = {
         "batch": args.batch, "max_tokens": args.max_tokens, "num_layers": args.num_layers,
         "threads": torch.get_num_threads(), "warm_tokens_per_second": warm, "cold_tokens_per_second": cold,
         "moe_over_dense": ratio, "cold_moe_over_dense": cold["moe"] / cold["dense"],
         "moe_over_hf_moe": warm["moe"] / warm["hf-moe"] if "hf-moe" in warm else None,
         "target": TARGET, "passed": ratio >= TARGET,
+        "moe_over_dense_weight_bytes": bytes_ratio, "moe_over_dense_bytes_per_second": ratio * bytes_ratio,
     }
     print(f"MoE (8 experts, top-2) over dense of the same active parameters, batch {args.batch}: "
           f"{ratio:.2f}x warm (cold {report['cold_moe_over_dense']:.2f}x), target >= {TARGET}: "
           f"{'PASS' if report['passed'] else 'FAIL'}")
+    print(f"A MoE step reads {bytes_ratio:.2f}x the dense step's weight bytes at batch {args.batch}; "
+          f"weight bytes/s, MoE over dense: {ratio * bytes_ratio:.2f}x")
     if report["moe_over_hf_moe"] is not None:
         print(f"Baton's MoE over transformers' MoE generate on the same weights: {report['moe_over_hf_moe']:.2f}x")
     if args.json is not None:

@@ -121,6 +121,17 @@ DUMMY_MODELS: dict[str, DummyModel] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
     }),
+    # tiny's mixture of experts (Qwen3-MoE's block): 8 experts, 2 a token, for the CPU run
+    # of benchmarks/gpu_models.py.
+    "tiny-moe": DummyModel("qwen3_moe", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "attention_bias": False,
+        "use_sliding_window": False, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    }),
 }
 
 

@@ -13,6 +13,12 @@ section's targets written as checks the moment the section ends.
                measures it (16.6x at 128 requests, H200, 2026-11-26)
     handoff    KV over CUDA IPC against a same-process copy; disaggregated on one GPU
                against colocated serving
+    models     dummy:qwen3-30b-a3b (bfloat16) and dummy:llama-3.1-8b in FP8, an engine each
+               (on CPU dummy:tiny-moe and dummy:tiny in FP8): batch-1 decode against the
+               floor of the bytes a step reads (the routed experts only; FP8 weights a byte),
+               batch 64, 64 requests offline. Targets: the MoE batch-1 step >= 0.5 of its
+               floor; the FP8 batch-1 step <= 0.6x the latency section's bfloat16 one. Last,
+               so that a deadline cuts it, not the figures before it
 
 On CPU the figures are measured and shown, not judged: their targets are a GPU's.
 """
@@ -23,7 +29,7 @@ from pathlib import Path
 
 from benchmarks.gpu_check.records import FAIL, PASS, SKIP, CheckLog
 
-SECTIONS = ("bandwidth", "latency", "offline", "handoff")
+SECTIONS = ("bandwidth", "latency", "offline", "handoff", "models")
 SYSTEMS = ("baton-continuous", "baton-static")
 
 
@@ -95,7 +101,22 @@ def _figure_rows(name: str, section: dict) -> list[tuple[str, dict]]:
         return [(f"serving {system}", dict(value=result["output_tokens_per_second"], unit="tok/s",
                                            detail=f"{section['serving']['num_requests']} requests, Poisson"))
                 for system, result in serving.items()]
+    if name == "models":
+        return [row for entry in section["models"].values() for row in _model_rows(entry)]
     return []
+
+
+def _model_rows(entry: dict) -> list[tuple[str, dict]]:
+    rows = [(f"{entry['title']} decode at batch {point['batch_size']}", dict(
+        value=point["ms_per_step"], unit="ms",
+        detail=f"{point['mode']}, ms/step; the read time of the {point['weight_bytes'] / 1e9:.3g} GB of "
+               f"weights it reads at copy bandwidth: {point['floor_ms']:.3g} ms")) for point in entry["points"]]
+    offline = entry["offline"]
+    if offline is not None:
+        rows.append((f"{entry['title']} offline", dict(
+            value=offline["output_tokens_per_second"], unit="tok/s",
+            detail=f"mixed workload, {offline['num_requests']} requests, one engine")))
+    return rows
 
 
 def run(log: CheckLog, device: str, work: Path) -> None:

@@ -6,9 +6,12 @@ The test phases run Baton's own tests, chosen per device: on a GPU the part of t
 (`make test-gpu`, about 15 minutes) that proves the most in the budget, with several pytest
 workers at once where the tests allow, since Triton's compiles dominate; on a CPU a
 cross-section that runs in about a minute under Triton's interpreter. The tests are the
-checks: a failure here is a failing test. Left to `make test-gpu`: the colocated `baton up`
-(the figures phase serves colocated), the sampler's sync check, the overlap loop (CPU-only
-by design) and the attention tests' Triton cases (the kernel tests cover them).
+checks: a failure here is a failing test. The kernels include the fused MoE and the FP8
+GEMMs (tests/kernels/test_triton_moe.py, test_triton_fp8.py), and the engine Qwen3, its
+mixture of experts and FP8 on the GPU (tests/gpu/test_gpu_models.py). Left to `make
+test-gpu`: the colocated `baton up` (the figures phase serves colocated), the sampler's sync
+check, the overlap loop (CPU-only by design) and the attention tests' Triton cases (the
+kernel tests cover them).
 """
 
 from __future__ import annotations
@@ -30,15 +33,19 @@ PLANTED_SERVER = "baton-gpu-check planted server"
 # that take shares of the GPU's memory: one at a time. tests/gpu/test_gpu_memory.py (the KV
 # cache's sizing, on made-up memory readings) runs on CPU only: nothing in it needs a GPU.
 KERNEL_TESTS = {
-    "cuda": ["tests/kernels/test_triton_kernels.py", "-n", "8"],
-    "cpu": ["tests/kernels/test_triton_kernels.py", "-k",
+    "cuda": ["tests/kernels/test_triton_kernels.py", "tests/kernels/test_triton_moe.py", "tests/kernels/test_triton_fp8.py",
+             "-n", "8"],
+    "cpu": ["tests/kernels/test_triton_kernels.py", "tests/kernels/test_triton_moe.py", "tests/kernels/test_triton_fp8.py",
+            "-k",
             "(test_paged_attention_matches_dense_reference and kv1-g8-d64-bs16-tile32 and (decode or chunks or mixed))"
             " or test_split_kv_matches_single_pass[3 or test_table_stride_read_from_memory[3]"
-            " or (test_rope_and_store_kv and dtype0) or test_add_rms_norm[576"],
+            " or (test_rope_and_store_kv and dtype0) or test_add_rms_norm[576"
+            # the fused MoE on FP8 weights per channel in float32 (~2 s interpreted); Fp8Linear on block scales
+            " or test_fused_moe_fp8[per_channel-dtype0] or test_fp8_linear_forward[block_size1-dtype0]"],
 }
 ENGINE_TESTS = {
     "cuda": ["tests/gpu/test_gpu.py", "-m", "not gpu_servers", "tests/engine/test_triton_engine.py", "tests/gpu/test_gpu_sampling.py",
-             "tests/engine/test_decode_graphs.py", "tests/gpu/test_gpu_spec.py", "-n", "4"],
+             "tests/engine/test_decode_graphs.py", "tests/gpu/test_gpu_spec.py", "tests/gpu/test_gpu_models.py", "-n", "4"],
     "cpu": ["tests/engine/test_triton_engine.py::test_triton_backend_greedy_parity[llama3-rope-gqa-hd16]",
             "tests/engine/test_decode_graphs.py::test_a_step_is_written_as_the_layout_says",
             "tests/engine/test_decode_graphs.py::test_graphs_at_llama_8b_shapes_follow_the_longest_context",
@@ -93,12 +100,15 @@ def _figures(log: CheckLog, device: str, work: Path) -> None:
 
 PHASES = (
     Phase("environment", "GPU, driver, versions, every module importable", 0.08, _environment),
-    Phase("kernels", "Triton kernels against torch (bf16, fp16, fp32 on a GPU)", 0.14, _pytest(KERNEL_TESTS)),
-    Phase("engine", "greedy parity, graphs + overlap and eager, preemption, one wait a step", 0.2,
-          _pytest(ENGINE_TESTS)),
-    Phase("handoff", "CUDA IPC between processes, killed peers, baton up disaggregated", 0.23,
+    # The kernels' and the engine's shares grew with the MoE and FP8 tests (about twice the
+    # kernel tests: unmeasured on a GPU); the figures, last, get whatever time is left.
+    Phase("kernels", "Triton kernels against torch (bf16, fp16, fp32 on a GPU), fused MoE, FP8", 0.2,
+          _pytest(KERNEL_TESTS)),
+    Phase("engine", "greedy parity (Llama, Qwen3, MoE), FP8 against bf16, graphs + overlap and eager, "
+          "preemption, one wait a step", 0.22, _pytest(ENGINE_TESTS)),
+    Phase("handoff", "CUDA IPC between processes, killed peers, baton up disaggregated", 0.2,
           _pytest(HANDOFF_TESTS)),
-    Phase("figures", "bandwidth, decode latency, graphs, GPU idle, offline throughput, P/D serving", 0.35,
-          _figures),
+    Phase("figures", "bandwidth, decode latency, graphs, GPU idle, offline throughput, P/D serving, MoE and FP8",
+          0.3, _figures),
 )
 PHASE_NAMES = tuple(phase.name for phase in PHASES)

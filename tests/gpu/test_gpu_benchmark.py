@@ -18,7 +18,8 @@ SMOKE_ARGS = ["--device", "cpu", "--model", "dummy:smollm2-135m", "--quick", "--
 TARGETS = {"roofline", "attention", "offline-mixed-vs-hf-static", "offline-mixed-vs-hf-continuous",
            "offline-sharegpt-vs-baton-static", "offline-mixed-vs-baton-static", "decode-batch1-vs-hbm-floor",
            "graphs-vs-eager", "gpu-busy-between-steps", "handoff-ipc-vs-copy", "handoff-checksums",
-           "handoff-serving", "handoff-no-fallback", "handoff-no-held-blocks", "handoff-second-token"}
+           "handoff-serving", "handoff-no-fallback", "handoff-no-held-blocks", "handoff-second-token",
+           "moe-batch1-vs-active-floor", "fp8-batch1-vs-bf16"}
 # Measured on CUDA only: no graphs, no device timeline on CPU.
 CUDA_TARGETS = {"graphs-vs-eager", "gpu-busy-between-steps"}
 
