@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton_lang import cdiv, max_along
+from engine.kernels.triton_lang import cdiv, grouped_tile_ids, max_along
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -140,21 +140,6 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128) -> tuple[t
 
 
 @triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program id -> (row tile, column tile), GROUP_M row tiles walking the columns
-    together so that their weight tiles are read from L2 while still there."""
-    pid = tl.program_id(0)
-    num_pid_m = cdiv(M, BLOCK_M)
-    num_pid_n = cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
-    pid_n = (pid % num_pid_in_group) // group_rows
-    return pid_m, pid_n
-
-
-@triton.jit
 def _block_fp8_matmul_kernel(
     a_ptr,  # [M, K] fp8
     w_ptr,  # [N, K] fp8
@@ -182,7 +167,7 @@ def _block_fp8_matmul_kernel(
     BLOCK_K: tl.constexpr,  # == the scale block's K
     GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_valid = rows < M
@@ -238,7 +223,7 @@ def _channel_fp8_matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_valid = rows < M

@@ -67,3 +67,18 @@ def max_along(x, axis: tl.constexpr):
 @triton.jit
 def cdiv(a, b):
     return (a + b - 1) // b
+
+
+@triton.jit
+def grouped_tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (row tile, column tile), GROUP_M row tiles walking the columns
+    together so that their weight tiles are read from L2 while still there."""
+    pid = tl.program_id(0)
+    num_pid_m = cdiv(M, BLOCK_M)
+    num_pid_n = cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
+    pid_n = (pid % num_pid_in_group) // group_rows
+    return pid_m, pid_n

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton_lang import cdiv
+from engine.kernels.triton_lang import cdiv, grouped_tile_ids
 from engine.kernels.triton_ops import silu_and_mul
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -145,14 +145,7 @@ def _fused_moe_kernel(
 ):
     # GROUP_M row blocks walk the column tiles together: neighbouring blocks mostly share
     # an expert, so its weight tiles are read from L2 while still there.
-    pid = tl.program_id(0)
-    num_pid_m = cdiv(num_padded, BLOCK_M)
-    num_pid_n = cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
-    pid_n = (pid % num_pid_in_group) // group_rows
+    pid_m, pid_n = grouped_tile_ids(num_padded, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
         return
 
