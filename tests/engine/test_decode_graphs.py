@@ -131,9 +131,10 @@ def test_prefill_steps_and_large_batches_run_eagerly(tiny_triton):
 
 def test_static_path_gives_the_normal_paths_tokens(tiny_triton):
     """Greedy tokens of the static path (padded persistent inputs, what a graph replays,
-    overlapped: its decodes take their input tokens from the device) equal the normal
-    path's and transformers', token for token, through chunked prompts, preemption by
-    recompute and swap, and batches of every padded size up to 8."""
+    overlapped: its decodes take their input tokens from the device) equal transformers',
+    token for token, through chunked prompts, preemption by recompute and swap, and
+    batches of every padded size up to 8 (the normal path's equal them too:
+    tests/engine/test_triton_engine.py)."""
     hf_model, model_dir = tiny_triton
     hf_model = hf_model.to(DEVICE)  # the reference on the same device
     prompts, max_tokens = mixed_workload(hf_model.config.vocab_size, num_prompts=12, seed=3)
@@ -142,7 +143,6 @@ def test_static_path_gives_the_normal_paths_tokens(tiny_triton):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     kwargs = dict(max_num_batched_tokens=24, max_num_seqs=8, num_kv_blocks=40, num_swap_blocks=4,
                   preemption_mode="swap", admission_reserve_steps=0)
-    normal = make_llm(model_dir, static=False, **kwargs).generate(prompts, params)
     llm = make_llm(model_dir, static=True, overlap=True, **kwargs)
     static_steps, pending = [], []
     prepare = llm.engine.runner.static_decode.prepare
@@ -156,7 +156,7 @@ def test_static_path_gives_the_normal_paths_tokens(tiny_triton):
 
     llm.engine.runner.static_decode.prepare = counting_prepare
     static = llm.generate(prompts, params)
-    assert [o.token_ids for o in static] == [o.token_ids for o in normal] == expected
+    assert [o.token_ids for o in static] == expected
     assert {1, 2, 4, 8} <= set(static_steps), static_steps
     assert any(pending)  # decodes fed from the step in flight
     stats = llm.get_metrics()

@@ -1,9 +1,13 @@
-"""Speculative decoding over real processes, on a mixture-of-experts model: decode workers started with `--speculative
-ngram` (or `draft`, with a draft model), disaggregated (every prompt prefilled by the prefill worker and handed off) and
-colocated. Greedy streams equal transformers' greedy tokens, seeded ones the tokens an
-engine without speculation samples; and with a decode worker killed (-9) mid-stream, the
-streams it had move to the other decode worker, which replays their tokens and goes on
-speculating: every stream equals the undisturbed run's."""
+"""Speculative decoding over real processes, on a mixture-of-experts model (Qwen3-MoE: q/k
+norms, routed experts, a dense layer among the sparse ones), as `baton up` starts it
+(baton.cli.local.start_deployment), the prefix cache on (the default): decode workers
+started with `--speculative ngram` (or `draft`, with a draft model), disaggregated (every
+prompt prefilled by the prefill worker and handed off, its KV laid out by the model's
+head_dim: the layout check compares it) and colocated. Greedy streams equal transformers'
+greedy tokens, seeded ones the tokens an engine without speculation samples; and with a
+decode worker killed (-9) mid-stream, the streams it had move to the other decode worker,
+which replays their tokens and goes on speculating: every stream equals the undisturbed
+run's, and the second round's prompts hit the prefixes the first round cached."""
 
 from __future__ import annotations
 
@@ -99,6 +103,10 @@ def test_speculating_decode_workers_serve_the_tokens_of_plain_decoding(tiny, pre
         disturbed = Streams(requests(), timeout_s=120)
         asyncio.run(disturbed.run(deployment.gateway, kill, when_tokens=20))
         assert disturbed.tokens == want, deployment.logs()
+        # Each prompt (10 to 19 tokens, blocks of 4) was cached by the first round: at least
+        # its first two blocks are hits on the prefill worker.
+        hits = sum(deployment.stats(p).prefix_cache_hit_tokens for p in deployment.workers("prefill"))
+        assert hits >= 8 * NUM_STREAMS, hits
         survivor = next(p for p in deployment.workers("decode") if p is not kill.victim)
         assert deployment.stats(survivor).spec_num_accepted > survivor_accepted[survivor.address]
         deployment.restart(kill.victim)
