@@ -19,6 +19,11 @@ bandwidth-bound. Beside it,
 transformers' own MoE forward (`generate`, batch 32, its default experts
 implementation) on the same MoE weights.
 
+A step cannot take less than its weight bytes over the machine's read bandwidth (measured
+here: the best of three sums over 1 GiB); the report gives each step against that floor,
+and the ratio the MoE would reach at its floor against the dense step as measured: where
+that bound is under the target, no grouping can meet it on this machine in this dtype.
+
 The first round is cold (a fresh engine: oneDNN's first calls, the allocator's
 first growth) and is reported apart; the figure is the median of the warm rounds.
 
@@ -76,6 +81,18 @@ def weight_bytes_per_step(kind: str, num_layers: int, batch: int) -> float:
         experts, top_k = extra["num_local_experts"], extra["num_experts_per_tok"]
         mlp = mlp * experts * (1 - (1 - top_k / experts) ** batch) + experts * hidden  # + the router
     return 4 * (num_layers * (attention + mlp) + WIDTH["vocab_size"] * hidden + hidden)
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
+    """The machine's read bandwidth in bytes/s, at this process's torch threads: the best of
+    `repeats` sums over a float32 tensor of `gib` GiB (far larger than any cache)."""
+    data = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = perf_counter()
+        data.sum()
+        best = min(best, perf_counter() - start)
+    return data.numel() * 4 / best
 
 
 def prompts(num: int, length: int, vocab: int) -> list[list[int]]:
@@ -137,7 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     # How close each comes to streaming its own weights: tokens/s times bytes a step reads.
     bytes_ratio = weight_bytes_per_step("moe", args.num_layers, args.batch) / weight_bytes_per_step(
         "dense", args.num_layers, args.batch)
+    # The floor: a decode step cannot take less than its weight bytes over the machine's read
+    # bandwidth. A step's time, from tokens/s at batch `batch` (the short prompts' prefill
+    # included, as in the ratio itself).
+    bandwidth = read_bandwidth()
+    step_ms = {kind: 1000 * args.batch / warm[kind] for kind in MODELS}
+    floor_ms = {kind: 1000 * weight_bytes_per_step(kind, args.num_layers, args.batch) / bandwidth for kind in MODELS}
     report = {
+        "read_gb_per_s": bandwidth / 1e9, "step_ms": step_ms, "weight_floor_ms": floor_ms,
+        "moe_step_over_its_floor": step_ms["moe"] / floor_ms["moe"],
+        # The best the MoE could do against this dense step, were it to stream its weights at the
+        # machine's full read bandwidth and do nothing else.
+        "moe_over_dense_bound": step_ms["dense"] / floor_ms["moe"],
         "batch": args.batch, "max_tokens": args.max_tokens, "num_layers": args.num_layers,
         "threads": torch.get_num_threads(), "warm_tokens_per_second": warm, "cold_tokens_per_second": cold,
         "moe_over_dense": ratio, "cold_moe_over_dense": cold["moe"] / cold["dense"],
@@ -150,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'PASS' if report['passed'] else 'FAIL'}")
     print(f"A MoE step reads {bytes_ratio:.2f}x the dense step's weight bytes at batch {args.batch}; "
           f"weight bytes/s, MoE over dense: {ratio * bytes_ratio:.2f}x")
+    print(f"Read bandwidth {report['read_gb_per_s']:.1f} GB/s: a MoE step takes {step_ms['moe']:.1f} ms against "
+          f"a floor of {floor_ms['moe']:.1f} ms for its weights ({report['moe_step_over_its_floor']:.2f}x), the "
+          f"dense step {step_ms['dense']:.1f} ms (floor {floor_ms['dense']:.1f} ms); so at best MoE over dense "
+          f"is {report['moe_over_dense_bound']:.2f}x on this machine")
     if report["moe_over_hf_moe"] is not None:
         print(f"Baton's MoE over transformers' MoE generate on the same weights: {report['moe_over_hf_moe']:.2f}x")
     if args.json is not None:
