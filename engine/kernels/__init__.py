@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder.
 
 `load_cpu_kernels()` builds `cpu_attention.cpp` (paged decode attention) and
-`cpu_ops.cpp` (RMSNorm, RoPE, SiLU-and-mul) once per source version (the build
+`cpu_ops.cpp` (RMSNorm, RoPE, SiLU-and-mul, a MoE's grouped matmul) once per source version (the build
 is cached under torch's extensions directory, TORCH_EXTENSIONS_DIR) and
 registers the ops under `torch.ops.baton`. A build is slow (docs/engine.md says how
 slow); `make setup` runs it so that tests and servers start warm.
@@ -133,3 +133,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def argmax_rows(input: torch.Tensor) -> torch.Tensor:
     """Per-row argmax of [N, V] with torch.argmax's rules (first max, NaN wins)."""
     return torch.ops.baton.argmax_rows(input)
+
+
+def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows [S, K] grouped by expert (expert e's are [offsets[e], offsets[e + 1])) times
+    each one's weight [E, N, K] transposed: [S, N], float32 (a MoE's matmuls at decode)."""
+    return torch.ops.baton.grouped_matmul(rows, weight, offsets)

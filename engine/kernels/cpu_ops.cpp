@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
+#include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -254,6 +256,119 @@ at::Tensor argmax_rows(const at::Tensor& input) {
   return out;
 }
 
+// A mixture of experts' matmuls at decode: rows [S, K] grouped by expert (expert e's
+// rows are [offsets[e], offsets[e + 1])), times each group's expert weight [E, N, K]
+// transposed: out [S, N]. At decode an expert gets a handful of rows, too few for a
+// GEMM library to pay for packing its weight at every call; here each weight row is
+// read once from memory and kept in L1 while every row of its expert uses it: tiles of
+// 4 rows by 4 weight rows, 16 accumulators of 16 floats, explicit FMAs over K.
+constexpr int64_t kTile = 4;
+constexpr int64_t kTaskRows = 64;  // weight rows a parallel task streams (64 x K floats)
+
+#ifdef __AVX512F__
+inline void expert_tile(const float* x, int64_t mb, const float* w, int64_t nb, int64_t K, float* out,
+                        int64_t out_stride) {
+  const float* xs[kTile];
+  const float* ws[kTile];
+  for (int64_t i = 0; i < kTile; ++i) {
+    xs[i] = x + std::min(i, mb - 1) * K;  // a tail repeats its last row, stored nowhere
+    ws[i] = w + std::min(i, nb - 1) * K;
+  }
+  __m512 acc[kTile][kTile];
+  for (int64_t i = 0; i < kTile; ++i) {
+    for (int64_t j = 0; j < kTile; ++j) {
+      acc[i][j] = _mm512_setzero_ps();
+    }
+  }
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[kTile];
+    for (int64_t j = 0; j < kTile; ++j) {
+      wv[j] = _mm512_loadu_ps(ws[j] + k);
+      // The weight rows four tiles ahead, into L2 (one tile ahead into L1: about 5% slower).
+      _mm_prefetch(reinterpret_cast<const char*>(ws[j] + 4 * kTile * K + k), _MM_HINT_T1);
+    }
+    for (int64_t i = 0; i < kTile; ++i) {
+      const __m512 xv = _mm512_loadu_ps(xs[i] + k);
+      for (int64_t j = 0; j < kTile; ++j) {
+        acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      }
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[kTile];
+    for (int64_t j = 0; j < kTile; ++j) {
+      wv[j] = _mm512_maskz_loadu_ps(mask, ws[j] + k);
+    }
+    for (int64_t i = 0; i < kTile; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, xs[i] + k);
+      for (int64_t j = 0; j < kTile; ++j) {
+        acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < mb; ++i) {
+    for (int64_t j = 0; j < nb; ++j) {
+      out[i * out_stride + j] = _mm512_reduce_add_ps(acc[i][j]);
+    }
+  }
+}
+#else
+inline void expert_tile(const float* x, int64_t mb, const float* w, int64_t nb, int64_t K, float* out,
+                        int64_t out_stride) {
+  for (int64_t i = 0; i < mb; ++i) {
+    for (int64_t j = 0; j < nb; ++j) {
+      float sum = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        sum = std::fma(x[i * K + k], w[j * K + k], sum);
+      }
+      out[i * out_stride + j] = sum;
+    }
+  }
+}
+#endif
+
+at::Tensor grouped_matmul(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& offsets) {
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.dim() == 2 && rows.is_contiguous(),
+              "grouped_matmul: rows must be a contiguous float32 CPU [S, K] tensor");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 3 && weight.is_contiguous() &&
+                  weight.size(2) == rows.size(1),
+              "grouped_matmul: weight must be a contiguous float32 [E, N, K] tensor, K as the rows'");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == weight.size(0) + 1,
+              "grouped_matmul: offsets must be int64 [E + 1]");
+  const int64_t S = rows.size(0), K = rows.size(1), E = weight.size(0), N = weight.size(1);
+  at::Tensor out = at::empty({S, N}, rows.options());
+  const int64_t* off = offsets.contiguous().data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == S, "grouped_matmul: offsets must run from 0 to the number of rows");
+  // One task per (expert with rows, kTaskRows of its weight rows).
+  std::vector<std::pair<int64_t, int64_t>> tasks;
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(off[e + 1] >= off[e], "grouped_matmul: offsets must not decrease");
+    if (off[e + 1] > off[e]) {
+      for (int64_t n = 0; n < N; n += kTaskRows) {
+        tasks.emplace_back(e, n);
+      }
+    }
+  }
+  const float* x = rows.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto [e, n_begin] = tasks[t];
+      const int64_t n_end = std::min(N, n_begin + kTaskRows);
+      for (int64_t n = n_begin; n < n_end; n += kTile) {
+        const int64_t nb = std::min(kTile, n_end - n);
+        for (int64_t m = off[e]; m < off[e + 1]; m += kTile) {
+          expert_tile(x + m * K, std::min(kTile, off[e + 1] - m), w + (e * N + n) * K, nb, K, y + m * N + n, N);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(baton, m) {
@@ -261,6 +376,7 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor input) -> Tensor");
+  m.def("grouped_matmul(Tensor rows, Tensor weight, Tensor offsets) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) {
@@ -268,4 +384,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("rotary_embedding_", &rotary_embedding_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("grouped_matmul", &grouped_matmul);
 }

@@ -146,10 +146,14 @@ class SparseMoE(nn.Module):
         down = down * weights.flatten().index_select(0, order)[:, None]  # float32 for Mixtral's weights
         return torch.zeros_like(hidden).index_add_(0, tokens, down.to(hidden.dtype))
 
-    @staticmethod
-    def _per_expert(rows: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _per_expert(self, rows: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [S, K] (grouped by expert, `counts` of each) times each group's expert's
-        weight [E, N, K], transposed: [S, N]."""
+        weight [E, N, K], transposed: [S, N]. The native kernel where the ops have it
+        (float32 on CPU: one call for every expert, each weight read once), else a
+        torch.mm per expert that has rows."""
+        if self.ops.grouped_matmul is not None and rows.dtype == weight.dtype == torch.float32:
+            offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)
+            return self.ops.grouped_matmul(rows.contiguous(), weight.contiguous(), offsets)
         out = rows.new_empty(rows.shape[0], weight.shape[1])
         start = 0
         for expert, count in enumerate(counts):

@@ -33,6 +33,9 @@ class ModelOps:
     rotary_embedding_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None] | None = None
     # gate_up [N, 2I] -> silu(gate) * up [N, I]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # A mixture of experts' matmuls: (rows [S, K] grouped by expert, weight [E, N, K],
+    # offsets [E + 1] int64, each expert's first row) -> [S, N]; None = a torch.mm per expert
+    grouped_matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 TORCH_OPS = ModelOps("torch")
@@ -55,5 +58,7 @@ def select_ops(device: torch.device | str, dtype: torch.dtype = torch.float32) -
             rms_norm=kernels.rms_norm,
             rotary_embedding_=kernels.rotary_embedding_,
             silu_and_mul=kernels.silu_and_mul,
+            # float32 only: float64 runs are for exactness against transformers' own matmuls.
+            grouped_matmul=kernels.grouped_matmul if dtype == torch.float32 else None,
         )
     return TORCH_OPS

@@ -88,3 +88,45 @@ def test_argmax_rows_matches_torch_including_ties_and_nan(dtype):
     assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1))
     strided = torch.randn(4, 2, 300, generator=gen).to(dtype)[:, 1]
     assert torch.equal(kernels.argmax_rows(strided), strided.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("hidden", [64, 576, 37])  # whole vectors of 16, and a tail
+def test_grouped_matmul_matches_a_matmul_per_expert(hidden, num_threads):
+    """Experts with no row, one row, a tile's worth and more (tails of 1-3 rows), output
+    widths that leave a tile tail, against each group's rows times its expert in float64."""
+    gen = torch.Generator().manual_seed(4)
+    counts = [0, 1, 4, 7, 0, 13, 2, 0]
+    width = 70  # 17 tiles of 4 and a tail of 2; one task of 64 weight rows and one of 6
+    rows = torch.randn(sum(counts), hidden, generator=gen)
+    weight = torch.randn(len(counts), width, hidden, generator=gen)
+    offsets = torch.tensor([0, *counts]).cumsum(0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = kernels.grouped_matmul(rows, weight, offsets)
+    finally:
+        torch.set_num_threads(previous)
+    expected = torch.cat([rows[offsets[e]:offsets[e + 1]].double() @ weight[e].double().t()
+                          for e in range(len(counts))])
+    assert out.shape == (sum(counts), width) and out.dtype == torch.float32
+    # float32 sums of `hidden` products, in another order than the reference's.
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 * hidden ** 0.5, rtol=1e-5)
+
+
+def test_grouped_matmul_refuses_offsets_that_do_not_cover_the_rows():
+    rows, weight = torch.zeros(5, 16), torch.zeros(2, 8, 16)
+    with pytest.raises(RuntimeError, match="offsets must run from 0"):
+        kernels.grouped_matmul(rows, weight, torch.tensor([0, 2, 4]))
+    with pytest.raises(RuntimeError, match="offsets must not decrease"):
+        kernels.grouped_matmul(rows, weight, torch.tensor([0, 6, 5]))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.grouped_matmul(rows.double(), weight, torch.tensor([0, 2, 5]))
+
+
+def test_the_cpu_ops_group_experts_natively_in_float32_only():
+    """float64 keeps a torch.mm per expert: those runs are for exactness against transformers."""
+    from engine.model.ops import select_ops
+
+    assert select_ops("cpu", torch.float32).grouped_matmul is kernels.grouped_matmul
+    assert select_ops("cpu", torch.float64).grouped_matmul is None
