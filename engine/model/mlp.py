@@ -141,18 +141,19 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.moe.num_experts).tolist()
         tokens = order // self.moe.top_k
         rows = hidden.index_select(0, tokens)  # [S, hidden], grouped by expert
-        gate_up = self._per_expert(rows, self.experts.gate_up_proj, counts)  # [S, 2I]
-        down = self._per_expert(silu_and_mul(gate_up, self.ops), self.experts.down_proj, counts)  # [S, hidden]
+        offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)  # each expert's first row
+        gate_up = self._per_expert(rows, self.experts.gate_up_proj, counts, offsets)  # [S, 2I]
+        down = self._per_expert(silu_and_mul(gate_up, self.ops), self.experts.down_proj, counts, offsets)  # [S, hidden]
         down = down * weights.flatten().index_select(0, order)[:, None]  # float32 for Mixtral's weights
         return torch.zeros_like(hidden).index_add_(0, tokens, down.to(hidden.dtype))
 
-    def _per_expert(self, rows: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows [S, K] (grouped by expert, `counts` of each) times each group's expert's
-        weight [E, N, K], transposed: [S, N]. The native kernel where the ops have it
-        (float32 on CPU: one call for every expert, each weight read once), else a
-        torch.mm per expert that has rows."""
+    def _per_expert(self, rows: torch.Tensor, weight: torch.Tensor, counts: list[int],
+                    offsets: torch.Tensor) -> torch.Tensor:
+        """rows [S, K] (grouped by expert, `counts` of each, `offsets` each one's first
+        row) times each group's expert's weight [E, N, K], transposed: [S, N]. The native
+        kernel where the ops have it (float32 on CPU: one call for every expert, each
+        weight read once), else a torch.mm per expert that has rows."""
         if self.ops.grouped_matmul is not None and rows.dtype == weight.dtype == torch.float32:
-            offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)
             return self.ops.grouped_matmul(rows.contiguous(), weight.contiguous(), offsets)
         out = rows.new_empty(rows.shape[0], weight.shape[1])
         start = 0
