@@ -10,8 +10,9 @@ layers, its vocabulary, tied embeddings), random weights:
 Both decode the same 32 prompts of 16 tokens greedily for 64 tokens each (EOS
 ignored) at batch 32, through engine.LLM, rounds alternating between the models
 so that a shared machine's drift falls out of the ratio. The MoE's figure is its
-output tokens/s over the dense model's: the grouping (one matmul per projection
-per expert that has tokens) must pay for its routing. Target: >= 0.7x. At batch 32
+output tokens/s over the dense model's: the grouping (the slots sorted by expert,
+each expert with tokens read once: in float32 the native experts kernel) must pay
+for its routing. Target: >= 0.7x. At batch 32
 all 8 experts have tokens, so a MoE step reads about 2.8x the dense step's weight
 bytes; the report also gives each model's weight bytes streamed per second, MoE over
 dense, the figure the grouping's own cost shows in when the machine is

@@ -135,7 +135,32 @@ def argmax_rows(input: torch.Tensor) -> torch.Tensor:
     return torch.ops.baton.argmax_rows(input)
 
 
-def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """rows [S, K] grouped by expert (expert e's are [offsets[e], offsets[e + 1])) times
-    each one's weight [E, N, K] transposed: [S, N], float32 (a MoE's matmuls at decode)."""
-    return torch.ops.baton.grouped_matmul(rows, weight, offsets)
+# Output columns of a panel of packed expert weights (cpu_ops.cpp's kPanel).
+MOE_PANEL = 32
+
+
+def pack_moe_weights(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's stacked experts, gate_up [E, 2I, H] (gate rows, then up rows) and down
+    [E, H, I], in the panels `moe_experts` streams: [E, ceil(I / 16), H, 32], each panel
+    16 gate columns then the same 16 up columns, and [E, ceil(H / 32), I, 32]; columns
+    past I or H are zeros. Each panel is [K, 32] contiguous, so a panel is one read."""
+    experts, two_i, hidden = gate_up.shape
+    half = MOE_PANEL // 2
+
+    def panels(weight: torch.Tensor, width: int) -> torch.Tensor:  # [E, N, K] -> [E, ceil(N / width), K, width]
+        rows = weight.shape[1]
+        weight = torch.nn.functional.pad(weight, (0, 0, 0, -rows % width))
+        return weight.unflatten(1, (-1, width)).transpose(2, 3)
+
+    gate, up = gate_up[:, : two_i // 2], gate_up[:, two_i // 2:]
+    packed_gate_up = torch.cat([panels(gate, half), panels(up, half)], dim=3).contiguous()
+    return packed_gate_up, panels(down, MOE_PANEL).contiguous()
+
+
+def moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """A MoE layer's SwiGLU experts in float32: hidden [N, H], each token's experts
+    expert_ids [N, k] (int64) and routing weights [N, k], the weights packed by
+    `pack_moe_weights`, each expert's width `intermediate` -> [N, H]: each token's
+    experts' outputs times their weights, summed in ascending expert order."""
+    return torch.ops.baton.moe_experts(hidden, expert_ids, weights, gate_up, down, intermediate)

@@ -256,112 +256,184 @@ at::Tensor argmax_rows(const at::Tensor& input) {
   return out;
 }
 
-// A mixture of experts' matmuls at decode: rows [S, K] grouped by expert (expert e's
-// rows are [offsets[e], offsets[e + 1])), times each group's expert weight [E, N, K]
-// transposed: out [S, N]. At decode an expert gets a handful of rows, too few for a
-// GEMM library to pay for packing its weight at every call; here each weight row is
-// read once from memory and kept in L1 while every row of its expert uses it: tiles of
-// 4 rows by 4 weight rows, 16 accumulators of 16 floats, explicit FMAs over K.
-constexpr int64_t kTile = 4;
-constexpr int64_t kTaskRows = 64;  // weight rows a parallel task streams (64 x K floats)
+// A mixture of experts' SwiGLU experts on CPU, float32, in one call:
+//   out[t] = sum over t's slots j, in ascending expert order, of
+//            weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = expert_ids[t, j]
+// (transformers' loop over experts, index_add_ into a zeroed output, op for op up
+// to the matmuls' summation order).
+//
+// The weights are packed once at load (engine/kernels/__init__.py's
+// pack_moe_weights) into panels of 32 output columns, each panel [K, 32]
+// contiguous: one sequential stream per panel, read once per 8 rows of its
+// expert. A gate/up panel holds 16 gate columns and the same 16 up columns, so its
+// tile ends as 16 finished activations. The micro-kernel is the usual outer product:
+// per k, two vectors of the panel times each row's broadcast x[k], 8 rows by 32
+// columns of accumulators, no horizontal sums.
+//   gate_up [E, ceil(I / 16), H, 32]   down [E, ceil(H / 32), I, 32]
+// Zero-padded columns past I or H are computed and never stored.
+//
+// Two passes, each parallel over tasks that write disjoint memory:
+//   1. (expert, gate/up panel) pairs: the expert's slots read their tokens' rows of
+//      x in place (no gathered copy) and write 16 columns of act [slots, I];
+//   2. down panels: every expert in ascending order, each slot's output times its
+//      routing weight added into its token's 32 columns of out, so a token's sum
+//      runs in expert order without atomics.
+constexpr int64_t kPanel = 32;    // output columns of a packed panel
+constexpr int64_t kTileRows = 8;  // rows of a micro-kernel tile
 
+// acc[i][c] = sum_k rows[i][k] * panel[k][c] for MB rows and the panel's 32 columns.
 #ifdef __AVX512F__
-inline void expert_tile(const float* x, int64_t mb, const float* w, int64_t nb, int64_t K, float* out,
-                        int64_t out_stride) {
-  const float* xs[kTile];
-  const float* ws[kTile];
-  for (int64_t i = 0; i < kTile; ++i) {
-    xs[i] = x + std::min(i, mb - 1) * K;  // a tail repeats its last row, stored nowhere
-    ws[i] = w + std::min(i, nb - 1) * K;
+template <int MB>
+inline void panel_tile(const float* const* rows, const float* panel, int64_t K, float (*acc)[kPanel]) {
+  __m512 lo[MB], hi[MB];
+  for (int i = 0; i < MB; ++i) {
+    lo[i] = _mm512_setzero_ps();
+    hi[i] = _mm512_setzero_ps();
   }
-  __m512 acc[kTile][kTile];
-  for (int64_t i = 0; i < kTile; ++i) {
-    for (int64_t j = 0; j < kTile; ++j) {
-      acc[i][j] = _mm512_setzero_ps();
-    }
-  }
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[kTile];
-    for (int64_t j = 0; j < kTile; ++j) {
-      wv[j] = _mm512_loadu_ps(ws[j] + k);
-      // The weight rows four tiles ahead, into L2 (one tile ahead into L1: about 5% slower).
-      _mm_prefetch(reinterpret_cast<const char*>(ws[j] + 4 * kTile * K + k), _MM_HINT_T1);
-    }
-    for (int64_t i = 0; i < kTile; ++i) {
-      const __m512 xv = _mm512_loadu_ps(xs[i] + k);
-      for (int64_t j = 0; j < kTile; ++j) {
-        acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-      }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w_lo = _mm512_loadu_ps(panel + k * kPanel);
+    const __m512 w_hi = _mm512_loadu_ps(panel + k * kPanel + 16);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 x = _mm512_set1_ps(rows[i][k]);
+      lo[i] = _mm512_fmadd_ps(x, w_lo, lo[i]);
+      hi[i] = _mm512_fmadd_ps(x, w_hi, hi[i]);
     }
   }
-  if (k < K) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 wv[kTile];
-    for (int64_t j = 0; j < kTile; ++j) {
-      wv[j] = _mm512_maskz_loadu_ps(mask, ws[j] + k);
-    }
-    for (int64_t i = 0; i < kTile; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, xs[i] + k);
-      for (int64_t j = 0; j < kTile; ++j) {
-        acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-      }
-    }
-  }
-  for (int64_t i = 0; i < mb; ++i) {
-    for (int64_t j = 0; j < nb; ++j) {
-      out[i * out_stride + j] = _mm512_reduce_add_ps(acc[i][j]);
-    }
+  for (int i = 0; i < MB; ++i) {
+    _mm512_storeu_ps(acc[i], lo[i]);
+    _mm512_storeu_ps(acc[i] + 16, hi[i]);
   }
 }
 #else
-inline void expert_tile(const float* x, int64_t mb, const float* w, int64_t nb, int64_t K, float* out,
-                        int64_t out_stride) {
-  for (int64_t i = 0; i < mb; ++i) {
-    for (int64_t j = 0; j < nb; ++j) {
-      float sum = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        sum = std::fma(x[i * K + k], w[j * K + k], sum);
+template <int MB>
+inline void panel_tile(const float* const* rows, const float* panel, int64_t K, float (*acc)[kPanel]) {
+  for (int i = 0; i < MB; ++i) {
+    for (int64_t c = 0; c < kPanel; ++c) {
+      acc[i][c] = 0;
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* w = panel + k * kPanel;
+    for (int i = 0; i < MB; ++i) {
+      const float x = rows[i][k];
+#pragma omp simd
+      for (int64_t c = 0; c < kPanel; ++c) {
+        acc[i][c] = std::fma(x, w[c], acc[i][c]);
       }
-      out[i * out_stride + j] = sum;
     }
   }
 }
 #endif
 
-at::Tensor grouped_matmul(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& offsets) {
-  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.dim() == 2 && rows.is_contiguous(),
-              "grouped_matmul: rows must be a contiguous float32 CPU [S, K] tensor");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 3 && weight.is_contiguous() &&
-                  weight.size(2) == rows.size(1),
-              "grouped_matmul: weight must be a contiguous float32 [E, N, K] tensor, K as the rows'");
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == weight.size(0) + 1,
-              "grouped_matmul: offsets must be int64 [E + 1]");
-  const int64_t S = rows.size(0), K = rows.size(1), E = weight.size(0), N = weight.size(1);
-  at::Tensor out = at::empty({S, N}, rows.options());
-  const int64_t* off = offsets.contiguous().data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[E] == S, "grouped_matmul: offsets must run from 0 to the number of rows");
-  // One task per (expert with rows, kTaskRows of its weight rows).
+using PanelTile = void (*)(const float* const*, const float*, int64_t, float (*)[kPanel]);
+constexpr PanelTile kPanelTiles[kTileRows] = {panel_tile<1>, panel_tile<2>, panel_tile<3>, panel_tile<4>,
+                                              panel_tile<5>, panel_tile<6>, panel_tile<7>, panel_tile<8>};
+
+at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& weights,
+                       const at::Tensor& gate_up, const at::Tensor& down, int64_t intermediate) {
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 &&
+                  hidden.is_contiguous(),
+              "moe_experts: hidden must be a contiguous float32 CPU [N, H] tensor");
+  const int64_t N = hidden.size(0), H = hidden.size(1), I = intermediate;
+  TORCH_CHECK(expert_ids.scalar_type() == at::kLong && expert_ids.dim() == 2 && expert_ids.size(0) == N &&
+                  expert_ids.is_contiguous(),
+              "moe_experts: expert_ids must be a contiguous int64 [N, k] tensor");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.sizes() == expert_ids.sizes() && weights.is_contiguous(),
+              "moe_experts: weights must be a contiguous float32 tensor shaped like expert_ids");
+  const int64_t E = gate_up.size(0), gate_panels = (I + 15) / 16, down_panels = (H + kPanel - 1) / kPanel;
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
+                  gate_up.sizes() == at::IntArrayRef({E, gate_panels, H, kPanel}),
+              "moe_experts: gate_up must be packed by pack_moe_weights: [E, ceil(I / 16), H, 32] float32");
+  TORCH_CHECK(down.scalar_type() == at::kFloat && down.is_contiguous() &&
+                  down.sizes() == at::IntArrayRef({E, down_panels, I, kPanel}),
+              "moe_experts: down must be packed by pack_moe_weights: [E, ceil(H / 32), I, 32] float32");
+  const int64_t top_k = expert_ids.size(1), S = N * top_k;
+  const int64_t* ids = expert_ids.data_ptr<int64_t>();
+
+  // The slots grouped by expert, each group in slot order (a counting sort).
+  std::vector<int64_t> offsets(E + 1, 0), order(S);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ids[s] >= 0 && ids[s] < E, "moe_experts: expert id ", ids[s], " is not in [0, ", E, ")");
+    ++offsets[ids[s] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    offsets[e + 1] += offsets[e];
+  }
+  {
+    std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+    for (int64_t s = 0; s < S; ++s) {
+      order[next[ids[s]]++] = s;
+    }
+  }
+  const float* x = hidden.data_ptr<float>();
+  const float* route = weights.data_ptr<float>();
+  const float* w13 = gate_up.data_ptr<float>();
+  const float* w2 = down.data_ptr<float>();
+  at::Tensor act = at::empty({S, I}, hidden.options());
+  float* a = act.data_ptr<float>();
+  at::Tensor out = at::zeros({N, H}, hidden.options());
+  float* y = out.data_ptr<float>();
+
+  // 1. gate/up and the activation: act[j] = silu(gate_e(x_t)) * up_e(x_t) for the j-th
+  // slot in expert order.
   std::vector<std::pair<int64_t, int64_t>> tasks;
   for (int64_t e = 0; e < E; ++e) {
-    TORCH_CHECK(off[e + 1] >= off[e], "grouped_matmul: offsets must not decrease");
-    if (off[e + 1] > off[e]) {
-      for (int64_t n = 0; n < N; n += kTaskRows) {
-        tasks.emplace_back(e, n);
+    if (offsets[e + 1] > offsets[e]) {
+      for (int64_t p = 0; p < gate_panels; ++p) {
+        tasks.emplace_back(e, p);
       }
     }
   }
-  const float* x = rows.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* y = out.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    const float* rows[kTileRows];
+    float acc[kTileRows][kPanel];
     for (int64_t t = begin; t < end; ++t) {
-      const auto [e, n_begin] = tasks[t];
-      const int64_t n_end = std::min(N, n_begin + kTaskRows);
-      for (int64_t n = n_begin; n < n_end; n += kTile) {
-        const int64_t nb = std::min(kTile, n_end - n);
-        for (int64_t m = off[e]; m < off[e + 1]; m += kTile) {
-          expert_tile(x + m * K, std::min(kTile, off[e + 1] - m), w + (e * N + n) * K, nb, K, y + m * N + n, N);
+      const auto [e, p] = tasks[t];
+      const float* panel = w13 + (e * gate_panels + p) * H * kPanel;
+      const int64_t c0 = p * 16, width = std::min<int64_t>(16, I - c0);
+      for (int64_t j = offsets[e]; j < offsets[e + 1]; j += kTileRows) {
+        const int64_t mb = std::min(kTileRows, offsets[e + 1] - j);
+        for (int64_t i = 0; i < mb; ++i) {
+          rows[i] = x + (order[j + i] / top_k) * H;
+        }
+        kPanelTiles[mb - 1](rows, panel, H, acc);
+        for (int64_t i = 0; i < mb; ++i) {
+          float* dst = a + (j + i) * I + c0;
+          const float* g = acc[i];
+          const float* u = acc[i] + 16;
+#pragma omp simd
+          for (int64_t c = 0; c < width; ++c) {
+            dst[c] = g[c] / (1.0f + baton::exp_approx(-g[c])) * u[c];
+          }
+        }
+      }
+    }
+  });
+
+  // 2. down, times the routing weight, into each slot's token's row, experts ascending.
+  at::parallel_for(0, down_panels, 1, [&](int64_t begin, int64_t end) {
+    const float* rows[kTileRows];
+    float acc[kTileRows][kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t c0 = p * kPanel, width = std::min(kPanel, H - c0);
+      for (int64_t e = 0; e < E; ++e) {
+        const float* panel = w2 + (e * down_panels + p) * I * kPanel;
+        for (int64_t j = offsets[e]; j < offsets[e + 1]; j += kTileRows) {
+          const int64_t mb = std::min(kTileRows, offsets[e + 1] - j);
+          for (int64_t i = 0; i < mb; ++i) {
+            rows[i] = a + (j + i) * I;
+          }
+          kPanelTiles[mb - 1](rows, panel, I, acc);
+          for (int64_t i = 0; i < mb; ++i) {
+            const int64_t slot = order[j + i];
+            const float r = route[slot];
+            float* dst = y + (slot / top_k) * H + c0;
+            const float* v = acc[i];
+#pragma omp simd
+            for (int64_t c = 0; c < width; ++c) {
+              dst[c] = dst[c] + v[c] * r;
+            }
+          }
         }
       }
     }
@@ -376,7 +448,7 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor input) -> Tensor");
-  m.def("grouped_matmul(Tensor rows, Tensor weight, Tensor offsets) -> Tensor");
+  m.def("moe_experts(Tensor hidden, Tensor expert_ids, Tensor weights, Tensor gate_up, Tensor down, int intermediate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) {
@@ -384,5 +456,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("rotary_embedding_", &rotary_embedding_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
-  m.impl("grouped_matmul", &grouped_matmul);
+  m.impl("moe_experts", &moe_experts);
 }

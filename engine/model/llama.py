@@ -234,8 +234,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def pack_linear_weights(self) -> int:
-        """Prepack matmul weights for oneDNN where the device and dtype allow (see packed_linear)."""
+        """Prepack matmul weights where the device and dtype allow: the linears for oneDNN
+        (see packed_linear), a MoE's experts for the native CPU kernel (SparseMoE.pack_experts)."""
         replaced = pack_linear_layers(self)
+        replaced += sum(module.pack_experts() for module in self.modules() if isinstance(module, SparseMoE))
         if self.lm_head is None and can_pack(self.embed_tokens.weight):
             # A packed copy of the tied embedding serves as the LM head.
             self.lm_head = PackedLinear(self.embed_tokens.weight, None)

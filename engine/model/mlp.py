@@ -8,12 +8,19 @@ experts' weights are stacked, one parameter per projection per layer
 loader writes each checkpoint expert into its slice and the GPU kernel reads them
 all as one tensor.
 
-Two paths compute the same sum:
-- CPU (and float64): grouped. The (token, slot) pairs are sorted by expert; each
-  expert with tokens runs one matmul per projection over its gathered rows, and its
-  outputs, times their routing weights, are added into their tokens' rows in
-  ascending expert order, as transformers adds them: exact against it up to the
-  matmuls' summation order.
+Three paths compute the same sum:
+- CPU, float32, with the native kernels: one call per layer
+  (engine/kernels/cpu_ops.cpp's moe_experts) on weights packed once at load into
+  panels of 32 output columns (`SparseMoE.pack_experts`): the slots sorted by
+  expert, each expert's tokens read in place, SiLU-and-mul in the gate/up tile's
+  epilogue, the down projection's output times its routing weight added into its
+  token's row in ascending expert order.
+- CPU otherwise (float64, bfloat16, no native build): grouped in torch. The
+  (token, slot) pairs are sorted by expert; each expert with tokens runs one matmul
+  per projection over its gathered rows, and its outputs, times their routing
+  weights, are added into their tokens' rows in ascending expert order.
+  Both CPU paths add as transformers adds: exact against it up to the matmuls'
+  summation order.
 - CUDA: one fused-MoE Triton kernel per projection (engine/kernels/triton_moe.py):
   the pairs sorted into block-padded groups on the device, one grouped GEMM over all
   experts, the routing weights folded into the down projection's output. Nothing
@@ -71,6 +78,7 @@ class Experts(nn.Module):
         self.register_buffer("gate_up_scale", None, persistent=False)
         self.register_buffer("down_scale", None, persistent=False)
         self.block_size: tuple[int, int] | None = None
+        self.packed = False  # the weights are in the native CPU kernel's panels (SparseMoE.pack_experts)
 
     def quantize_fp8(self, block_size: tuple[int, int] | None) -> None:
         """Make the experts' weights FP8, per channel or per `block_size` block, one
@@ -116,6 +124,22 @@ class SparseMoE(nn.Module):
             weights = weights.to(hidden.dtype)
         return expert_ids, weights
 
+    def pack_experts(self) -> bool:
+        """Repack the experts' weights into the native CPU kernel's panels, where the ops
+        have that kernel and the weights are float32 on CPU; returns whether it did. The
+        unpacked weights are freed as the packed ones replace them."""
+        experts = self.experts
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        if (self.ops.pack_moe_weights is None or experts.packed or gate_up.device.type != "cpu"
+                or gate_up.dtype != torch.float32 or down.dtype != torch.float32):
+            return False
+        packed_gate_up, packed_down = self.ops.pack_moe_weights(gate_up.detach(), down.detach())
+        del gate_up, down
+        experts.gate_up_proj = nn.Parameter(packed_gate_up, requires_grad=False)
+        experts.down_proj = nn.Parameter(packed_down, requires_grad=False)
+        experts.packed = True
+        return True
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden]
         expert_ids, weights = self.route(hidden)
         if hidden.is_cuda:
@@ -125,6 +149,10 @@ class SparseMoE(nn.Module):
             out = fused_moe(hidden, experts.gate_up_proj, experts.down_proj, weights, expert_ids,
                             w13_scale=experts.gate_up_scale, w2_scale=experts.down_scale,
                             block_shape=experts.block_size)
+        elif self.experts.packed:
+            assert self.ops.moe_experts is not None
+            out = self.ops.moe_experts(hidden.contiguous(), expert_ids, weights.contiguous(),
+                                       self.experts.gate_up_proj, self.experts.down_proj, self.moe.intermediate_size)
         else:
             out = self.grouped(hidden, expert_ids, weights)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -132,7 +160,7 @@ class SparseMoE(nn.Module):
         return out
 
     def grouped(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The CPU path: the slots sorted by expert and gathered once, one matmul per
+        """The torch CPU path: the slots sorted by expert and gathered once, one matmul per
         projection per expert that has tokens (each into its rows of one buffer), the
         activation and the routing weights over all slots at once, then every slot's
         output added into its token's row in sorted (ascending expert) order."""
@@ -141,24 +169,19 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.moe.num_experts).tolist()
         tokens = order // self.moe.top_k
         rows = hidden.index_select(0, tokens)  # [S, hidden], grouped by expert
-        offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)  # each expert's first row
-        gate_up = self._per_expert(rows, self.experts.gate_up_proj, counts, offsets)  # [S, 2I]
-        down = self._per_expert(silu_and_mul(gate_up, self.ops), self.experts.down_proj, counts, offsets)  # [S, hidden]
+        gate_up = _per_expert(rows, self.experts.gate_up_proj, counts)  # [S, 2I]
+        down = _per_expert(silu_and_mul(gate_up, self.ops), self.experts.down_proj, counts)  # [S, hidden]
         down = down * weights.flatten().index_select(0, order)[:, None]  # float32 for Mixtral's weights
         return torch.zeros_like(hidden).index_add_(0, tokens, down.to(hidden.dtype))
 
-    def _per_expert(self, rows: torch.Tensor, weight: torch.Tensor, counts: list[int],
-                    offsets: torch.Tensor) -> torch.Tensor:
-        """rows [S, K] (grouped by expert, `counts` of each, `offsets` each one's first
-        row) times each group's expert's weight [E, N, K], transposed: [S, N]. The native
-        kernel where the ops have it (float32 on CPU: one call for every expert, each
-        weight read once), else a torch.mm per expert that has rows."""
-        if self.ops.grouped_matmul is not None and rows.dtype == weight.dtype == torch.float32:
-            return self.ops.grouped_matmul(rows.contiguous(), weight.contiguous(), offsets)
-        out = rows.new_empty(rows.shape[0], weight.shape[1])
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                torch.mm(rows[start:start + count], weight[expert].t(), out=out[start:start + count])
-                start += count
-        return out
+
+def _per_expert(rows: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """rows [S, K] (grouped by expert, `counts` of each) times each group's expert's
+    weight [E, N, K], transposed: [S, N], a torch.mm per expert that has rows."""
+    out = rows.new_empty(rows.shape[0], weight.shape[1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            torch.mm(rows[start:start + count], weight[expert].t(), out=out[start:start + count])
+            start += count
+    return out

@@ -10,6 +10,10 @@
 RoPE + KV-store kernel, so the model's own RoPE op only runs under other
 backends. A `None` op means the plain torch formula, which follows
 transformers op for op (and is the only path exact in float64).
+
+A MoE layer's experts run in one native call on CPU in float32 (cpu_ops'
+moe_experts, weights packed at load), in torch otherwise on CPU, and in the
+fused-MoE Triton kernel on CUDA (engine/model/mlp.py).
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ class ModelOps:
     rotary_embedding_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None] | None = None
     # gate_up [N, 2I] -> silu(gate) * up [N, I]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # A mixture of experts' matmuls: (rows [S, K] grouped by expert, weight [E, N, K],
-    # offsets [E + 1] int64, each expert's first row) -> [S, N]; None = a torch.mm per expert
-    grouped_matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # A MoE layer's experts in one call, on weights packed once at load:
+    # pack_moe_weights(gate_up [E, 2I, H], down [E, H, I]) -> (packed gate_up, packed down);
+    # moe_experts(hidden [N, H], expert_ids [N, k], weights [N, k], packed gate_up, packed down,
+    # I) -> [N, H]. None = the grouped torch path (a torch.mm per expert with tokens).
+    pack_moe_weights: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    moe_experts: Callable[..., torch.Tensor] | None = None
 
 
 TORCH_OPS = ModelOps("torch")
@@ -59,6 +66,7 @@ def select_ops(device: torch.device | str, dtype: torch.dtype = torch.float32) -
             rotary_embedding_=kernels.rotary_embedding_,
             silu_and_mul=kernels.silu_and_mul,
             # float32 only: float64 runs are for exactness against transformers' own matmuls.
-            grouped_matmul=kernels.grouped_matmul if dtype == torch.float32 else None,
+            pack_moe_weights=kernels.pack_moe_weights if dtype == torch.float32 else None,
+            moe_experts=kernels.moe_experts if dtype == torch.float32 else None,
         )
     return TORCH_OPS

@@ -90,43 +90,99 @@ def test_argmax_rows_matches_torch_including_ties_and_nan(dtype):
     assert torch.equal(kernels.argmax_rows(strided), strided.argmax(dim=-1))
 
 
+def experts_loop(hidden, expert_ids, weights, gate_up, down):
+    """transformers' Qwen3MoeExperts / MixtralExperts forward in float64: a loop over the
+    experts, each one's tokens through gate/up, SiLU, down, times their weights, added in
+    ascending expert order."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    inter = gate_up.shape[1] // 2
+    for expert in range(gate_up.shape[0]):
+        tokens, slots = torch.where(expert_ids == expert)
+        if len(tokens):
+            x = hidden[tokens].double()
+            gate, up = x @ gate_up[expert, :inter].double().t(), x @ gate_up[expert, inter:].double().t()
+            y = (F.silu(gate) * up) @ down[expert].double().t()
+            out.index_add_(0, tokens, y * weights[tokens, slots].double()[:, None])
+    return out
+
+
+def moe_case(tokens, hidden, inter, experts, top_k, seed=6, counts=None):
+    """Random tokens, routing (top_k distinct experts each, or `counts` tokens per expert
+    at top_k 1) and expert weights scaled to keep activations near 1."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    if counts is None:
+        probs = torch.softmax(torch.randn(tokens, experts, generator=gen), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        ids = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))[torch.randperm(tokens, generator=gen)]
+        ids, weights = ids[:, None], torch.rand(tokens, 1, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
+    return x, ids, weights.contiguous(), gate_up, down
+
+
 @pytest.mark.parametrize("num_threads", [1, 2])
-@pytest.mark.parametrize("hidden", [64, 576, 37])  # whole vectors of 16, and a tail
-def test_grouped_matmul_matches_a_matmul_per_expert(hidden, num_threads):
-    """Experts with no row, one row, a tile's worth and more (tails of 1-3 rows), output
-    widths that leave a tile tail, against each group's rows times its expert in float64."""
-    gen = torch.Generator().manual_seed(4)
-    counts = [0, 1, 4, 7, 0, 13, 2, 0]
-    width = 70  # 17 tiles of 4 and a tail of 2; one task of 64 weight rows and one of 6
-    rows = torch.randn(sum(counts), hidden, generator=gen)
-    weight = torch.randn(len(counts), width, hidden, generator=gen)
-    offsets = torch.tensor([0, *counts]).cumsum(0)
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", [
+    (1, 64, 32, 8, 2),      # batch 1: two experts of one token, six with none
+    (32, 576, 768, 8, 2),   # the CPU benchmark's layer at batch 32
+    (70, 37, 21, 8, 8),     # every expert gets every token; widths that leave panel tails
+    (19, 48, 40, 5, 3),     # 57 slots: tiles of 8 and tails of 1 to 7 rows
+])
+def test_moe_experts_match_the_experts_loop(tokens, hidden, inter, experts, top_k, num_threads):
+    x, ids, weights, gate_up, down = moe_case(tokens, hidden, inter, experts, top_k)
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        out = kernels.grouped_matmul(rows, weight, offsets)
+        out = kernels.moe_experts(x, ids, weights, *kernels.pack_moe_weights(gate_up, down), inter)
     finally:
         torch.set_num_threads(previous)
-    expected = torch.cat([rows[offsets[e]:offsets[e + 1]].double() @ weight[e].double().t()
-                          for e in range(len(counts))])
-    assert out.shape == (sum(counts), width) and out.dtype == torch.float32
-    # float32 sums of `hidden` products, in another order than the reference's.
-    torch.testing.assert_close(out.double(), expected, atol=1e-5 * hidden ** 0.5, rtol=1e-5)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    # float32 sums of `hidden` then `inter` products, in another order than the reference's.
+    torch.testing.assert_close(out.double(), experts_loop(x, ids, weights, gate_up, down),
+                               atol=2e-6 * (hidden + inter) ** 0.5, rtol=1e-5)
 
 
-def test_grouped_matmul_refuses_offsets_that_do_not_cover_the_rows():
-    rows, weight = torch.zeros(5, 16), torch.zeros(2, 8, 16)
-    with pytest.raises(RuntimeError, match="offsets must run from 0"):
-        kernels.grouped_matmul(rows, weight, torch.tensor([0, 2, 4]))
-    with pytest.raises(RuntimeError, match="offsets must not decrease"):
-        kernels.grouped_matmul(rows, weight, torch.tensor([0, 6, 5]))
+def test_moe_experts_with_empty_one_token_and_all_token_experts():
+    """Expert 0 gets every token but nine, 1 and 3 get none, 2 gets one, at top-1."""
+    counts = [31, 0, 1, 0, 8]
+    x, ids, weights, gate_up, down = moe_case(sum(counts), 96, 64, len(counts), 1, counts=counts)
+    out = kernels.moe_experts(x, ids, weights, *kernels.pack_moe_weights(gate_up, down), 64)
+    torch.testing.assert_close(out.double(), experts_loop(x, ids, weights, gate_up, down), atol=3e-5, rtol=1e-5)
+
+
+def test_pack_moe_weights_lays_out_panels_of_16_gate_then_16_up_columns():
+    experts, hidden, inter = 2, 5, 20  # gate/up: two panels, the second half empty; down: one panel, 27 empty
+    gate_up = torch.arange(experts * 2 * inter * hidden, dtype=torch.float32).reshape(experts, 2 * inter, hidden)
+    down = torch.arange(experts * hidden * inter, dtype=torch.float32).reshape(experts, hidden, inter)
+    packed_gate_up, packed_down = kernels.pack_moe_weights(gate_up, down)
+    assert packed_gate_up.shape == (experts, 2, hidden, 32) and packed_down.shape == (experts, 1, inter, 32)
+    e, k = 1, 3
+    assert torch.equal(packed_gate_up[e, 0, k, :16], gate_up[e, :16, k])             # gate columns 0-15
+    assert torch.equal(packed_gate_up[e, 0, k, 16:], gate_up[e, inter:inter + 16, k])  # up columns 0-15
+    assert torch.equal(packed_gate_up[e, 1, k, :4], gate_up[e, 16:20, k])
+    assert torch.equal(packed_gate_up[e, 1, k, 16:20], gate_up[e, inter + 16:, k])
+    assert not packed_gate_up[:, 1, :, 4:16].any() and not packed_gate_up[:, 1, :, 20:].any()
+    assert torch.equal(packed_down[e, 0, k, :hidden], down[e, :, k]) and not packed_down[:, :, :, hidden:].any()
+
+
+def test_moe_experts_refuse_what_would_read_out_of_bounds():
+    x, ids, weights, gate_up, down = moe_case(4, 32, 16, 4, 2)
+    packed = kernels.pack_moe_weights(gate_up, down)
+    with pytest.raises(RuntimeError, match=r"expert id 4 is not in \[0, 4\)"):
+        kernels.moe_experts(x, torch.full_like(ids, 4), weights, *packed, 16)
+    with pytest.raises(RuntimeError, match="packed by pack_moe_weights"):
+        kernels.moe_experts(x, ids, weights, gate_up, down, 16)
+    with pytest.raises(RuntimeError, match="packed by pack_moe_weights"):
+        kernels.moe_experts(x, ids, weights, *packed, 24)  # another width than the packing's
     with pytest.raises(RuntimeError, match="float32"):
-        kernels.grouped_matmul(rows.double(), weight, torch.tensor([0, 2, 5]))
+        kernels.moe_experts(x.double(), ids, weights, *packed, 16)
 
 
-def test_the_cpu_ops_group_experts_natively_in_float32_only():
+def test_the_cpu_ops_run_experts_natively_in_float32_only():
     """float64 keeps a torch.mm per expert: those runs are for exactness against transformers."""
     from engine.model.ops import select_ops
 
-    assert select_ops("cpu", torch.float32).grouped_matmul is kernels.grouped_matmul
-    assert select_ops("cpu", torch.float64).grouped_matmul is None
+    assert select_ops("cpu", torch.float32).moe_experts is kernels.moe_experts
+    assert select_ops("cpu", torch.float32).pack_moe_weights is kernels.pack_moe_weights
+    assert select_ops("cpu", torch.float64).moe_experts is None
