@@ -34,4 +34,10 @@ inline double exp_approx(double x) {
   return std::exp(x);
 }
 
+// silu(g) = g / (1 + exp(-g)), as torch's SiLU rounds it (float or double).
+template <typename T>
+inline T silu(T g) {
+  return g / (T(1) + exp_approx(-g));
+}
+
 }  // namespace baton

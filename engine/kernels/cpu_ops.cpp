@@ -134,11 +134,9 @@ void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
 #pragma omp simd
       for (int64_t d = 0; d < width; ++d) {
         if constexpr (std::is_same_v<scalar_t, double>) {
-          y[d] = gate[d] / (1.0 + baton::exp_approx(-gate[d])) * up[d];
+          y[d] = baton::silu(gate[d]) * up[d];
         } else {
-          const float g = static_cast<float>(gate[d]);
-          const scalar_t activated = static_cast<scalar_t>(g / (1.0f + baton::exp_approx(-g)));
-          y[d] = activated * up[d];
+          y[d] = static_cast<scalar_t>(baton::silu(static_cast<float>(gate[d]))) * up[d];
         }
       }
     }
@@ -279,6 +277,7 @@ at::Tensor argmax_rows(const at::Tensor& input) {
 //      routing weight added into its token's 32 columns of out, so a token's sum
 //      runs in expert order without atomics.
 constexpr int64_t kPanel = 32;    // output columns of a packed panel
+constexpr int64_t kHalfPanel = kPanel / 2;  // a gate/up panel's gate (or up) columns
 constexpr int64_t kTileRows = 8;  // rows of a micro-kernel tile
 
 // acc[i][c] = sum_k rows[i][k] * panel[k][c] for MB rows and the panel's 32 columns.
@@ -340,7 +339,7 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids, c
               "moe_experts: expert_ids must be a contiguous int64 [N, k] tensor");
   TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.sizes() == expert_ids.sizes() && weights.is_contiguous(),
               "moe_experts: weights must be a contiguous float32 tensor shaped like expert_ids");
-  const int64_t E = gate_up.size(0), gate_panels = (I + 15) / 16, down_panels = (H + kPanel - 1) / kPanel;
+  const int64_t E = gate_up.size(0), gate_panels = (I + kHalfPanel - 1) / kHalfPanel, down_panels = (H + kPanel - 1) / kPanel;
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
                   gate_up.sizes() == at::IntArrayRef({E, gate_panels, H, kPanel}),
               "moe_experts: gate_up must be packed by pack_moe_weights: [E, ceil(I / 16), H, 32] float32");
@@ -390,7 +389,7 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids, c
     for (int64_t t = begin; t < end; ++t) {
       const auto [e, p] = tasks[t];
       const float* panel = w13 + (e * gate_panels + p) * H * kPanel;
-      const int64_t c0 = p * 16, width = std::min<int64_t>(16, I - c0);
+      const int64_t c0 = p * kHalfPanel, width = std::min(kHalfPanel, I - c0);
       for (int64_t j = offsets[e]; j < offsets[e + 1]; j += kTileRows) {
         const int64_t mb = std::min(kTileRows, offsets[e + 1] - j);
         for (int64_t i = 0; i < mb; ++i) {
@@ -400,10 +399,10 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids, c
         for (int64_t i = 0; i < mb; ++i) {
           float* dst = a + (j + i) * I + c0;
           const float* g = acc[i];
-          const float* u = acc[i] + 16;
+          const float* u = acc[i] + kHalfPanel;
 #pragma omp simd
           for (int64_t c = 0; c < width; ++c) {
-            dst[c] = g[c] / (1.0f + baton::exp_approx(-g[c])) * u[c];
+            dst[c] = baton::silu(g[c]) * u[c];
           }
         }
       }

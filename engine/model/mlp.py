@@ -78,7 +78,12 @@ class Experts(nn.Module):
         self.register_buffer("gate_up_scale", None, persistent=False)
         self.register_buffer("down_scale", None, persistent=False)
         self.block_size: tuple[int, int] | None = None
-        self.packed = False  # the weights are in the native CPU kernel's panels (SparseMoE.pack_experts)
+
+    @property
+    def packed(self) -> bool:
+        """The weights are in the native CPU kernel's panels (SparseMoE.pack_experts):
+        [E, panels, K, 32] rather than the stacked [E, N, K]."""
+        return self.gate_up_proj.dim() == 4
 
     def quantize_fp8(self, block_size: tuple[int, int] | None) -> None:
         """Make the experts' weights FP8, per channel or per `block_size` block, one
@@ -137,7 +142,6 @@ class SparseMoE(nn.Module):
         del gate_up, down
         experts.gate_up_proj = nn.Parameter(packed_gate_up, requires_grad=False)
         experts.down_proj = nn.Parameter(packed_down, requires_grad=False)
-        experts.packed = True
         return True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden]
