@@ -41,6 +41,7 @@ import contextlib
 import json
 import logging
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -131,39 +132,48 @@ class IpcChannel(KvTransport):
         except BaseException:
             listener.close()
             raise
+        # shutdown() does not wake an accept() blocked on a Unix socket (a stopped worker
+        # waited out the whole timeout): the wait is on the listener and a socket pair's
+        # end, which cancel() writes to.
+        wake, waker = socket.socketpair()
         cancelled = threading.Event()
 
         def accept() -> IpcChannel:
             try:
-                return cls._accept(listener, channel_id, kv_cache, timeout_s, secret, export, fds, cancelled)
+                return cls._accept(listener, wake, channel_id, kv_cache, timeout_s, secret, export, fds, cancelled)
             finally:
                 listener.close()
+                wake.close()
+                waker.close()
 
         def cancel() -> None:
             cancelled.set()
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)  # wakes an accept() blocked on it
+            with contextlib.suppress(OSError):  # closed already: accept() has returned
+                waker.send(b"x")
 
         return name, accept, cancel
 
     @classmethod
-    def _accept(cls, listener: socket.socket, channel_id: str, kv_cache: KVCache, timeout_s: float, secret: bytes,
-                export: dict, fds: list[int], cancelled: threading.Event) -> IpcChannel:
+    def _accept(cls, listener: socket.socket, wake: socket.socket, channel_id: str, kv_cache: KVCache,
+                timeout_s: float, secret: bytes, export: dict, fds: list[int], cancelled: threading.Event,
+                ) -> IpcChannel:
         deadline = time.monotonic() + timeout_s
         spec = KvLayoutSpec.from_kv_layout(kv_cache.layout)
+        listener.setblocking(False)
         while True:
             remaining = deadline - time.monotonic()
             if cancelled.is_set():
-                raise KvTransferError(f"channel {channel_id}: its opening was given up")
+                raise KvTransferError(f"channel {channel_id}: its opening was cancelled")
             if remaining <= 0:
                 raise KvTransferError(f"channel {channel_id}: peer did not join within {timeout_s:g} s")
-            listener.settimeout(remaining)
+            readable, _, _ = select.select([listener, wake], [], [], remaining)
+            if listener not in readable:
+                continue  # cancelled (checked above), or the time is up
             try:
                 conn, _ = listener.accept()
-            except socket.timeout:
+            except (BlockingIOError, InterruptedError):  # the connection went away before we took it
                 continue
-            except OSError:  # shut down by cancel()
-                continue
+            conn.setblocking(True)
             # A connection that does not say HELLO at once is not the sender we wait for (it sends
             # HELLO right after connecting): it may not hold up the one that is.
             frames = Frames(conn, max(0.1, min(HELLO_TIMEOUT_S, timeout_s, deadline - time.monotonic())))

@@ -87,18 +87,32 @@ def test_an_ipc_receiver_whose_cache_is_not_shared_refuses_to_offer():
         listen("private", "ipc", "", KVCache(LAYOUT, 8, 0), timeout_s=1)
 
 
-def test_a_rendezvous_given_up_stops_waiting_for_its_peer():
+@pytest.mark.parametrize("transport", ["gloo", "ipc"])
+def test_a_receiver_cancelled_stops_waiting_for_its_peer(transport):
     """A pull cancelled before its prefill worker joined (a silent peer, the call gone) left
     the receiver's thread waiting out the rendezvous timeout, and a worker stopped meanwhile
-    lingered that long (30 s). Cancelled, the wait ends at once; so does a sender's, given up
-    while the receiver it was told of has not come."""
-    offer = listen("abandoned", "gloo", "127.0.0.1", _cache("gloo"), timeout_s=120)
+    lingered that long (30 s; over ipc too: shutdown() does not wake an accept() on a Unix
+    socket). Cancelled, the wait ends at once, and the next channel opens at once."""
+    address = "" if transport == "ipc" else "127.0.0.1"
+    cache = _cache(transport)
+    offer = listen("abandoned", transport, address, cache, timeout_s=120)
     thread, outcome = _accept_in_thread(offer)
     offer.cancel()
     thread.join(timeout=30)  # well short of the 120 s it would otherwise wait
     assert not thread.is_alive() and isinstance(outcome.get("receiver"), KvTransferError), outcome
     assert "cancelled" in str(outcome["receiver"])
+    # The next channel: its sender gets in, though the last one was given up.
+    offer = listen("next", transport, address, cache, timeout_s=120)
+    thread, outcome = _accept_in_thread(offer)
+    sender = join(offer.rendezvous, _cache(transport))
+    thread.join(timeout=30)
+    assert not thread.is_alive() and not isinstance(outcome.get("receiver"), BaseException), outcome
+    sender.close()
+    outcome["receiver"].close()
 
+
+def test_a_sender_given_up_stops_waiting_for_its_receiver():
+    """A sender's wait, given up while the receiver it was told of has not come, ends at once."""
     unaccepted = listen("never-accepted", "gloo", "127.0.0.1", _cache("gloo"), timeout_s=120)
     cancelled, joined = threading.Event(), {}
 
