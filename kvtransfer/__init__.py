@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # for type checkers only: never run
     from kvtransfer.channel import KvChannel
     from kvtransfer.checksum import block_checksums
     from kvtransfer.layout import KvLayoutMismatchError, KvLayoutSpec
-    from kvtransfer.lease import KvLease, KvLeaseTable, LeaseState
+    from kvtransfer.lease import KvLease, KvLeaseTable, LeaseState, ReleasedBeforeHeld
     from kvtransfer.connect import ChannelOffer, join, listen
     from kvtransfer.endpoint import KvEndpoint, TransportRefusedError, choose_transport, check_transport
     from kvtransfer.ipc import IpcChannel
@@ -32,6 +32,7 @@ _LOCATIONS = {
     "KvLease": "kvtransfer.lease",
     "KvLeaseTable": "kvtransfer.lease",
     "LeaseState": "kvtransfer.lease",
+    "ReleasedBeforeHeld": "kvtransfer.lease",
     "ChannelOffer": "kvtransfer.connect",
     "IpcChannel": "kvtransfer.ipc",
     "KvEndpoint": "kvtransfer.endpoint",

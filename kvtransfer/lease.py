@@ -29,8 +29,15 @@ class KvLease:
     num_tokens: int = 0
     deadline: float = math.inf  # clock() value after which a HELD lease expires
     state: LeaseState = LeaseState.CLAIMED
-    release_requested: bool = False  # released while SENDING: do not retry the send
+    # Released while CLAIMED (its Prefill still runs: never to be held) or SENDING (do
+    # not retry the send).
+    release_requested: bool = False
     ends_at_deadline: bool = False  # its request's deadline, not the lease length, ends it
+
+
+class ReleasedBeforeHeld(KeyError):
+    """hold() of a request its owner released while it was being prefilled: nothing is
+    held, the lease is gone, and the caller frees the blocks its prefill pinned."""
 
 
 class KvLeaseTable:
@@ -45,6 +52,8 @@ class KvLeaseTable:
                      │                │                      release: release_requested = True
                      │                ├─release──> (gone; caller frees)
                      │                └─deadline (expired()) ──> (gone; caller frees)
+                     ├─release: release_requested = True; a later hold raises
+                     │  ReleasedBeforeHeld (the caller frees what its prefill pinned)
                      └─disown──> (gone: nothing held)
 
     A SENDING lease never expires: the transfer's own timeout bounds it. Plain Python
@@ -94,10 +103,14 @@ class KvLeaseTable:
     def hold(self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float,
              ends_at_deadline: bool = False) -> KvLease:
         """Record a claimed request's KV pinned for a handoff, HELD for `lease_s` seconds.
-        KeyError if not claimed; ValueError if already held."""
+        KeyError if not claimed (ReleasedBeforeHeld if released since its claim: it is
+        gone then, and the caller frees the blocks); ValueError if already held."""
         lease = self._leases[request_id]
         if lease.state is not LeaseState.CLAIMED:
             raise ValueError(f"KV of {request_id!r} is already held")
+        if lease.release_requested:  # its owner gave it up mid-prefill: it must not wait a lease out
+            del self._leases[request_id]
+            raise ReleasedBeforeHeld(request_id)
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         lease.block_ids, lease.num_tokens, lease.deadline = list(block_ids), num_tokens, self._clock() + lease_s
@@ -126,13 +139,13 @@ class KvLeaseTable:
         del self._leases[request_id]
 
     def release(self, request_id: str) -> bool:
-        """Drop a lease. True: it was HELD and is gone, free its blocks now. False: absent or
-        CLAIMED (nothing to free), or SENDING: marked release_requested, the sender frees
-        after end_send."""
+        """Drop a lease. True: it was HELD and is gone, free its blocks now. False: absent;
+        CLAIMED (nothing to free yet: marked release_requested, so that its hold refuses);
+        or SENDING: marked release_requested, the sender frees after end_send."""
         lease = self._leases.get(request_id)
-        if lease is None or lease.state is LeaseState.CLAIMED:
+        if lease is None:
             return False
-        if lease.state is LeaseState.SENDING:
+        if lease.state is not LeaseState.HELD:
             lease.release_requested = True
             return False
         del self._leases[request_id]

@@ -170,6 +170,9 @@ class KvSender:
         if not self.leases.owns(request_id, request.kv_token):
             return False
         if self.leases.get(request_id).state is LeaseState.CLAIMED:
+            # Still prefilling: aborted, and marked so that its Prefill, should its first
+            # token be out already, frees the blocks instead of holding them for a lease.
+            self.leases.release(request_id)
             return await self.engine.abort(request_id)  # its Prefill call then disowns it
         if self.leases.release(request_id):
             await self.engine.call(lambda llm: llm.release_kv(request_id))

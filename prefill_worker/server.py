@@ -15,7 +15,7 @@ from baton.wire import convert, kv_convert
 from baton.wire.internal.v1 import worker_pb2, worker_pb2_grpc
 from baton.wire.records import KvHandle, PrefillResult, SendKvDone, WorkRequest
 from engine.async_engine import EngineDeadError
-from kvtransfer import KvLayoutMismatchError, KvTransferError, TransportRefusedError
+from kvtransfer import KvLayoutMismatchError, KvTransferError, ReleasedBeforeHeld, TransportRefusedError
 from prefill_worker.kv_sender import (
     AlreadyClaimed,
     AlreadySending,
@@ -120,7 +120,11 @@ class PrefillWorkerService(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         self._observe(output, span)
         if output.finish_reason == "abort":
             await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
-        return self._result(work, output, span, deadline)
+        try:
+            return self._result(work, output, span, deadline)
+        except ReleasedBeforeHeld:  # its gateway let it go while it was prefilled: nothing waits a lease out
+            await engine.call(lambda llm: llm.release_kv(work.request_id))
+            await context.abort(grpc.StatusCode.CANCELLED, "its KV was released while it was prefilled")
 
     def _result(self, work: WorkRequest, output, span, deadline: float | None) -> PrefillResult:
         first_logprob = output.new_logprobs[0] if output.new_logprobs else None

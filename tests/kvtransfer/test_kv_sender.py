@@ -12,7 +12,7 @@ import torch
 
 from baton.wire.records import OpenKvChannel, ReleaseKv, SendKv
 from engine.kv.cache import KVCache, KVLayout
-from kvtransfer import KvEndpoint, KvLayoutSpec, Rendezvous
+from kvtransfer import KvEndpoint, KvLayoutSpec, ReleasedBeforeHeld, Rendezvous
 from prefill_worker.kv_sender import (LEASE_SWEEP_S, MIN_LEASE_S, AlreadyClaimed, BlockCountMismatch, ChannelInUse,
                                       KvSender, NotHeld, _Channel)
 
@@ -120,6 +120,11 @@ def test_a_stranger_cannot_release_abort_or_pull_a_requests_kv():
         assert "held" not in sender.leases and engine.released == ["held"]
         assert await sender.release(ReleaseKv("prefilling", "a" * 32))
         assert engine.aborted == ["prefilling"]
+        # Its first token was out already (the abort came too late to stop it): its Prefill
+        # is told not to hold the blocks, so they do not wait out a lease nobody will pull.
+        with pytest.raises(ReleasedBeforeHeld):
+            sender.hold("prefilling", [5, 6], num_tokens=8)
+        assert "prefilling" not in sender.leases
 
     asyncio.run(scenario())
 
