@@ -324,7 +324,7 @@ class LLMEngine:
         whose rows check proposals needs their last tokens: the step in flight is
         completed first and this one runs plain.
         """
-        started = time.perf_counter()
+        started = entered = time.perf_counter()
         outputs = []
         plan = self.speculator.plan(self.scheduler.running) if self.speculator is not None else []
         if plan and self.overlap.step is not None:
@@ -333,6 +333,7 @@ class LLMEngine:
         launched = self._launch(plan) if self.scheduler.has_schedulable_requests() else None
         outputs += self.overlap.turn(launched, self._complete, started, plain=bool(plan))
         aborted, self._aborted_outputs = self._aborted_outputs, []  # (ended between calls)
+        self.scheduler.counters.busy_seconds_total += time.perf_counter() - entered  # (in the next step's window)
         return StepOutput(aborted + outputs, launched.kv_receives if launched is not None else [])
 
     def _launch(self, plan: list) -> UnresolvedStep:

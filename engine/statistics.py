@@ -113,6 +113,8 @@ class RecentStats:
     prefix_cache_queried_tokens: int = stat(COUNTER, "Prompt tokens looked up in the prefix cache at admissions "
                                             "to prefill.", 17)
     prefix_cache_hit_tokens: int = stat(COUNTER, "Of them, those found cached.", 18)
+    busy_seconds: float = stat(GAUGE, "The engine's time in the window's steps: `seconds` without the idle gaps "
+                                      "between them (their mean step is busy_seconds / num_steps).", 19)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

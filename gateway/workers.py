@@ -165,11 +165,14 @@ class Worker:
     @property
     def stall_timeout_s(self) -> float:
         """How long this worker may leave a request or a poll unanswered before it counts
-        as stalled: STALL_STEPS of its recent mean step time, or STALL_FULL_STEPS of a step
-        that fills its token budget with prefill (by its published model: a burst's first
-        steps are that long, however short its recent ones were), at least the minimum."""
+        as stalled: STALL_STEPS of its recent mean step time (the time in its steps, not
+        the idle gaps between them: a worker that served a request now and then read as
+        one of seconds-long steps, and a frozen one went unnoticed for half a minute), or
+        STALL_FULL_STEPS of a step that fills its token budget with prefill (by its
+        published model: a burst's first steps are that long, however short its recent
+        ones were), at least the minimum."""
         recent = self.stats.recent
-        step_s = recent.seconds / recent.num_steps if recent is not None and recent.num_steps > 1 else 0.0
+        step_s = recent.busy_seconds / recent.num_steps if recent is not None and recent.num_steps > 1 else 0.0
         full_step_s = self.stats.prefill_s(self.stats.max_num_batched_tokens) or 0.0
         return max(self.min_stall_timeout_s, STALL_STEPS * step_s, STALL_FULL_STEPS * full_step_s)
 

@@ -56,7 +56,7 @@ _MAX_RECENT_STEPS = 1 << 16
 # The cumulative counts each snapshot holds, in this order (see SchedulerCounters._totals).
 _TOTALS = ("steps", "seqs", "tokens", "kv_used", "waiting", "admissions", "preempt_recompute",
            "preempt_swap", "swap_blocks", "queued", "queue_time", "kv_blocked", "seq_capped",
-           "prefix_queried", "prefix_hit")
+           "prefix_queried", "prefix_hit", "busy")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,7 +83,7 @@ class SchedulerCounters:
         "num_steps", "num_tokens_last_step", "num_tokens_total", "num_seqs_total",
         "kv_efficiency_total", "num_kv_blocks_used_total", "num_waiting_total", "num_entries",
         "num_preemptions", "num_swapped_blocks_out", "queue_times", "num_queued", "queue_time_total",
-        "num_steps_kv_blocked", "num_steps_seq_capped", "num_finished", "snapshots", "prefix",
+        "num_steps_kv_blocked", "num_steps_seq_capped", "num_finished", "snapshots", "prefix", "busy_seconds_total",
     )
 
     def __init__(self, prefix: PrefixCacheStats) -> None:
@@ -108,6 +108,9 @@ class SchedulerCounters:
         self.num_steps_kv_blocked = 0
         self.num_steps_seq_capped = 0
         self.num_finished = 0
+        # The engine's time in its steps (LLMEngine.step adds each call's): the time steps
+        # took, without the idle gaps between them.
+        self.busy_seconds_total = 0.0
         # (time, totals) after each step of the recent window; the first is its baseline.
         self.snapshots: deque[tuple[float, tuple]] = deque(maxlen=_MAX_RECENT_STEPS)
         self.snapshots.append((time.monotonic(), self._totals()))
@@ -165,7 +168,7 @@ class SchedulerCounters:
             self.num_waiting_total, self.num_entries, self.num_preemptions[PreemptionKind.RECOMPUTE],
             self.num_preemptions[PreemptionKind.SWAP], self.num_swapped_blocks_out, self.num_queued,
             self.queue_time_total, self.num_steps_kv_blocked, self.num_steps_seq_capped,
-            self.prefix.num_queried_tokens, self.prefix.num_hit_tokens,
+            self.prefix.num_queried_tokens, self.prefix.num_hit_tokens, self.busy_seconds_total,
         )
 
     def recent(self, now: float, num_kv_blocks: int) -> RecentStats:
@@ -198,6 +201,7 @@ class SchedulerCounters:
             num_steps_seq_capped=delta["seq_capped"],
             prefix_cache_queried_tokens=delta["prefix_queried"],
             prefix_cache_hit_tokens=delta["prefix_hit"],
+            busy_seconds=delta["busy"],
         )
 
 

@@ -167,6 +167,23 @@ def test_recent_window_after_an_idle_spell_covers_only_the_new_steps(tiny):
     assert recent.seconds_since_last_step < 60
 
 
+def test_recent_busy_time_leaves_out_the_idle_gaps_between_steps(tiny):
+    """The recent window's steps span its idle gaps; its busy time does not, so a worker
+    that serves now and then still reads as one of short steps (the gateway's stall
+    timeout is a multiple of that mean step)."""
+    _, model_dir = tiny
+    engine = make_engine(model_dir)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request([5, 6, 7], params, request_id="before")
+    drain(engine)
+    time.sleep(1.0)  # idle: no step runs
+    engine.add_request([8, 9, 10], params, request_id="after")
+    drain(engine)
+    recent = engine.scheduler.recent_stats()
+    assert recent.num_steps >= 8 and recent.seconds >= 1.0
+    assert 0 < recent.busy_seconds < recent.seconds - 0.9  # the second of idling is not in it
+
+
 def test_failed_receive_prefills_here_and_times_only_that_prefill(tiny):
     _, model_dir = tiny
     engine = make_engine(model_dir)

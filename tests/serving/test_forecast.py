@@ -12,10 +12,11 @@ import pytest
 
 from baton.wire.records import WorkerStats
 from engine.sampling_params import SamplingParams
+from engine.statistics import RecentStats
 from gateway.admission import GatewayAdmission, GatewayLimits, pooled_rates
 from gateway.errors import RequestError
 from gateway.forecast import DEADLINE, DEADLINE_SHARE, DEFAULT_OUTPUT, QUEUE_WAIT, Admitted, Forecast, Rates
-from gateway.workers import RoutingPolicy, WorkerPool
+from gateway.workers import STALL_STEPS, RoutingPolicy, WorkerPool
 
 # A prefill worker at 1 ms a prompt token; decode steps of 10 ms + 1 ms a sequence.
 RATES = Rates(prefill_s_per_token=1e-3, decode_base_s=0.01, decode_per_seq_s=1e-3, num_decode_workers=1)
@@ -251,6 +252,19 @@ def test_a_worker_may_take_a_full_prefill_step_before_it_counts_as_stalled():
     assert worker.stall_timeout_s == pytest.approx(3 * 2048 * 3e-3)
     worker.stats = WorkerStats(worker_id="d", role="decode", serving=True, max_num_batched_tokens=2048)
     assert worker.stall_timeout_s == worker.min_stall_timeout_s  # no model: the minimum
+
+
+def test_a_worker_idle_between_requests_is_not_given_longer_to_stall():
+    """Its recent steps span idle gaps (20 short steps over 40 s): the stall timeout
+    follows the time in its steps, not the span, so a frozen worker is caught in about a
+    second, not in 50 x 2 s."""
+    worker = _pool([], [(0.01, 1e-3)]).decode[0]
+    worker.stats = WorkerStats(worker_id="d", role="decode", serving=True,
+                               recent=RecentStats(seconds=40.0, busy_seconds=0.2, num_steps=20))
+    assert worker.stall_timeout_s == worker.min_stall_timeout_s
+    worker.stats = WorkerStats(worker_id="d", role="decode", serving=True,
+                               recent=RecentStats(seconds=40.0, busy_seconds=4.0, num_steps=20))
+    assert worker.stall_timeout_s == pytest.approx(STALL_STEPS * 0.2)  # long steps: longer
 
 
 def test_finished_requests_correct_the_decode_forecast_upward_only():

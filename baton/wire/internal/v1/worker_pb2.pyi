@@ -386,7 +386,7 @@ class KvTransportStats(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., num_failures: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class RecentStats(_message.Message):
-    __slots__ = ("window_seconds", "seconds", "seconds_since_last_step", "num_steps", "mean_batch_size", "mean_tokens_per_step", "mean_kv_usage", "mean_num_waiting", "num_admissions", "num_preemptions_recompute", "num_preemptions_swap", "num_swapped_blocks_out", "num_queued", "mean_queue_seconds", "num_steps_kv_blocked", "num_steps_seq_capped", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
+    __slots__ = ("window_seconds", "seconds", "seconds_since_last_step", "num_steps", "mean_batch_size", "mean_tokens_per_step", "mean_kv_usage", "mean_num_waiting", "num_admissions", "num_preemptions_recompute", "num_preemptions_swap", "num_swapped_blocks_out", "num_queued", "mean_queue_seconds", "num_steps_kv_blocked", "num_steps_seq_capped", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "busy_seconds")
     WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_LAST_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +405,7 @@ class RecentStats(_message.Message):
     NUM_STEPS_SEQ_CAPPED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     window_seconds: float
     seconds: float
     seconds_since_last_step: float
@@ -423,4 +424,5 @@ class RecentStats(_message.Message):
     num_steps_seq_capped: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
-    def __init__(self, window_seconds: _Optional[float] = ..., seconds: _Optional[float] = ..., seconds_since_last_step: _Optional[float] = ..., num_steps: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., mean_tokens_per_step: _Optional[float] = ..., mean_kv_usage: _Optional[float] = ..., mean_num_waiting: _Optional[float] = ..., num_admissions: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_swapped_blocks_out: _Optional[int] = ..., num_queued: _Optional[int] = ..., mean_queue_seconds: _Optional[float] = ..., num_steps_kv_blocked: _Optional[int] = ..., num_steps_seq_capped: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...
+    busy_seconds: float
+    def __init__(self, window_seconds: _Optional[float] = ..., seconds: _Optional[float] = ..., seconds_since_last_step: _Optional[float] = ..., num_steps: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., mean_tokens_per_step: _Optional[float] = ..., mean_kv_usage: _Optional[float] = ..., mean_num_waiting: _Optional[float] = ..., num_admissions: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_swapped_blocks_out: _Optional[int] = ..., num_queued: _Optional[int] = ..., mean_queue_seconds: _Optional[float] = ..., num_steps_kv_blocked: _Optional[int] = ..., num_steps_seq_capped: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
