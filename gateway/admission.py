@@ -22,11 +22,18 @@ The gateway dispatches what it admits at once; the order in which the admitted w
 for their prefill is the prefill workers' (priority, then earliest deadline, then
 arrival), and the forecast assumes that order. Requests moved off a lost worker are
 not admitted again: admission is the gateway's promise to a request, made once.
+
+A promise a wrong forecast cannot keep is not kept for everyone at the cost of all:
+while requests decode, their progress is checked against their deadlines (at most every
+SHED_INTERVAL_S, as their tokens come), and when the deployment falls behind, the
+fewest are shed (Forecast.to_shed) with DEADLINE_EXCEEDED naming why, so that the rest
+finish in time; the step they show also scales the forecast of what is admitted next.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, replace
@@ -41,7 +48,9 @@ from gateway.errors import RequestError
 from gateway.forecast import (
     CONCURRENCY,
     DEADLINE,
+    MAX_DECODE_SCALE,
     QUEUE_WAIT,
+    SHED,
     Admitted,
     DecodeScale,
     Forecast,
@@ -51,12 +60,15 @@ from gateway.forecast import (
 )
 from gateway.workers import POLL_INTERVAL_S, Worker, WorkerPool
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MAX_QUEUE_WAIT_S = 60.0
 # With no worker's limits known yet (none has answered a poll): the dispatcher
 # refuses with UNAVAILABLE anyway, so admission stands aside.
 UNKNOWN = AdmissionLimits(max_requests=1 << 30, max_queued_tokens=1 << 40)
 FORECAST_WINDOW = 256  # requests whose forecast and observed first tokens are compared
 MIN_RETRY_S, MAX_RETRY_S = 0.1, 10.0
+SHED_INTERVAL_S = 0.25  # how often running requests' progress is checked against their deadlines
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +121,7 @@ class AdmissionStats:
         self.refused: Counter[str] = Counter()
         self.num_deadline_misses = 0  # admitted, then ended at their deadline
         self.num_met_deadlines = 0  # finished with a deadline, within it
+        self.num_shed = 0  # admitted, then ended early: the deployment fell behind
         self.ttft_pairs: deque[tuple[float, float]] = deque(maxlen=FORECAST_WINDOW)  # (forecast, observed)
 
     def mean_ttft(self) -> tuple[float | None, float | None]:
@@ -135,12 +148,17 @@ class GatewayAdmission:
         self._orders = itertools.count()
         self._derived_at = float("-inf")
         self._rates = Rates(None, None, 0.0, 0)
-        # The integral of len(forecast.admitted) over time, to when it was last advanced.
+        # The integral of the sequences admitted over time, to when it was last advanced.
         self._admitted_area = 0.0
         self._area_at = clock()
         # The requests in flight (self.queue's) by the front end each came by, for the gauge.
         self._fronts: dict[str, str] = {}
         self._num_in_flight: Counter[str] = Counter()
+        # Requests shed, by id, with the error they end with; and the step scale the
+        # running requests show (None: nothing observed), as of the last check.
+        self.shed: dict[str, RequestError] = {}
+        self.observed_scale: float | None = None
+        self._checked_at = float("-inf")
 
     @property
     def limits(self) -> AdmissionLimits:
@@ -164,20 +182,32 @@ class GatewayAdmission:
     def _advance(self) -> float:
         """The integral of requests admitted over time, brought to now (call before the count changes)."""
         now = self._clock()
-        self._admitted_area += len(self.forecast.admitted) * (now - self._area_at)
+        self._admitted_area += self.forecast.num_seqs * (now - self._area_at)
         self._area_at = now
         return self._admitted_area
 
-    def admit(self, request_id: str, front: str = "") -> None:
-        """Take a request on before tokenizing it; RequestError RESOURCE_EXHAUSTED if as
-        many are in flight as the decode workers can run. `front`: the front end it came
-        by (grpc, http), for `in_flight`."""
+    def check_room(self, num_seqs: int, field: str = "sampling.n") -> None:
+        """RequestError RESOURCE_EXHAUSTED if `num_seqs` more sequences (a batch's, all its
+        prompts' choices) would not fit beside those in flight, INVALID_ARGUMENT (naming
+        `field`, what asked for them) if they could never fit; nothing is held either way."""
         self._refresh()
+        limit = self.queue.limits.max_requests
+        if num_seqs > limit:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{num_seqs} sequences asked for (prompts times n): "
+                               f"this deployment runs at most {limit} at once", field=field)
         try:
-            self.queue.admit(request_id)
+            self.queue.check_room(num_seqs)
         except Overloaded as refusal:
             self.stats.refused[CONCURRENCY] += 1
             raise _refused(Verdict(CONCURRENCY, str(refusal), refusal.retry_after_s)) from None
+
+    def admit(self, request_id: str, front: str = "", num_seqs: int = 1) -> None:
+        """Take a request on before tokenizing it; RequestError RESOURCE_EXHAUSTED if its
+        `num_seqs` sequences (its n choices: each runs in a decode batch) would pass what
+        the decode workers can run. `front`: the front end it came by (grpc, http), for
+        `in_flight`."""
+        self.check_room(num_seqs)
+        self.queue.admit(request_id, num_seqs=num_seqs)
         self._fronts[request_id] = front
         self._num_in_flight[front] += 1
 
@@ -193,19 +223,21 @@ class GatewayAdmission:
 
     def queue_tokens(self, request_id: str, num_tokens: int, params: SamplingParams | None = None,
                      priority: int = 0, deadline: float | None = None, arrival: float | None = None,
-                     max_context: int | None = None) -> float | None:
+                     max_context: int | None = None, num_seqs: int = 1) -> float | None:
         """Its prompt, once tokenized, and what it asks for: RequestError (and released)
         if the forecast says no. `deadline`: time.monotonic() seconds, None for none.
         `max_context`: the model's context, which ends a request before its max_tokens
-        when they do not fit beside its prompt (None: unknown). Returns its forecast
-        first token, seconds from arrival (None: no model yet)."""
+        when they do not fit beside its prompt (None: unknown); `num_seqs`: its choices,
+        each a place in a decode batch. Returns its forecast first token, seconds from
+        arrival (None: no model yet)."""
         now = self._clock()
         params = params or SamplingParams()
         max_tokens = params.max_tokens if max_context is None else max(1, min(params.max_tokens,
                                                                               max_context - num_tokens))
         request = Admitted(request_id, priority, deadline, now if arrival is None else arrival, next(self._orders),
-                           num_tokens, max_tokens, self.outputs.expected(max_tokens, params.ignore_eos))
-        verdict = self.forecast.judge(request, self.rates, now, self.configured.max_queue_wait_s)
+                           num_tokens, max_tokens, self.outputs.expected(max_tokens, params.ignore_eos),
+                           num_seqs=num_seqs)
+        verdict = self.forecast.judge(request, self._judging_rates(), now, self.configured.max_queue_wait_s)
         if verdict is None:
             try:
                 self.queue.queue_tokens(request_id, num_tokens)
@@ -240,12 +272,49 @@ class GatewayAdmission:
             request.admitted_area_at_decode_start = self._advance()
             request.decode_start_tokens = request.num_generated + num_tokens
         request.num_generated += num_tokens
+        self._check_progress()
+
+    def _judging_rates(self) -> Rates:
+        """The rates a newcomer is judged by: the decode scale is the larger of what
+        finished requests taught and what the running ones show."""
+        rates = self.rates
+        if self.observed_scale is not None and self.observed_scale > rates.decode_scale:
+            rates = replace(rates, decode_scale=min(MAX_DECODE_SCALE, self.observed_scale))
+        return rates
+
+    def _check_progress(self) -> None:
+        """Shed what the running requests' progress says cannot finish in time (at most
+        every SHED_INTERVAL_S)."""
+        now = self._clock()
+        if now - self._checked_at < SHED_INTERVAL_S:
+            return
+        self._checked_at = now
+        rates = self.rates
+        self.observed_scale = self.forecast.observed_scale(rates, now)
+        shed = [r for r in self.forecast.to_shed(rates, now) if r.request_id not in self.shed]
+        if not shed:
+            return
+        kept = len(self.forecast.admitted) - len(self.shed) - len(shed)
+        for request in shed:
+            self.shed[request.request_id] = RequestError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"shed: the deployment fell behind its forecast, and this request could not finish by its deadline "
+                f"beside the {kept} admitted requests kept (those of higher priority, or admitted earlier)",
+                reason=SHED)
+        self.stats.num_shed += len(shed)
+        logger.warning("admission: the deployment fell behind its forecast (decode steps %.1fx the workers' line): "
+                       "shed %d request(s), kept %d", self.observed_scale or 0.0, len(shed), kept)
+
+    def shed_error(self, request_id: str) -> RequestError | None:
+        """The error a shed request ends with (None: it is not shed)."""
+        return self.shed.get(request_id)
 
     def release(self, request_id: str, outcome: str | None = None) -> None:
         """It ended, however; `outcome`: its finish reason, or "deadline" when its deadline
         passed first (a forecast that failed it)."""
         self.queue.release(request_id)
         self._leave(request_id)
+        self.shed.pop(request_id, None)
         if request_id not in self.forecast.admitted:
             return
         area = self._advance()

@@ -8,7 +8,8 @@ decode_step_per_seq_s: fitted on each worker's own steps, calibrated at its star
                   order the prefill workers' waiting queues keep), and its own, at the
                   prefill workers' pooled rate
     last token    its first token, then its expected output at the step time of the decode
-                  batch it joins: every admitted request, spread over the decode workers,
+                  batch it joins: every admitted request's sequences (n choices: n), spread
+                  over the decode workers,
                   scaled by what finished requests' steps took against their forecasts
 
 A request's expected output is its max_tokens when it ignores EOS; otherwise the smaller of
@@ -23,12 +24,23 @@ an idle deployment could not finish it in time; an idle deployment is judged by 
 alone, so what the scale learned under load never locks a shape out. A
 forecast is only as good as its models: every admitted request's forecast first token is
 kept to be compared with what happened (GatewayAdmission's stats).
+
+A forecast can still be wrong: a cold deployment's first burst decodes in batches its
+workers' line never saw. So while requests run, `to_shed` compares their progress with
+their deadlines. The step their decoding shows (the median over those that decoded
+MIN_OBSERVED_TOKENS or more) is the line scaled by what it shows; if at that step an
+admitted request would finish past its deadline, the fewest requests are shed so that
+the rest finish in time: hopeless ones first, then the lowest priority, then the
+latest admitted (requests without a deadline are never shed). The scale it observed
+also corrects the forecast of what is admitted next (`observed_scale`), before any
+request has finished to teach DecodeScale.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -43,8 +55,15 @@ MIN_SCALE_TOKENS = 16
 MAX_DECODE_SCALE = 3.0
 DEFAULT_OUTPUT = 128  # expected output before any request has finished on its own
 
-# Why admission refuses (baton_requests_refused's reasons, beside a worker's own).
-CONCURRENCY, QUEUE_WAIT, DEADLINE = "concurrency", "queue_wait", "deadline"
+# Why admission refuses (baton_requests_refused's reasons, beside a worker's own), and
+# why a request admitted is shed.
+CONCURRENCY, QUEUE_WAIT, DEADLINE, SHED = "concurrency", "queue_wait", "deadline", "shed"
+# A running request's decode shows the deployment's step once it has this many tokens
+# past its first decode step.
+MIN_OBSERVED_TOKENS = 8
+# A request is behind when its projected last token falls within this share of its time
+# of its deadline (the projection's own margin for error).
+SHED_MARGIN = 0.05
 
 
 @dataclass(slots=True)
@@ -59,6 +78,7 @@ class Admitted:
     num_prompt_tokens: int
     max_tokens: int
     expected_output: int
+    num_seqs: int = 1  # its n choices: each a place in a decode batch
     started: bool = False  # its first token came
     num_generated: int = 0
     forecast_ttft_s: float | None = None  # at admission, from arrival
@@ -68,6 +88,9 @@ class Admitted:
     decode_start_at: float | None = None
     decode_start_tokens: int = 0
     admitted_area_at_decode_start: float = 0.0
+    # Where its observed step is measured from (Forecast.observed_step_s): its first decode
+    # step, or the last shedding (the batch it decoded in changed then).
+    observed_from: tuple[float, int] | None = None
 
     @property
     def key(self) -> tuple:
@@ -186,9 +209,11 @@ class Forecast:
     # Not yet started, in prefill order (their keys, and the requests by key).
     _waiting_keys: list[tuple] = field(default_factory=list)
     _waiting: dict[tuple, Admitted] = field(default_factory=dict)
+    num_seqs: int = 0  # the admitted requests' sequences (their choices), summed
 
     def add(self, request: Admitted) -> None:
         self.admitted[request.request_id] = request
+        self.num_seqs += request.num_seqs
         if not request.started:
             bisect.insort(self._waiting_keys, request.key)
             self._waiting[request.key] = request
@@ -201,8 +226,10 @@ class Forecast:
 
     def remove(self, request_id: str) -> Admitted | None:
         request = self.admitted.pop(request_id, None)
-        if request is not None and not request.started:
-            self._drop_waiting(request)
+        if request is not None:
+            self.num_seqs -= request.num_seqs
+            if not request.started:
+                self._drop_waiting(request)
         return request
 
     def _drop_waiting(self, request: Admitted) -> None:
@@ -231,7 +258,7 @@ class Forecast:
             rates = rates.unscaled
         own_ttft = rates.prefill_s(request.num_prompt_tokens)
         ttft = self.ttft_s(request, rates)
-        batch = len(self.admitted) + 1
+        batch = self.num_seqs + request.num_seqs
         step_after = rates.step_s(batch)
         if request.deadline is not None:
             share = DEADLINE_SHARE * (request.deadline - now)
@@ -247,16 +274,17 @@ class Forecast:
         if ttft > max_queue_wait_s:
             return Verdict(QUEUE_WAIT, f"first token forecast in {ttft:.1f} s (queue wait limit "
                                        f"{max_queue_wait_s:g} s)", ttft - max_queue_wait_s)
-        late = self._pushed_past_deadline(request, rates, now, batch)
+        late = self._pushed_past_deadline(request, rates, now, self.num_seqs, batch)
         if late:
             return Verdict(DEADLINE, f"admitting it would make {late} admitted request(s) miss their deadlines",
                            self._next_finish_s(rates, now))
         request.forecast_ttft_s = (now - request.arrival) + ttft
         return None
 
-    def _pushed_past_deadline(self, new: Admitted, rates: Rates, now: float, batch: int) -> int:
+    def _pushed_past_deadline(self, new: Admitted, rates: Rates, now: float, batch_now: int, batch_after: int
+                              ) -> int:
         """How many admitted requests on track for their deadlines would not be with `new` in."""
-        step_now, step_after = rates.step_s(batch - 1), rates.step_s(batch)
+        step_now, step_after = rates.step_s(batch_now), rates.step_s(batch_after)
         new_prefill = rates.prefill_s(new.num_prompt_tokens)
         late = 0
         queued = 0  # prompt tokens of waiting requests before this one
@@ -279,8 +307,88 @@ class Forecast:
         on_track = start + remaining * step_now <= limit
         return int(on_track and start_after + remaining * step_after > limit)
 
+    # ------------------------------------------------------------- shedding
+    def observed_step_s(self, now: float) -> float | None:
+        """The decode step the running requests show: the median over those that decoded
+        MIN_OBSERVED_TOKENS or more of their seconds per token since their first decode
+        step (None: none has yet)."""
+        samples = []
+        for r in self.admitted.values():
+            if r.decode_start_at is None:
+                continue
+            since, tokens = r.observed_from or (r.decode_start_at, r.decode_start_tokens)
+            decoded = r.num_generated - tokens
+            if decoded >= MIN_OBSERVED_TOKENS and now > since:
+                samples.append((now - since) / decoded)
+        return statistics.median(samples) if samples else None
+
+    def observed_scale(self, rates: Rates, now: float) -> float | None:
+        """The observed step over the workers' own line at the sequences admitted now
+        (None: nothing observed, or no line)."""
+        step = self.observed_step_s(now)
+        line = rates.unscaled.step_s(self.num_seqs)
+        return step / line if step is not None and line > 0 else None
+
+    def to_shed(self, rates: Rates, now: float) -> list[Admitted]:
+        """The fewest admitted requests to end now so that every other one with a deadline
+        finishes within it at the step the running requests show; [] while none is behind
+        (or nothing has been observed). After a shedding, the step is observed afresh
+        (the batch it was measured in is gone), so the next comes only once it has been."""
+        step = self.observed_step_s(now)
+        if step is None:
+            return []
+        line_now = rates.unscaled.step_s(self.num_seqs)
+
+        def step_at(num_seqs: int) -> float:  # the observed step, scaled along the line (or in proportion)
+            if line_now > 0:
+                return step * rates.unscaled.step_s(num_seqs) / line_now
+            return step * num_seqs / max(1, self.num_seqs)
+
+        free = [r for r in self.admitted.values() if r.deadline is None]  # never shed
+        base_seqs = sum(r.num_seqs for r in free)
+        timed = sorted((r for r in self.admitted.values() if r.deadline is not None), key=lambda r: (r.priority,
+                                                                                                     r.order))
+        if self._all_on_time(timed, base_seqs + sum(r.num_seqs for r in timed), step_at, rates, now):
+            return []
+        hopeless = [r for r in timed if not self._all_on_time([r], base_seqs + r.num_seqs, step_at, rates, now)]
+        hopeless_ids = {r.request_id for r in hopeless}
+        keepable = [r for r in timed if r.request_id not in hopeless_ids]
+        # The longest prefix (highest priority, earliest admitted first) that finishes in time.
+        low, high = 0, len(keepable)
+        while low < high:
+            k = (low + high + 1) // 2
+            kept = keepable[:k]
+            if self._all_on_time(kept, base_seqs + sum(r.num_seqs for r in kept), step_at, rates, now):
+                low = k
+            else:
+                high = k - 1
+        shed = hopeless + keepable[low:]
+        for request in self.admitted.values():
+            if request.decode_start_at is not None:
+                request.observed_from = (now, request.num_generated)
+        return shed
+
+    @staticmethod
+    def _all_on_time(requests: list[Admitted], num_seqs: int, step_at, rates: Rates, now: float) -> bool:
+        """Whether each of `requests` (with deadlines) finishes in time in a decode batch of
+        `num_seqs`: the started ones decoding from now, the waiting ones after the prompts
+        of those among them before them in prefill order."""
+        step = step_at(num_seqs)
+        queued = 0
+        for request in sorted((r for r in requests if not r.started), key=lambda r: r.key):
+            queued += request.num_prompt_tokens
+            if _behind(request, now + rates.prefill_s(queued) + request.remaining_tokens() * step):
+                return False
+        return not any(_behind(request, now + request.remaining_tokens() * step)
+                       for request in requests if request.started)
+
     def _next_finish_s(self, rates: Rates, now: float) -> float:
         """Seconds until the first admitted request is forecast to finish: a retry hint."""
-        step = rates.step_s(len(self.admitted))
+        step = rates.step_s(self.num_seqs)
         started = [r.remaining_tokens() * step for r in self.admitted.values() if r.started]
         return min(started, default=rates.prefill_s(self.tokens_ahead((math.inf,))) + step)
+
+
+def _behind(request: Admitted, finish: float) -> bool:
+    """Whether a request finishing at `finish` is behind its deadline (within SHED_MARGIN of its time)."""
+    return finish > request.deadline - SHED_MARGIN * (request.deadline - request.arrival)

@@ -93,6 +93,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if metrics is not None:
             metrics.watch_in_flight(self.admission.in_flight)
 
+    def check_room(self, num_seqs: int, field: str) -> None:
+        """RequestError unless `num_seqs` more sequences (an HTTP batch's, all its prompts'
+        choices) could be admitted now: a batch is refused whole, before any of it runs.
+        `field`: what asked for them, named if they could never fit."""
+        try:
+            self.admission.check_room(num_seqs, field)
+        except RequestError as error:
+            if self.metrics is not None and error.reason is not None:
+                self.metrics.refuse(error.reason)
+            raise
+
     def _count_migration(self) -> None:
         if self.metrics is not None:
             self.metrics.migrations.inc()
@@ -197,21 +208,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         logs.bind_request(request_id, span)  # this call's log lines name it (baton/runtime/logs.py)
         if request_id in self._in_flight:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
-        self.admission.admit(request_id, front)  # before tokenizing: an overloaded gateway refuses at once
+        # Before tokenizing: an overloaded gateway refuses at once. Its n choices count as n.
+        self.admission.admit(request_id, front, request.params.n)
         self._in_flight.add(request_id)  # now, so that a twin arriving while this one tokenizes is refused
         try:
             known_length = request.prompt_kind == "token_ids"
             if known_length:  # refused now if it must be, not after waiting for the tokenizer thread
                 forecast = self.admission.queue_tokens(request_id, len(request.prompt), request.params,
                                                        request.priority, deadline, arrival,
-                                                       preparer.info.max_context_length)
+                                                       preparer.info.max_context_length, request.params.n)
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_executor, preparer.prepare, request, request_id, span
             )
             if not known_length:
                 forecast = self.admission.queue_tokens(request_id, len(prepared.prompt_token_ids), prepared.params,
                                                        prepared.priority, deadline, arrival,
-                                                       preparer.info.max_context_length)
+                                                       preparer.info.max_context_length, prepared.params.n)
             prepared.arrival, prepared.deadline = arrival, deadline
             if forecast is not None and self.metrics is not None:
                 self.metrics.forecast_ttft.observe(forecast)
@@ -284,6 +296,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     self.admission.started(prepared.request_id)  # its prompt is no longer queued
                 if index == 0:  # the output-length model learns one choice's length, not n summed
                     self.admission.generated(prepared.request_id, len(event.token_ids))
+                shed = self.admission.shed_error(prepared.request_id)
+                if shed is not None:  # the deployment fell behind: this one ends so that the rest finish in time
+                    raise shed
                 delta = choice.delta(event)
                 if delta.finish_reason is not None:
                     outcome = delta.finish_reason

@@ -4,12 +4,15 @@ queued without bound (where every request ends at its deadline and memory grows)
 
 The gateway (gateway/admission.py) and each worker keep one `AdmissionQueue`:
 
-    admit(id)                   over max_requests in flight: Overloaded
+    admit(id, num_seqs=n)       over max_requests sequences in flight: Overloaded
     queue_tokens(id, n)         over max_queued_tokens waiting to be prefilled: Overloaded
     started(id)                 its prompt is prefilled (first token): no longer queued
     release(id)                 it ended, however
 
-A request's prompt tokens count as queued from admission to its first token: the
+A request counts as the sequences it runs (its n choices: each decodes in a place of
+its own in a batch), so that n is refused here, before any token, rather than by a
+decode worker's bound once its choices fan out. A request's prompt tokens count as
+queued from admission to its first token: the
 work a newcomer waits behind for its own first token, so the bound on them is a bound
 on time to first token. A lone prompt longer than the bound is still admitted when
 nothing else is queued, or it could never run. Every verb is O(1), on the event loop.
@@ -34,8 +37,8 @@ DRAIN_WINDOW = 64  # departures the drain rates are measured over
 
 @dataclass(frozen=True, slots=True)
 class AdmissionLimits:
-    """`max_requests` in flight at once; `max_queued_tokens` prompt tokens admitted and
-    not yet prefilled."""
+    """`max_requests` sequences in flight at once (a request of n choices counts n);
+    `max_queued_tokens` prompt tokens admitted and not yet prefilled."""
 
     max_requests: int
     max_queued_tokens: int
@@ -92,7 +95,8 @@ class AdmissionQueue:
 
     def __init__(self, limits: AdmissionLimits, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
-        self._requests: set[str] = set()
+        self._requests: dict[str, int] = {}  # request id -> the sequences it runs
+        self.num_seqs = 0
         self._queued: dict[str, int] = {}  # request id -> its prompt tokens, until started
         self.num_queued_tokens = 0
         self.num_refused = 0
@@ -106,18 +110,26 @@ class AdmissionQueue:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def admit(self, request_id: str, num_tokens: int = 0, *, is_exempt: bool = False) -> None:
-        """Take the request on, with its prompt's `num_tokens` queued if known; Overloaded
-        if that would pass a limit (nothing is then held), ValueError if it is already in.
-        `is_exempt` (moved work, never refused): past the limits too, counted toward them."""
+    def check_room(self, num_seqs: int) -> None:
+        """Overloaded if `num_seqs` more sequences would pass the bound (a batch's whole
+        count, checked before any of it is admitted); nothing is held either way."""
+        excess = self.num_seqs + num_seqs - self.limits.max_requests
+        if excess > 0:
+            self.num_refused += 1
+            raise Overloaded(f"overloaded: {self.num_seqs} sequences in flight (limit {self.limits.max_requests}), "
+                             f"{num_seqs} more asked for", self._request_drain.seconds_for(excess))
+
+    def admit(self, request_id: str, num_tokens: int = 0, *, num_seqs: int = 1, is_exempt: bool = False) -> None:
+        """Take the request on (`num_seqs` sequences: its choices), with its prompt's
+        `num_tokens` queued if known; Overloaded if that would pass a limit (nothing is
+        then held), ValueError if it is already in. `is_exempt` (moved work, never
+        refused): past the limits too, counted toward them."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
-        excess = self.num_requests + 1 - self.limits.max_requests
-        if excess > 0 and not is_exempt:
-            self.num_refused += 1
-            raise Overloaded(f"overloaded: {self.num_requests} requests in flight (limit "
-                             f"{self.limits.max_requests})", self._request_drain.seconds_for(excess))
-        self._requests.add(request_id)
+        if not is_exempt:
+            self.check_room(num_seqs)
+        self._requests[request_id] = num_seqs
+        self.num_seqs += num_seqs
         if num_tokens:
             self.queue_tokens(request_id, num_tokens, is_exempt=is_exempt)
 
@@ -128,7 +140,7 @@ class AdmissionQueue:
         assert request_id in self._requests and request_id not in self._queued, request_id
         excess = self.num_queued_tokens + num_tokens - self.limits.max_queued_tokens
         if excess > 0 and self.num_queued_tokens > 0 and not is_exempt:
-            self._requests.discard(request_id)
+            self.num_seqs -= self._requests.pop(request_id)
             self.num_refused += 1
             # A prompt longer than the bound gets in once the queue is empty: it need not
             # wait for more than the queue to drain.
@@ -143,7 +155,7 @@ class AdmissionQueue:
         nothing of it stays, and it counts as a refusal, not a departure."""
         if request_id in self._requests:
             self._queued.pop(request_id, None)
-            self._requests.discard(request_id)
+            self.num_seqs -= self._requests.pop(request_id)
             self.num_refused += 1
 
     def started(self, request_id: str) -> None:
@@ -157,5 +169,6 @@ class AdmissionQueue:
         """The request ended, however (idempotent; unknown ids are ignored)."""
         if request_id in self._requests:
             self.started(request_id)
-            self._requests.discard(request_id)
-            self._request_drain.add(1)
+            num_seqs = self._requests.pop(request_id)
+            self.num_seqs -= num_seqs
+            self._request_drain.add(num_seqs)

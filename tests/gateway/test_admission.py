@@ -20,6 +20,7 @@ from baton.runtime.admission import (
 from baton.runtime.settings import DecodeWorkerSettings, GatewaySettings, PrefillWorkerSettings
 from baton.runtime.worker import worker_limits
 from baton.wire.records import WorkerStats
+from engine.sampling_params import SamplingParams
 from gateway.admission import UNKNOWN, GatewayAdmission, GatewayLimits
 from gateway.errors import RequestError
 from gateway.workers import RoutingPolicy, WorkerPool
@@ -37,7 +38,7 @@ def test_requests_beyond_the_limit_are_refused_and_a_release_makes_room():
     queue = AdmissionQueue(AdmissionLimits(max_requests=2, max_queued_tokens=1000))
     queue.admit("a", 10)
     queue.admit("b", 10)
-    with pytest.raises(Overloaded, match="2 requests in flight"):
+    with pytest.raises(Overloaded, match="2 sequences in flight"):
         queue.admit("c", 10)
     assert "c" not in queue and queue.num_requests == 2 and queue.num_queued_tokens == 20
     assert queue.num_refused == 1
@@ -206,6 +207,28 @@ def test_gateway_refuses_with_resource_exhausted_and_a_retry_hint():
     admission.started("a")
     admission.release("a")
     assert admission.queue.num_requests == 0 and admission.queue.num_queued_tokens == 0
+
+
+def test_n_choices_count_as_n_sequences_in_the_bound_and_the_forecast():
+    """A request of n choices runs n sequences: it takes n places of the decode workers'
+    max_num_seqs, and the forecast's decode batch grows by n."""
+    admission = GatewayAdmission(_pool([64], [8]))
+    admission.admit("a", num_seqs=5)
+    admission.queue_tokens("a", 10, SamplingParams(n=5), num_seqs=5)
+    assert admission.queue.num_seqs == 5 and admission.forecast.num_seqs == 5
+    with pytest.raises(RequestError) as refused:
+        admission.admit("b", num_seqs=4)  # 9 sequences: one over
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refused.value.reason == "concurrency"
+    admission.check_room(3)  # a batch of three fits, and holds nothing
+    assert admission.queue.num_seqs == 5
+    with pytest.raises(RequestError) as never:
+        admission.check_room(9)  # more than the deployment ever runs at once: no retry helps
+    assert never.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert never.value.error_details.field_violations[0][0] == "sampling.n"
+    admission.admit("b", num_seqs=3)
+    admission.release("a")
+    admission.release("b")
+    assert admission.queue.num_seqs == 0 and admission.forecast.num_seqs == 0
 
 
 # ----------------------------------------------------------------- workers

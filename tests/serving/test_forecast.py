@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -241,6 +242,119 @@ def test_a_burst_with_deadlines_admits_what_can_finish_and_it_all_does():
     best = max(b for b in range(1, 257) if 400 * rates.step_s(b) + rates.prefill_s(64 * b) <= DEADLINE_SHARE * 30)
     assert admitted >= best - 1
     assert math.isclose(admitted, best, abs_tol=1)
+
+
+def run_wrong_forecast(rates: Rates, truth: Rates, *, shed: bool, num_requests: int = 1500, deadline_s: float = 30.0,
+                       prompt: int = 64, output: int = 400, max_num_seqs: int = 256) -> dict[str, int]:
+    """A burst admitted on `rates` at 0, decoded at `truth`'s steps (prompts one after
+    another, then every step decodes all prefilled), progress checked every 0.25 s as
+    GatewayAdmission does, the requests `to_shed` names ended there (with `shed`)."""
+    forecast, admitted = Forecast(), []
+    for i in range(num_requests):
+        if len(admitted) >= max_num_seqs:
+            break
+        new = Admitted(f"r{i}", 0, deadline_s, 0.0, i, prompt, output, output)
+        if forecast.judge(new, rates, 0.0, 60.0) is None:
+            forecast.add(new)
+            admitted.append(new)
+    ready = {r.request_id: truth.prefill_s(prompt * (i + 1)) for i, r in enumerate(admitted)}
+    now, next_check, outcome = 0.0, 0.25, {"admitted": len(admitted), "in_time": 0, "late": 0, "shed": 0}
+    while forecast.admitted:
+        for request in list(forecast.admitted.values()):
+            if not request.started and ready[request.request_id] <= now:
+                forecast.started(request.request_id)
+                request.num_generated = 1  # the prefill's token
+        running = [r for r in forecast.admitted.values() if r.started]
+        if not running:
+            now = min(ready[r.request_id] for r in forecast.admitted.values())
+            continue
+        now += truth.step_s(len(running))
+        for request in running:
+            if request.decode_start_at is None:
+                request.decode_start_at, request.decode_start_tokens = now, request.num_generated + 1
+            request.num_generated += 1
+            if request.num_generated >= output:
+                forecast.remove(request.request_id)
+                outcome["in_time" if now <= deadline_s else "late"] += 1
+        if shed and now >= next_check:
+            next_check = now + 0.25
+            for request in forecast.to_shed(rates, now):
+                forecast.remove(request.request_id)
+                outcome["shed"] += 1
+    return outcome
+
+
+def test_a_burst_admitted_on_a_wrong_forecast_sheds_the_fewest_and_the_rest_finish_in_time():
+    """A cold deployment's first burst decodes at twice the step its workers' line says:
+    every request admitted on that line missed its deadline together (issue 51's table:
+    256 admitted, 0 completed). Watching their progress, admission sheds the latest
+    admitted so that the rest finish in time, nearly as many as could have."""
+    line = Rates(prefill_s_per_token=2e-4, decode_base_s=0.02, decode_per_seq_s=8e-4, num_decode_workers=1)
+    truth = replace(line, decode_base_s=0.04, decode_per_seq_s=1.6e-3)
+    collapsed = run_wrong_forecast(line, truth, shed=False)
+    assert collapsed["in_time"] == 0 and collapsed["late"] == collapsed["admitted"] > 40
+    outcome = run_wrong_forecast(line, truth, shed=True)
+    assert outcome["late"] == 0, outcome  # every request kept finishes in time
+    best = max(b for b in range(1, 257) if output_finish(truth, b) <= 30.0)
+    assert outcome["in_time"] >= 0.8 * best, (outcome, best)
+    assert outcome["in_time"] + outcome["shed"] == outcome["admitted"]
+
+
+def output_finish(rates: Rates, batch: int, prompt: int = 64, output: int = 400) -> float:
+    """When the last of `batch` requests admitted at 0 finishes, prefilled one after another."""
+    return rates.prefill_s(prompt * batch) + (output - 1) * rates.step_s(batch)
+
+
+def test_shedding_keeps_the_higher_priority_and_never_a_request_without_a_deadline():
+    """Forty running requests (even ones of priority 0, odd ones 1; the last without a
+    deadline), 380 tokens each to go in 18 s of a 20 s deadline at a step 1.07x the line:
+    27 sequences can finish in time, so 13 go, the latest admitted of priority 1."""
+    line = Rates(prefill_s_per_token=2e-4, decode_base_s=0.02, decode_per_seq_s=8e-4, num_decode_workers=1)
+    forecast = Forecast()
+    for i in range(40):
+        request = Admitted(f"r{i}", i % 2, None if i == 39 else 20.0, 0.0, i, 64, 400, 400)
+        forecast.add(request)
+        forecast.started(request.request_id)
+        request.num_generated, request.decode_start_at, request.decode_start_tokens = 20, 1.0, 2
+    assert forecast.to_shed(line, 1.0) == []  # nothing observed yet: nothing shed
+    shed = forecast.to_shed(line, 2.0)  # 18 tokens in 1 s
+    assert [r.request_id for r in shed] == [f"r{i}" for i in range(13, 39, 2)]
+
+
+def test_admission_sheds_as_the_tokens_come_and_judges_newcomers_by_the_step_it_sees():
+    """GatewayAdmission checks the running requests as their tokens come: twenty admitted
+    on the line's 36 ms steps decode at 60 ms; the latest admitted are shed (their
+    DEADLINE_EXCEEDED names why), the rest none; and the next request is judged by the
+    step the running ones show, not the line's."""
+    now = [0.0]
+    admission = GatewayAdmission(_pool([2e-4], [(0.02, 8e-4)]), clock=lambda: now[0])
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    for i in range(20):
+        admission.admit(f"r{i}")
+        admission.queue_tokens(f"r{i}", 64, params, deadline=20.0, arrival=0.0)
+        admission.started(f"r{i}")
+        admission.generated(f"r{i}", 1)  # the prefill's token
+    for step in range(1, 31):
+        now[0] = 0.06 * step
+        for i in range(20):
+            if admission.shed_error(f"r{i}") is None:
+                admission.generated(f"r{i}", 1)
+    shed = [i for i in range(20) if admission.shed_error(f"r{i}") is not None]
+    assert 0 < len(shed) < 20 and shed == list(range(20 - len(shed), 20)), shed  # the latest admitted
+    error = admission.shed_error(f"r{shed[0]}")
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED and error.reason == "shed" and "shed" in error.details
+    assert admission.stats.num_shed == len(shed)
+    for i in shed:
+        admission.release(f"r{i}", "abort")
+    assert admission.observed_scale > 1.5
+    # On the line it would finish in time beside the others; at the step they show, not.
+    admission.admit("next")
+    with pytest.raises(RequestError) as refused:
+        admission.queue_tokens("next", 64, params, deadline=now[0] + 16.0)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for i in range(20):
+        admission.release(f"r{i}")
+    assert admission.shed == {}
 
 
 def test_a_worker_may_take_a_full_prefill_step_before_it_counts_as_stalled():

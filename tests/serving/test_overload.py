@@ -146,7 +146,7 @@ def test_a_decode_worker_refuses_calls_beyond_its_own_queue(system):
 
     error = asyncio.run(scenario())
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
-    assert "requests in flight" in error.details()
+    assert "sequences in flight" in error.details()
     assert error_details_from_trailers(error.trailing_metadata()).retry_after_s > 0
     system.wait_idle()
 
