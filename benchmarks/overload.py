@@ -134,7 +134,7 @@ async def burst(client: Client, requests: list[BenchRequest], deadline_s: float,
 
 def start_second_gateway(deployment, extra_args: list[str], timeout_s: float = 300.0):
     """A gateway of its own over `deployment`'s workers, with the flags of the deployment's
-    gateway (but its own address, and no admin or metrics port) and `extra_args`, which
+    gateway (but its own address and admin port, and no metrics port) and `extra_args`, which
     win: a Deployment of that one process, serving and routing to every worker."""
     from baton.cli.local import Deployment, free_port, spawn, wait_in_rotation, wait_serving
     from baton.runtime.settings import child_environment
@@ -147,15 +147,15 @@ def start_second_gateway(deployment, extra_args: list[str], timeout_s: float = 3
             next(flags)
         else:
             inherited.append(flag)
-    address = f"127.0.0.1:{free_port()}"
+    address, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     env = child_environment({"PYTHONUNBUFFERED": "1", "OTEL_SDK_DISABLED": "true"})
     log_dir = main.log_path.parent if main.log_path is not None else None
-    process = spawn("gateway", ["gateway", "--listen", address, *inherited, *extra_args], log_dir, env,
-                    name="overload-gateway")
-    gateway = Deployment(address, [process], _env=env, tls=deployment.tls, api_key=deployment.api_key)
+    process = spawn("gateway", ["gateway", "--listen", address, "--admin-listen", admin, *inherited, *extra_args],
+                    log_dir, env, name="overload-gateway")
+    gateway = Deployment(address, [process], _env=env, admin=admin, tls=deployment.tls, api_key=deployment.api_key)
     try:
         wait_serving(address, gateway, timeout_s)
-        wait_in_rotation(address, gateway, timeout_s)
+        wait_in_rotation(admin, gateway, timeout_s)
     except BaseException:
         gateway.stop()
         raise

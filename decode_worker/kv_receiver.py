@@ -65,6 +65,9 @@ MAX_CHANNELS_PER_PEER = 4
 _CHANNEL_INTACT = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
 # How often a transfer in doubt is asked whether it has settled (see ReceiveResult.settled).
 SETTLE_POLL_S = 1.0
+# Why a handed-off prompt is prefilled here when no prefill worker is listed.
+UNLISTED = ("this decode worker pulls KV from no prefill worker (--allowed-prefill-workers unset); it prefills "
+            "handed-off prompts itself")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,15 +182,20 @@ class KvReceiver:
         the pull at once, except during the receive itself, which it waits for (the blocks
         are being written)."""
         started, started_at = time.perf_counter(), time.monotonic()
+        if not handle.prefill_address:  # a peer we were told of none of (DecodeWorker._check_prefill_worker)
+            self.last_refusal = UNLISTED
+            self.tally.failed("")
+            return ReceiveResult(ok=False, error=f"refused: {UNLISTED}", seconds=time.perf_counter() - started)
         peer = self._peer(handle.prefill_address)
         try:
             if handle.prefill_endpoint is None:
                 raise TransportRefusedError("the KV handle does not say where its KV lives")
             transport = choose_transport(self.endpoint, handle.prefill_endpoint)
         except TransportRefusedError as error:
-            self._refused(peer, handle.prefill_address, error)
-            self.tally.failed("")
-            return ReceiveResult(ok=False, error=f"refused: {error}", seconds=time.perf_counter() - started)
+            transport = await self._confirm_refusal(peer, handle, error)
+            if transport is None:
+                self.tally.failed("")
+                return ReceiveResult(ok=False, error=f"refused: {error}", seconds=time.perf_counter() - started)
         channel = await peer.idle.get()
         try:
             pulled = await self._pull(peer.client, channel, transport, handle, block_ids, trace_metadata,
@@ -222,6 +230,29 @@ class KvReceiver:
         result = replace(pulled, transport=transport, seconds=time.perf_counter() - started, moments=moments)
         self.tally.done(transport, result.num_bytes, result.seconds, result.verified)
         return result
+
+    async def _confirm_refusal(self, peer: _Peer, handle: KvHandle, error: TransportRefusedError) -> str | None:
+        """A handle whose endpoint no transport joins to ours: the caller's word, which a
+        stranger's Decode could forge. The prefill worker's own endpoint (its GetStats)
+        decides: the transport to it if one joins (the handle lied: logged), else None,
+        the refusal reported as this worker's state only if the prefill worker confirms it."""
+        try:
+            stats = await peer.client.get_stats(timeout=min(5.0, self.timeout_s))
+        except grpc.aio.AioRpcError as rpc_error:
+            logger.warning("a KV handle for %s names an endpoint no transport joins to ours (%s), and prefill "
+                           "worker %s does not answer to confirm it: %s", handle.request_id[:64], error,
+                           handle.prefill_address, _describe(rpc_error))
+            return None
+        try:
+            if stats.kv_endpoint is None:
+                raise TransportRefusedError("the prefill worker does not say where its KV lives")
+            transport = choose_transport(self.endpoint, stats.kv_endpoint)
+        except TransportRefusedError as confirmed:
+            self._refused(peer, handle.prefill_address, confirmed)
+            return None
+        logger.warning("a KV handle for %s named an endpoint of prefill worker %s that is not its own (%s); pulled "
+                       "over %s by its own", handle.request_id[:64], handle.prefill_address, error, transport)
+        return transport
 
     def _refused(self, peer: _Peer, address: str, error: TransportRefusedError) -> None:
         """A pair no transport can join: the request is prefilled here. Loud once per reason."""
@@ -289,7 +320,7 @@ class KvReceiver:
                              f"{handle.num_blocks} are held")
         current = channel.transport
         if current is None or current.is_broken or current.backend != transport:
-            await self._open(client, channel, transport, trace_metadata)
+            await self._open(client, channel, transport, handle, trace_metadata)
         channel_ready_at = time.monotonic()
         loop = asyncio.get_running_loop()
         request = SendKv(channel.channel_id, handle.request_id, channel.next_tag(), first_block + len(block_ids),
@@ -342,16 +373,19 @@ class KvReceiver:
                 channel.drop_transport()
             raise
 
-    async def _open(self, client: PrefillWorkerClient, channel: _Channel, transport: str, trace_metadata) -> None:
-        """Offer a channel of `transport` to the prefill worker and wait until it has joined.
-        TransportRefusedError if the prefill worker refuses it (FAILED_PRECONDITION)."""
+    async def _open(self, client: PrefillWorkerClient, channel: _Channel, transport: str, handle: KvHandle,
+                    trace_metadata) -> None:
+        """Offer a channel of `transport` to the prefill worker, for the pull of `handle`
+        (whose request and token tell it we are a peer it handed KV to), and wait until it
+        has joined. TransportRefusedError if the prefill worker refuses it (FAILED_PRECONDITION)."""
         channel.drop_transport()
         channel_id = f"{self._channel_prefix}-{next(self._channel_ids)}"
         offer = listen(channel_id, transport, self.host, self.kv_cache, self.timeout_s, self.ports)
         joining = asyncio.get_running_loop().run_in_executor(channel.executor, offer.accept)
         try:
-            await client.open_kv_channel(OpenKvChannel(offer.rendezvous, self.layout, self.worker_id, self.endpoint),
-                                         timeout=self.timeout_s * 2, metadata=trace_metadata)
+            opening = OpenKvChannel(offer.rendezvous, self.layout, self.worker_id, self.endpoint, handle.request_id,
+                                    handle.kv_token)
+            await client.open_kv_channel(opening, timeout=self.timeout_s * 2, metadata=trace_metadata)
         except BaseException as error:
             # Our side gives up now where it can (ipc), else times out on its own; either way
             # the channel's thread is then free for the next open.

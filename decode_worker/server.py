@@ -74,9 +74,14 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         await self.engine.call(lambda llm: llm.scheduler.landing.open(num_tokens))
         allowlist = self.settings.prefill_allowlist
         await allowlist.refresh(force=True)
-        logger.info("decode worker %s pulls KV from %s", self.worker_id,
-                    "any address a handle names (--allowed-prefill-workers unset)" if allowlist.is_open
-                    else ", ".join(target.text for target in allowlist.targets.targets))
+        if allowlist.is_closed:
+            logger.warning("decode worker %s pulls KV from no prefill worker (--allowed-prefill-workers unset): it "
+                           "prefills handed-off prompts itself; name the prefill workers to take their KV",
+                           self.worker_id)
+        else:
+            logger.info("decode worker %s pulls KV from %s", self.worker_id,
+                        "any address a handle names (--allowed-prefill-workers '*')" if allowlist.is_open
+                        else ", ".join(target.text for target in allowlist.targets.targets))
 
     async def _share_cache(self) -> None:
         """Export the KV cache for ipc channels (kvtransfer/ipc_memory.py) now, as the engine
@@ -205,8 +210,11 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         is not one of --allowed-prefill-workers, so that a forged handle cannot make this worker
         dial an address of the caller's choosing. A list with DNS names is looked up again
         (at most once a second) before a handle is refused: a prefill pod that just started
-        is not in the last lookup."""
+        is not in the last lookup. With none listed, no address is dialled: the handle's
+        address is cleared, its pull refused (KvReceiver), its prompt prefilled here."""
         allowlist = self.settings.prefill_allowlist
+        if allowlist.is_closed:
+            return replace(handle, prefill_address="")
         address = allowlist.dial_address(handle.prefill_address)
         if address is None and allowlist.is_dynamic:
             await allowlist.refresh()

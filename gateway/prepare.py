@@ -1,5 +1,5 @@
 """A client's request made ready to run: checked against the model and the gateway's
-limits (limits.py), tokenized.
+limits (baton/wire/limits.py), tokenized.
 
 Every problem is a RequestError with a status the client can act on: INVALID_ARGUMENT
 for anything wrong with the request itself (OUT_OF_RANGE for a prompt longer than the
@@ -20,20 +20,13 @@ from baton.runtime import tracing
 from baton.wire.records import FieldError, GenerateRequest, ModelInfo, WorkRequest
 from engine.sampling_params import SamplingParams
 from gateway.errors import RequestError
-from gateway.limits import (
+from baton.wire.limits import (
     CHAT_ROLES,
     MAX_ABS_PRIORITY,
-    MAX_BAD_WORD_LENGTH,
     MAX_CHARS_PER_TOKEN,
-    MAX_CONSTRAINT_BYTES,
-    MAX_NUM_ALLOWED_TOKEN_IDS,
-    MAX_NUM_BAD_WORDS,
-    MAX_NUM_CHOICES,
     MAX_NUM_MESSAGES,
-    MAX_NUM_STOP,
-    MAX_NUM_STOP_TOKEN_IDS,
     MAX_REQUEST_ID_LENGTH,
-    MAX_STOP_LENGTH,
+    check_sampling,
 )
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -172,7 +165,7 @@ class RequestPreparer:
 
 
 def _check_request(request: GenerateRequest, request_id: str, vocab_size: int) -> None:
-    """The gateway's limits (limits.py) on what the engine's SamplingParams do not bound;
+    """The request limits (baton/wire/limits.py) on what the engine's SamplingParams do not bound;
     FieldError naming the first field at fault."""
     if len(request_id) > MAX_REQUEST_ID_LENGTH:
         raise FieldError("request_id", f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
@@ -200,31 +193,10 @@ def _check_messages(messages) -> None:
 
 
 def _check_sampling(params: SamplingParams, vocab_size: int) -> None:
-    if len(params.stop) > MAX_NUM_STOP:
-        raise FieldError("sampling.stop", f"more than {MAX_NUM_STOP} stop strings")
-    for index, stop in enumerate(params.stop):
-        if len(stop) > MAX_STOP_LENGTH:
-            raise FieldError(f"sampling.stop[{index}]", f"stop string longer than {MAX_STOP_LENGTH} characters")
-    if len(params.stop_token_ids) > MAX_NUM_STOP_TOKEN_IDS:
-        raise FieldError("sampling.stop_token_ids", f"more than {MAX_NUM_STOP_TOKEN_IDS} stop token ids")
+    check_sampling(params)
     for name, token_ids in params.token_id_fields():
         for index, token_id in enumerate(token_ids):
             if token_id >= vocab_size:
                 # A map's entries are named by their key, a list's by position.
                 where = f"sampling.{name}[{token_id if name == 'logit_bias' else index}]"
                 raise FieldError(where, f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
-    if params.allowed_token_ids is not None and len(params.allowed_token_ids) > MAX_NUM_ALLOWED_TOKEN_IDS:
-        raise FieldError("sampling.allowed_token_ids", f"more than {MAX_NUM_ALLOWED_TOKEN_IDS} allowed token ids")
-    if len(params.bad_words) > MAX_NUM_BAD_WORDS:
-        raise FieldError("sampling.bad_words", f"more than {MAX_NUM_BAD_WORDS} bad words")
-    for index, word in enumerate(params.bad_words):
-        if len(word) > MAX_BAD_WORD_LENGTH:
-            raise FieldError(f"sampling.bad_words[{index}]", f"bad word longer than {MAX_BAD_WORD_LENGTH} characters")
-    structured = params.structured_output
-    if structured is not None:
-        kind = structured.kind
-        if kind == "choice" and len(structured.choice) > MAX_NUM_CHOICES:
-            raise FieldError("sampling.choice", f"more than {MAX_NUM_CHOICES} choices")
-        text = "".join(structured.choice) if kind == "choice" else getattr(structured, kind)
-        if kind != "json_object" and len(text.encode()) > MAX_CONSTRAINT_BYTES:
-            raise FieldError(f"sampling.{kind}", f"{kind} is longer than {MAX_CONSTRAINT_BYTES} bytes")

@@ -2,9 +2,10 @@
 workers, load its tokenizer, then serve baton.v1.Generation.
 
 The API key guards every call on the public port but health and reflection.
-GatewayAdmin (`baton status`) is served there too, behind the key, or with
---admin-listen on a port of its own with the workers' transport: mutual TLS when
-there is a CA (the client certificate is then the credential), else the API key."""
+GatewayAdmin (`baton status`, which lists every worker's address) is off unless
+asked for: with --admin-listen on a port of its own with the workers' transport
+(mutual TLS when there is a CA, the client certificate then the credential, else
+the API key), or with `--admin-listen public` on the public port behind the key."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from baton.wire.v1 import generation_pb2
 from engine.tokenizer import load_tokenizer
 from gateway.admin import GatewayAdminService
 from gateway.admission import GatewayAdmission, GatewayLimits
-from gateway.limits import MAX_REQUEST_BYTES
+from baton.wire.limits import MAX_REQUEST_BYTES
 from gateway.service import GenerationService
 from gateway.workers import POLL_INTERVAL_S, RoutingPolicy, WorkerPool
 
@@ -31,6 +32,7 @@ GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = GENERATION.full_name
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"]
 ADMIN_SERVICE_NAME = ADMIN.full_name
+ADMIN_ON_PUBLIC_PORT = "public"  # --admin-listen's value that serves GatewayAdmin on --listen
 
 
 async def run_gateway(settings: GatewaySettings) -> None:
@@ -42,7 +44,8 @@ async def run_gateway(settings: GatewaySettings) -> None:
     admin = GatewayAdminService(pool, admission, service.latency)
     server, admin_server = _servers(settings)
     server.add_service(service, GENERATION)
-    admin_server.add_service(admin, ADMIN)
+    if admin_server is not None:
+        admin_server.add_service(admin, ADMIN)
     http = _http_server(settings, service, pool)
     await _start_listening(settings, server, admin_server, http)
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.tokenizer or settings.model,
@@ -55,7 +58,7 @@ async def run_gateway(settings: GatewaySettings) -> None:
     service.load(tokenizer, info)
     admin.model = info.model
     await server.set_serving(True)
-    if admin_server is not server:
+    if admin_server not in (None, server):
         await admin_server.set_serving(True)
     logger.info("gateway serving %s on %s (prefill: %s; decode: %s)", info.model, server.address,
                 ", ".join(settings.prefill_workers) or "none, colocated", ", ".join(settings.decode_workers))
@@ -66,7 +69,7 @@ async def run_gateway(settings: GatewaySettings) -> None:
         health.cancel()
         if http is not None:
             await http.stop()
-        if admin_server is not server:
+        if admin_server not in (None, server):
             await admin_server.server.stop(None)
 
 
@@ -77,9 +80,11 @@ async def _start_listening(settings: GatewaySettings, server, admin_server, http
     if http is not None:
         await http.start()
         logger.info("gateway OpenAI HTTP API on %s:%d%s", server.address.rsplit(":", 1)[0], http.port, tls)
-    if admin_server is not server:
+    if admin_server not in (None, server):
         await admin_server.start()
         logger.info("gateway admin on %s", admin_server.address)
+    elif admin_server is None:
+        logger.info("gateway admin off (--admin-listen ADDR serves it, for baton status)")
     logger.info("gateway listening on %s%s%s; waiting for workers", server.address, tls,
                 " (API key)" if settings.bearer_key else "")
 
@@ -117,18 +122,22 @@ def _http_server(settings: GatewaySettings, service: GenerationService, pool: Wo
                       keyfile=settings.tls_key if settings.tls else None)
 
 
-def _servers(settings: GatewaySettings) -> tuple[GrpcServer, GrpcServer]:
-    """The public server, and GatewayAdmin's: the same one without --admin-listen."""
+def _servers(settings: GatewaySettings) -> tuple[GrpcServer, GrpcServer | None]:
+    """The public server, and GatewayAdmin's: none without --admin-listen (it lists every
+    worker's address: not for whoever reaches the public port), the public one with
+    --admin-listen public."""
     tls = settings.tls
     interceptors = [] if settings.bearer_key is None else [ApiKeyInterceptor(settings.bearer_key)]
     public = None if tls is None else tls.server_credentials(internal=False)
-    if settings.admin_listen is None:
+    if settings.admin_listen == ADMIN_ON_PUBLIC_PORT:
         server = GrpcServer(settings.listen, [SERVICE_NAME, ADMIN_SERVICE_NAME], credentials=public,
                             max_receive_bytes=MAX_REQUEST_BYTES, interceptors=interceptors,
                             health_port=settings.health_port)
         return server, server
     server = GrpcServer(settings.listen, [SERVICE_NAME], credentials=public, interceptors=interceptors,
                         max_receive_bytes=MAX_REQUEST_BYTES, health_port=settings.health_port)
+    if settings.admin_listen is None:
+        return server, None
     internal = None if tls is None else tls.server_credentials(internal=True)
     # A verified client certificate is the credential there; without a CA, the API key.
     mutual = tls is not None and tls.is_mutual

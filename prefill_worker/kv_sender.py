@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from baton.runtime.metrics import TransferTally
 from baton.wire.records import KvChannelOpened, OpenKvChannel, ReleaseKv, SendKv, SendKvAccepted, SendKvDone
 from engine.async_engine import AsyncEngine
+from engine.errors import first_line
 from engine.kv.cache import KVCache
 from engine.runner.device import device_executor
 from kvtransfer import (
@@ -213,8 +214,13 @@ class KvSender:
                 raise TransportRefusedError(f"the decode worker chose {rendezvous.transport}, where this prefill "
                                             f"worker's settings give {expected}")
         except TransportRefusedError as error:
-            self.last_refusal = str(error)
             self.tally.metrics.channel_refusals.inc()
+            if not self.leases.owns(request.request_id, request.kv_token):
+                # Not a decode worker we handed KV to: a stranger's word is not our state.
+                logger.warning("refused KV channel %s from a caller naming no request held here (%r): %s",
+                               rendezvous.channel_id[:64], request.decode_worker_id[:64], first_line(error, 300))
+                raise
+            self.last_refusal = str(error)
             logger.error("refused KV channel %s from decode worker %s: %s", rendezvous.channel_id,
                          request.decode_worker_id, error)
             raise

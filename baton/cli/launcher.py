@@ -121,8 +121,8 @@ class UpSettings:
                                              "one); each worker then serves its own on a free port, all listed "
                                              "at startup", shown="off")
     # Security: passed to every role (the API key to the gateway only).
-    admin_port: int | None = setting(None, "serve GatewayAdmin (baton status) on this port of its own",
-                                     shown="on the gateway port")
+    admin_port: int | None = setting(None, "serve GatewayAdmin (baton status) on this port of 127.0.0.1, never "
+                                           "on the gateway's public port", shown="a free port")
     api_key: str | None = setting(None, API_KEY_HELP, shown="none, open", secret=True)
     api_key_file: str | None = setting(None, API_KEY_FILE_HELP)
     tls_cert: str | None = setting(None, TLS_CERT_HELP, shown="plaintext")
@@ -295,7 +295,7 @@ def start_up(settings: UpSettings, log_dir: Path | None = None, *, metrics: bool
         split_cores=settings.split_cores,
         timeout_s=STARTUP_TIMEOUT_S,
         env=args.env,
-        admin_address=None if settings.admin_port is None else f"127.0.0.1:{settings.admin_port}",
+        admin_address="auto" if settings.admin_port is None else f"127.0.0.1:{settings.admin_port}",
         tls=settings.tls,
         api_key=settings.bearer_key,
         http_port=settings.http_port if settings.http_port and serves_http() else None,

@@ -80,7 +80,7 @@ class Deployment:
     gateway: str
     processes: list[Process] = field(default_factory=list)
     _env: dict[str, str] | None = None  # the processes' environment
-    admin: str = ""  # the gateway's --admin-listen, or `gateway`
+    admin: str = ""  # the gateway's --admin-listen, or `gateway` (--admin-listen public)
     tls: TlsConfig | None = None
     api_key: str | None = None
     http: str = ""  # host:port of the gateway's OpenAI HTTP API ("": not served)
@@ -259,7 +259,7 @@ def start_deployment(
     split_cores: bool = False,
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
-    admin_address: str | None = None,
+    admin_address: str = "auto",
     tls: TlsConfig | None = None,
     api_key: str | None = None,
     stagger: bool = False,
@@ -271,7 +271,8 @@ def start_deployment(
     decode workers prefill (colocated). `metrics`: each serves Prometheus
     metrics on a free port of its own (`Process.metrics_port`). `env`: extra environment
     variables of the processes, over ours (e.g. OTEL_EXPORTER_OTLP_ENDPOINT).
-    `admin_address`: the gateway serves GatewayAdmin there ("auto": a free port).
+    `admin_address`: the gateway serves GatewayAdmin there (default "auto": a free port;
+    "public": on the gateway's public port).
     `tls`, `api_key`: how we reach the processes, when the caller's args (the
     --tls-* flags to every role, --api-key-file or BATON_API_KEY to the gateway) secure them.
     The decode workers accept KV handles from the prefill workers only (the first one's
@@ -316,11 +317,11 @@ def start_deployment(
     gateway_address = gateway_address or f"127.0.0.1:{free_port()}"
     if admin_address == "auto":
         admin_address = f"127.0.0.1:{free_port()}"
-    deployment = Deployment(gateway_address, _env=env, admin=admin_address or "", tls=tls, api_key=api_key)
+    deployment = Deployment(gateway_address, _env=env, admin="" if admin_address == "public" else admin_address,
+                            tls=tls, api_key=api_key)
     gateway_args = ["gateway", "--listen", gateway_address, "--model", model,
-                    "--decode-workers", ",".join(decode_addresses), *metrics_args(), *gateway_args]
-    if admin_address is not None:
-        gateway_args += ["--admin-listen", admin_address]
+                    "--decode-workers", ",".join(decode_addresses), *metrics_args(), "--admin-listen",
+                    admin_address, *gateway_args]
     if http_port is not None:
         deployment.http = f"127.0.0.1:{http_port or free_port()}"
         gateway_args += ["--http-port", deployment.http.rsplit(":", 1)[1]]

@@ -381,7 +381,11 @@ def status_command(args: argparse.Namespace) -> int:
             client = GatewayAdminClient(channel, connection.bearer_key)
             status = client.get_deployment_status(timeout=args.timeout_s)
         except grpc.RpcError as error:
-            print(f"baton status: gateway {connection.gateway}: {error.code().name}: {error.details()}",
+            hint = ""
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:  # a public port: GatewayAdmin is not there
+                hint = ("; GatewayAdmin is served on the gateway's --admin-listen address (baton up: "
+                        "--admin-port), not on its public port")
+            print(f"baton status: gateway {connection.gateway}: {error.code().name}: {error.details()}{hint}",
                   file=sys.stderr)
             return 1
     slo_s = args.queue_slo_ms / 1e3

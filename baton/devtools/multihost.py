@@ -58,7 +58,8 @@ class MultiHost:
         for host in network.hosts:
             network.set_port_range(host, *KV_PORTS)
         gateway_address = f"{network.address(gateway)}:{GATEWAY_PORT}"
-        cluster = cls(network, Deployment(gateway_address, _env=env), model, log_dir, env,
+        admin_address = f"{network.address(gateway)}:{GATEWAY_PORT + 1}"
+        cluster = cls(network, Deployment(gateway_address, _env=env, admin=admin_address), model, log_dir, env,
                       ["--model", model, "--threads", str(threads), *worker_args],
                       {"prefill": list(prefill_args), "decode": list(decode_args)})
         try:
@@ -69,7 +70,7 @@ class MultiHost:
             args = ["gateway", "--listen", gateway_address, "--model", model,
                     "--prefill-workers", f"dns:///{NAMES['prefill']}:{PORTS['prefill']}",
                     "--decode-workers", f"dns:///{NAMES['decode']}:{PORTS['decode']}",
-                    "--discovery-interval-s", "0.5", *gateway_args]
+                    "--discovery-interval-s", "0.5", "--admin-listen", admin_address, *gateway_args]
             cluster.deployment.processes.append(
                 spawn("gateway", args, log_dir, env, "gateway", wrap=lambda argv: network.command(gateway, argv)))
             for process in cluster.deployment.processes:

@@ -79,9 +79,13 @@ class TargetSet:
         self._last[target] = addresses
 
 
+ANY = "*"  # an allowlist of this alone allows every address
+
+
 class AddressAllowlist:
     """The peers a worker dials on a caller's word (a decode worker: the prefill workers
-    named in KV handles). Empty: any address, unchecked (open, as plaintext is).
+    named in KV handles). Empty: none (closed: a caller's word makes it dial nothing);
+    ANY alone: any address, unchecked (open, for a network where every caller is trusted).
 
     Entries are addresses or `dns:///name:port` targets: a DNS name allows every address
     it resolved to within the last RETAIN_S (a Kubernetes headless Service of prefill
@@ -97,7 +101,9 @@ class AddressAllowlist:
     RETAIN_S = 300.0
 
     def __init__(self, addresses: Iterable[str] = ()) -> None:
-        self.targets = TargetSet(addresses)  # ValueError if one is bad
+        addresses = tuple(addresses)
+        self._any = addresses == (ANY,)
+        self.targets = TargetSet(() if self._any else addresses)  # ValueError if one is bad
         self._static = frozenset(self.targets.current())
         self._seen: dict[str, float] = {}  # resolved address -> when it last resolved
         self._refreshed_at = float("-inf")
@@ -105,7 +111,13 @@ class AddressAllowlist:
 
     @property
     def is_open(self) -> bool:
-        return not self.targets.targets
+        """Any address is dialled."""
+        return self._any
+
+    @property
+    def is_closed(self) -> bool:
+        """No address is dialled."""
+        return not self._any and not self.targets.targets
 
     @property
     def is_dynamic(self) -> bool:
@@ -119,7 +131,8 @@ class AddressAllowlist:
 
     def dial_address(self, address: str) -> str | None:
         """The address to dial for a peer named `address`: its listed, normalized form,
-        or None if the list does not have it; `address` itself when the list is open."""
+        or None if the list does not have it (none, when it is closed); `address` itself
+        when the list is open."""
         if self.is_open:
             return address
         try:

@@ -95,7 +95,7 @@ TLS_KEY_HELP = "PEM private key of --tls-cert (tls.key)"
 TLS_CA_HELP = ("PEM CA bundle (ca.crt): internal ports then require client certificates it signed, and "
                "calls to other Baton processes verify them against it")
 TLS_SERVER_NAME_HELP = "name to expect in peers' server certificates, when they are dialled by an address it lacks"
-API_KEY_HELP = "clients must send 'authorization: Bearer <key>'"
+API_KEY_HELP = "clients must send 'authorization: Bearer <key>' (HTTP: checked before anything else is read)"
 API_KEY_FILE_HELP = "read the API key from this file (a mounted secret)"
 HEALTH_PORT_HELP = ("also serve grpc.health.v1 alone, in plaintext, on this port of the listen address "
                     "(Kubernetes' gRPC probes speak no TLS)")
@@ -333,10 +333,14 @@ class PrefillWorkerSettings(WorkerSettings):
 class DecodeWorkerSettings(WorkerSettings):
     role: ClassVar[str] = "decode"
     # Security: the prefill workers a KV handle may name; this worker dials no other.
-    allowed_prefill_workers: tuple[str, ...] = setting((), "comma-separated prefill worker addresses (host:port, "
-                                                           "as they advertise them) whose KV handles are accepted; "
-                                                           "a handle naming another is refused",
-                                                           shown="any address, open")
+    allowed_prefill_workers: tuple[str, ...] = setting((), "comma-separated prefill worker addresses (host:port "
+                                                           "as they advertise them, or dns:///name:port) whose KV "
+                                                           "handles this worker pulls; a handle naming another is "
+                                                           "refused, so a forged one cannot make it connect "
+                                                           "anywhere else. Unset: it pulls from none and prefills "
+                                                           "handed-off prompts itself; '*': from any address (a "
+                                                           "network where every caller is trusted)",
+                                                           shown="none: prefills here")
     # Speculative decoding: a decode worker's alone (a prefill worker's rows only prefill,
     # and a speculating engine schedules no step while the one before runs).
     speculative: str | None = setting(None, SPECULATIVE_HELP, choices=SPECULATIVE_CHOICES, shown="off")
@@ -402,8 +406,9 @@ class GatewaySettings:
     # Admission control (gateway/admission.py): beyond these, or when a request's gRPC
     # deadline cannot be met, requests are refused at once with RESOURCE_EXHAUSTED and a
     # retry hint.
-    max_concurrent_requests: int = setting(0, "requests in flight before new ones are refused "
-                                              "(0: the decode workers' --max-num-seqs, summed)")
+    max_concurrent_requests: int = setting(0, "sequences in flight (a request of n choices counts n) before new "
+                                              "requests are refused (0: the decode workers' --max-num-seqs, "
+                                              "summed)")
     max_queue_wait_s: float = setting(60.0, "requests whose first token is forecast further off than this "
                                             "(the prompt tokens queued ahead, at the prefill workers' measured "
                                             "rate) are refused")
@@ -412,9 +417,11 @@ class GatewaySettings:
     log_level: str = setting("INFO", "logging level", choices=LOG_LEVELS)
     log_format: str = setting("text", LOG_FORMAT_HELP, choices=LOG_FORMATS)
     # Security (baton/runtime/security.py).
-    admin_listen: str | None = setting(None, "serve GatewayAdmin (baton status) here, with the workers' TLS "
-                                             "(client certificates with --tls-ca), and not on --listen",
-                                       shown="on --listen, behind --api-key")
+    admin_listen: str | None = setting(None, "serve GatewayAdmin (baton status: every worker's address and "
+                                             "load) here, with the workers' TLS (client certificates with "
+                                             "--tls-ca), apart from the public port; 'public': on --listen, "
+                                             "behind --api-key",
+                                       shown="off, so that no caller of the public port learns the workers")
     api_key: str | None = setting(None, API_KEY_HELP, shown="none, open", secret=True)
     api_key_file: str | None = setting(None, API_KEY_FILE_HELP)
     tls_cert: str | None = setting(None, TLS_CERT_HELP + "; --listen serves TLS without client certificates",
@@ -445,7 +452,7 @@ class GatewaySettings:
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
         if self.admin_listen is not None and self.admin_listen == self.listen:
-            raise ValueError("--admin-listen must differ from --listen")
+            raise ValueError("--admin-listen must differ from --listen (to serve it there: --admin-listen public)")
         object.__setattr__(self, "tls", load_tls(self))
         object.__setattr__(self, "bearer_key", load_api_key(self.api_key, self.api_key_file))
 

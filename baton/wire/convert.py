@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 
 from baton.wire.internal.v1 import worker_pb2
 from baton.wire.kv_convert import check_kv_token, kv_handle_from_pb, kv_handle_to_pb
+from baton.wire.limits import check_sampling
 from baton.wire.records import (
     ChatMessage,
     DecodeRequest,
@@ -275,16 +276,19 @@ def work_request_to_pb(work: WorkRequest) -> worker_pb2.WorkRequest:
 
 
 def work_request_from_pb(message: worker_pb2.WorkRequest, kv_token: str = "") -> WorkRequest:
-    """FieldError ("request.sampling.top_p") if its sampling is out of range, or it claims
-    more generated tokens than its prompt has."""
+    """FieldError ("request.sampling.top_p") if its sampling is out of range or past the
+    request limits (the gateway's, checked again here: a caller of a worker's port need
+    not be a gateway), or it claims more generated tokens than its prompt has."""
     if message.num_generated_tokens >= max(len(message.prompt_token_ids), 1):
         raise FieldError("request.num_generated_tokens",
                          f"{message.num_generated_tokens} generated tokens need a longer prompt than "
                          f"{len(message.prompt_token_ids)} tokens")
+    params = sampling_params_from_pb(message.sampling, with_stop_strings=False, field="request.sampling")
+    check_sampling(params, "request.sampling")
     return WorkRequest(
         request_id=message.request_id,
         prompt_token_ids=list(message.prompt_token_ids),
-        params=sampling_params_from_pb(message.sampling, with_stop_strings=False, field="request.sampling"),
+        params=params,
         priority=message.priority,
         num_generated_tokens=message.num_generated_tokens,
         kv_token=kv_token,

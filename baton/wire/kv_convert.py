@@ -120,6 +120,8 @@ def open_kv_channel_to_pb(request: OpenKvChannel) -> worker_pb2.OpenKvChannelReq
         transport=rendezvous.transport,
         ipc_socket=rendezvous.socket,
         decode_endpoint=kv_endpoint_to_pb(request.decode_endpoint),
+        request_id=request.request_id,
+        kv_token=request.kv_token,
     )
 
 
@@ -157,7 +159,8 @@ def open_kv_channel_from_pb(message: worker_pb2.OpenKvChannelRequest, default_ti
     endpoint = kv_endpoint_from_pb(message.decode_endpoint, "decode_endpoint")
     rendezvous = Rendezvous(message.channel_id, message.store_host, message.store_port, timeout_s, message.secret,
                             message.transport, message.ipc_socket)
-    return OpenKvChannel(rendezvous, layout_from_pb(message.layout), message.decode_worker_id, endpoint)
+    return OpenKvChannel(rendezvous, layout_from_pb(message.layout), message.decode_worker_id, endpoint,
+                         message.request_id, message.kv_token)
 
 
 def kv_channel_opened_to_pb(opened: KvChannelOpened) -> worker_pb2.OpenKvChannelResponse:

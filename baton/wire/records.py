@@ -202,6 +202,9 @@ class OpenKvChannel:
     layout: KvLayoutSpec  # the decode worker's cache blocks; must equal the prefill worker's
     decode_worker_id: str
     decode_endpoint: KvEndpoint  # the decode worker's side, to check the transport against
+    # The pull it opens for (its handle's request and KV token): proof of a real peer.
+    request_id: str = ""
+    kv_token: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,8 @@ translate.py).
 Streaming answers are server-sent events as OpenAI sends them (`data: {...}`, then
 `data: [DONE]`). A client that goes away mid-request (streaming or not) cancels it, and
 the cancellation aborts it on its workers as a gRPC cancel does. A request's deadline is
-its `X-Request-Timeout` header (seconds), which admission then plans by (504 when it
-passes). With an API key, every /v1 route needs `Authorization: Bearer <key>`.
+its `X-Request-Timeout` header (seconds; `inf`, none), which admission then plans by
+(504 when it passes). With an API key, every /v1 route needs `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,7 +33,7 @@ from baton.wire.records import GenerateRequest, TextDelta
 from gateway.errors import RequestError
 from gateway.http import protocol as api
 from gateway.http import translate
-from gateway.limits import MAX_REQUEST_BYTES
+from baton.wire.limits import MAX_REQUEST_BYTES
 from gateway.service import REQUEST_ID_HEADER, GenerationService, header_request_id
 
 logger = logging.getLogger(__name__)
@@ -58,13 +59,14 @@ def create_app(service: GenerationService, *, served_model_name: str | None = No
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    routes = _Routes(service, served_model_name, api_key, ready)
+    routes = _Routes(service, served_model_name, ready)
     app.get("/health")(routes.health)
     app.get("/ready")(routes.is_ready)
     app.get("/v1/models")(routes.models)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
-    return _BodyLimit(_EchoRequestId(app))
+    # The key first: a caller without it learns nothing of what else its request gets wrong.
+    return _EchoRequestId(_RequireKey(_BodyLimit(app), api_key))
 
 
 async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -89,11 +91,9 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
 class _Routes:
     """The API's routes, over one GenerationService."""
 
-    def __init__(self, service: GenerationService, served_model_name: str | None, api_key: str | None,
-                 ready: Callable[[], bool]) -> None:
+    def __init__(self, service: GenerationService, served_model_name: str | None, ready: Callable[[], bool]) -> None:
         self.service = service
         self.served_model_name = served_model_name
-        self.api_key = api_key
         self.ready = ready
         self.ids = itertools.count()
         self.prefix = uuid.uuid4().hex[:12]
@@ -101,18 +101,8 @@ class _Routes:
     def model_name(self) -> str:
         return self.served_model_name or self.service.info.model
 
-    def authorized(self, request: Request) -> bool:
-        if self.api_key is None:
-            return True
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
-
     def refusal(self, request: Request, model: str | None, *, chat: bool) -> JSONResponse | None:
-        """The answer to a request refused before it is read: no key, not started, another model."""
-        if not self.authorized(request):
-            return _error_response(RequestError(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed: "
-                                                "Authorization: Bearer <key>"), chat=chat)
+        """The answer to a request refused before it runs: not started, another model."""
         if self.service.info is None:
             return _error_response(RequestError(grpc.StatusCode.UNAVAILABLE,
                                                 "gateway is starting: no worker is serving yet"), chat=chat)
@@ -150,6 +140,9 @@ class _Routes:
             return refused
         try:
             requests = translate.completion_requests(body)
+            if len(requests) > 1:  # a batch is admitted whole, or refused whole (and nothing of it runs)
+                self.service.check_room(sum(r.params.n for r in requests),
+                                        "sampling.n" if requests[0].params.n > 1 else "prompt")
         except RequestError as error:
             return _error_response(error, chat=False)
         call = self.call(request, "/v1/completions", "cmpl", chat=False)
@@ -170,6 +163,29 @@ class _Routes:
         if body.stream:
             return await call.stream(call.chat_chunks(generate, body.include_usage))
         return await call.answer(call.chat(generate))
+
+
+class _RequireKey:
+    """The ASGI app in front of the others: with an API key, a /v1 request without it is
+    answered 401 in OpenAI's shape before its body is read or checked."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.api_key is not None and scope["type"] == "http" and scope["path"].startswith("/v1") and \
+                not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
+            error = RequestError(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed: Authorization: "
+                                 "Bearer <key>")
+            await _error_response(error, chat=scope["path"].endswith("/chat/completions"))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, given: bytes) -> bool:
+        scheme, _, token = given.decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"),
+                                                                  self.api_key.encode())
 
 
 class _BodyLimit:
@@ -227,11 +243,11 @@ class _Call:
         self.is_chat = chat
         self.created = int(time.time())
         self.text = translate.TokenText(service.preparer.tokenizer if service.preparer is not None else None)
-        timeout = request.headers.get(TIMEOUT_HEADER)
-        self.deadline = None
-        if timeout is not None:
-            with contextlib.suppress(ValueError):
-                self.deadline = time.monotonic() + max(0.0, float(timeout))
+        self.deadline = None  # none, as for a header that is no number, or "inf"
+        with contextlib.suppress(TypeError, ValueError):
+            seconds = float(request.headers.get(TIMEOUT_HEADER))
+            if math.isfinite(seconds):
+                self.deadline = time.monotonic() + max(0.0, seconds)
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -305,8 +321,14 @@ class _Call:
 
     # ------------------------------------------------------------ completions
     async def completion(self, requests: list[GenerateRequest]) -> api.CompletionResponse:
-        """Prompt i's choice j is choice i * n + j, as OpenAI numbers them."""
-        results = await asyncio.gather(*(self._collect(r) for r in requests))
+        """Prompt i's choice j is choice i * n + j, as OpenAI numbers them. One prompt's
+        error ends the others at once: nobody would read them."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._collect(r)) for r in requests]
+        except BaseExceptionGroup as errors:
+            raise _first_error(errors) from None
+        results = [task.result() for task in tasks]
         choices = []
         for prompt_index, deltas in enumerate(results):
             params = requests[prompt_index].params
@@ -409,6 +431,22 @@ class _Call:
             yield _event(api.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                                  usage=translate.usage(lasts)))
         yield "data: [DONE]\n\n"
+
+
+def _first_error(errors: BaseExceptionGroup) -> BaseException:
+    """The error a batch ends with: its first RequestError that is not a sibling's
+    cancellation, else its first error."""
+    flat = list(_leaves(errors))
+    return next((e for e in flat if isinstance(e, RequestError) and e.code != grpc.StatusCode.CANCELLED),
+                next((e for e in flat if isinstance(e, RequestError)), flat[0]))
+
+
+def _leaves(errors: BaseExceptionGroup):
+    for error in errors.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            yield from _leaves(error)
+        else:
+            yield error
 
 
 def _error_response(error: RequestError, *, chat: bool) -> JSONResponse:

@@ -256,6 +256,19 @@ def internal_cases(prefill_address: str) -> dict:
         "decode: an allowed token id past the vocabulary": (
             "Decode", decode(request=work("e-11", allowed_token_ids=[VOCAB_SIZE + 1])), INVALID,
             "request.sampling.allowed_token_ids[0]"),
+        # The gateway's limits on lists, held at the workers too (20,000 bad words sent straight
+        # to a decode worker stalled its other streams while its engine thread tokenized them).
+        "decode: more bad words than the gateway takes": (
+            "Decode", decode(request=work("l-1", bad_words=["word"] * 20_000)), INVALID,
+            "request.sampling.bad_words"),
+        "prefill: more allowed token ids than the gateway takes": (
+            "Prefill", worker_pb2.PrefillRequest(request=work("l-2", allowed_token_ids=[5] * 70_000),
+                                                 kv_token="t" * 32), INVALID, "request.sampling.allowed_token_ids"),
+        "decode: a bad word longer than the gateway takes": (
+            "Decode", decode(request=work("l-3", bad_words=["w" * 300])), INVALID, "request.sampling.bad_words[0]"),
+        "decode: more stop token ids than the gateway takes": (
+            "Decode", decode(request=work("l-4", stop_token_ids=[5] * 300)), INVALID,
+            "request.sampling.stop_token_ids"),
         "decode: a first token past the vocabulary": (
             "Decode", decode(request=work("e-9"), first_token_id=VOCAB_SIZE, kv_handle=handle("e-9", prefill_address)),
             INVALID, "first_token_id"),

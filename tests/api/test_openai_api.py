@@ -11,6 +11,7 @@ import contextlib
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx2 as httpx
@@ -27,7 +28,7 @@ from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
 from gateway.http.translate import param_name
-from gateway.limits import MAX_REQUEST_BYTES
+from baton.wire.limits import MAX_REQUEST_BYTES
 from tests.support.bad_requests import CASES
 from tests.serving.test_bursts import gateway_samples, total
 from tests.serving.test_serving import VOCAB_SIZE
@@ -216,6 +217,87 @@ def test_key_model_and_timeout_refusals(up, client):
     answer = post(up, "completions", {"model": SERVED, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True},
                   **{"X-Request-Timeout": "0.01"})
     assert answer.status_code == 504 and answer.json()["error"]["type"] == "timeout"
+    # "inf" is no deadline (it was answered 504 at once).
+    answer = post(up, "completions", {"model": SERVED, "prompt": PROMPT, "max_tokens": 3},
+                  **{"X-Request-Timeout": "inf"})
+    assert answer.status_code == 200, answer.text
+
+
+def test_without_the_key_a_bad_body_is_401_not_400(up):
+    """A caller without the key learns nothing of its body: 401, not the 400 of the body's
+    validation (which told an anonymous caller what the server accepts)."""
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        for route, content in (("completions", b"\xff{not json"), ("chat/completions", b'{"messages": "hi"}')):
+            answer = httpx.post(f"http://{up.http}/v1/{route}", content=content, timeout=60,
+                                headers={"Content-Type": "application/json", **headers})
+            assert answer.status_code == 401, (route, headers, answer.text)
+            assert answer.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"http://{up.http}/v1/models", headers=headers, timeout=60).status_code == 401
+    assert httpx.get(f"http://{up.http}/health").status_code == 200  # open, as before
+
+
+def _scheduled(up) -> int:
+    return sum(s.num_tokens_scheduled_total for s in up.wait_idle(timeout_s=120).values())
+
+
+def test_one_bad_prompt_ends_its_batch_at_once(up):
+    """A batch with one invalid prompt is answered 400, and its other prompts stop with it:
+    they ran on for seconds, their tokens read by nobody."""
+    before = _scheduled(up)
+    prompts = [[5 + i, 6, 7, 8] for i in range(16)] + [[VOCAB_SIZE + 5]]  # the last one outside the vocabulary
+    answer = post(up, "completions", {"model": SERVED, "prompt": prompts, "max_tokens": 400, "ignore_eos": True})
+    assert answer.status_code == 400, answer.text
+    spent = _scheduled(up) - before  # waits until nothing of the batch runs anywhere
+    assert spent < 16 * 400 // 4, f"{spent} tokens ran for a batch answered 400"
+
+
+def test_a_batch_that_does_not_fit_is_refused_whole_and_holds_nothing(up, client):
+    """A batch of as many prompts as the deployment runs at once, while one request runs:
+    it is refused 429 before any of it runs (its first prompts held every slot for as long
+    as they ran, and the next caller got 429 too), and the next caller is served. A batch
+    that could never fit (prompts times n) is 400."""
+    limit = up.stats("decode").max_num_seqs
+    up.wait_idle()
+    running = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=500, stream=True,
+                                        extra_body={"ignore_eos": True})
+    next(iter(running))  # it holds a slot now
+    before = up.stats("decode").num_tokens_scheduled_total
+    prompts = [[5 + i % 50, 6, 7] for i in range(limit)]
+    answer = post(up, "completions", {"model": SERVED, "prompt": prompts, "max_tokens": 200, "ignore_eos": True})
+    assert answer.status_code == 429 and answer.json()["error"]["type"] == "rate_limit_error", answer.text
+    after = post(up, "completions", {"model": SERVED, "prompt": PROMPT, "max_tokens": 2})
+    assert after.status_code == 200, after.text
+    running.close()
+    assert _scheduled(up) - before < 600  # the running one's tokens and the next one's, nothing of the batch
+    never = post(up, "completions", {"model": SERVED, "prompt": prompts[:2], "n": limit, "max_tokens": 2})
+    assert never.status_code == 400 and never.json()["error"]["param"] == "n", never.text
+    never = post(up, "completions", {"model": SERVED, "prompt": prompts + prompts[:1], "max_tokens": 2})
+    assert never.status_code == 400 and never.json()["error"]["param"] == "prompt", never.text
+
+
+def test_n_is_counted_by_admission_before_any_token(up, stub):
+    """Five n=128 requests at once: 640 sequences where the deployment runs 256. Admission
+    counts each as 128, so those that do not fit are refused before any message; it
+    counted each as one, and the decode worker's own bound refused choices mid-stream."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]),
+                                 sampling=pb.SamplingParams(n=128, max_tokens=24, ignore_eos=True, temperature=1.0))
+
+    def run(_) -> tuple[int, str]:
+        messages = 0
+        try:
+            for _ in stub.GenerateStream(request, metadata=(("authorization", f"Bearer {KEY}"),), timeout=300):
+                messages += 1
+        except grpc.RpcError as error:
+            return messages, error.code().name
+        return messages, "OK"
+
+    with ThreadPoolExecutor(5) as pool:
+        outcomes = list(pool.map(run, range(5)))
+    assert {code for _, code in outcomes} <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+    assert all(messages == 0 for messages, code in outcomes if code != "OK"), outcomes  # refused before any token
+    assert any(code == "OK" for _, code in outcomes), outcomes
+    assert all(messages >= 128 for messages, code in outcomes if code == "OK"), outcomes
+    up.wait_idle(timeout_s=120)
 
 
 def test_a_body_over_the_limit_and_an_unknown_route_in_openais_shape(up):

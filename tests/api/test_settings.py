@@ -12,7 +12,6 @@ import pytest
 
 from baton.cli.local import REPO_ROOT
 from baton.cli.main import build_parser
-from baton.runtime.discovery import AddressAllowlist
 from baton.runtime.settings import (
     DecodeWorkerSettings,
     GatewaySettings,
@@ -93,11 +92,15 @@ def test_bad_values_are_one_line_errors(env, argv, message):
 
 
 def test_a_decode_worker_lists_the_prefill_workers_it_pulls_from():
-    """--allowed-prefill-workers (BATON_ALLOWED_PREFILL_WORKERS): empty, any address a KV
-    handle names is dialled (open); else only a listed one, compared as normalized host:port
+    """--allowed-prefill-workers (BATON_ALLOWED_PREFILL_WORKERS): empty, no address a KV
+    handle names is dialled (closed: a forged handle made a worker started alone dial any
+    host:port); '*', any (open); else only a listed one, compared as normalized host:port
     and dialled as listed."""
-    assert parse(DecodeWorkerSettings, []).prefill_allowlist.is_open
-    assert AddressAllowlist().dial_address("anything, unchecked") == "anything, unchecked"
+    closed = parse(DecodeWorkerSettings, []).prefill_allowlist
+    assert closed.is_closed and not closed.is_open and closed.dial_address("127.0.0.1:50061") is None
+    opened = parse(DecodeWorkerSettings, ["--allowed-prefill-workers", "*"]).prefill_allowlist
+    assert opened.is_open and not opened.is_closed
+    assert opened.dial_address("anything, unchecked") == "anything, unchecked"
     settings = parse(DecodeWorkerSettings,
                      ["--allowed-prefill-workers", " Prefill-0.Baton:50061, [0:0::1]:050062,,10.0.0.2:7 "])
     assert settings.allowed_prefill_workers == ("Prefill-0.Baton:50061", "[0:0::1]:050062", "10.0.0.2:7")
@@ -112,7 +115,7 @@ def test_a_decode_worker_lists_the_prefill_workers_it_pulls_from():
     assert from_env.prefill_allowlist.addresses == {"a:1", "b:2"}
     assert not hasattr(parse(PrefillWorkerSettings, []), "allowed_prefill_workers")
     # The gateway's variable names them as the gateway dials them: not the decode worker's list.
-    assert parse(DecodeWorkerSettings, [], {"BATON_PREFILL_WORKERS": "dns:///p:1"}).prefill_allowlist.is_open
+    assert parse(DecodeWorkerSettings, [], {"BATON_PREFILL_WORKERS": "dns:///p:1"}).prefill_allowlist.is_closed
 
 
 def test_a_worker_runs_on_the_cores_it_is_given():

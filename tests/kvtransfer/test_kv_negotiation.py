@@ -148,8 +148,19 @@ def test_the_prefill_worker_refuses_a_channel_its_side_cannot_take(decode_side, 
     layout = KvLayoutSpec.from_kv_layout(cache.layout)
     sender = KvSender("p-0", engine=None, kv_cache=cache, layout=layout, endpoint=cuda(HOST_A, GPU_0),
                       lease_s=30.0, tally=_Tally())
-    request = OpenKvChannel(Rendezvous("d-0-x-0", "127.0.0.1", 1, 1.0, bytes(32), transport), layout, "decode-0",
-                            decode_side)
+    rendezvous = Rendezvous("d-0-x-0", "127.0.0.1", 1, 1.0, bytes(32), transport)
+    # A caller naming no request held here: refused and counted, but a stranger's word
+    # does not become what `baton status` reports of this worker.
+    stranger = OpenKvChannel(rendezvous, layout, "decode-0", decode_side, "r", "x" * 32)
+    refusals = _Tally.metrics.channel_refusals.count
+    with pytest.raises(TransportRefusedError, match=reason):
+        asyncio.run(sender.open_channel(stranger))
+    assert sender.last_refusal == "" and not sender._channels
+    assert _Tally.metrics.channel_refusals.count == refusals + 1
+    # The decode worker it handed request r to: its refusal is the worker's state.
+    sender.claim("r", "t" * 32)
+    sender.hold("r", [1], num_tokens=4)
+    request = OpenKvChannel(rendezvous, layout, "decode-0", decode_side, "r", "t" * 32)
     with pytest.raises(TransportRefusedError, match=reason):
         asyncio.run(sender.open_channel(request))
     assert reason.split(":")[0] in sender.last_refusal and not sender._channels

@@ -10,13 +10,14 @@ import asyncio
 import errno
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 import torch
 
 from baton.runtime.settings import DecodeWorkerSettings
-from baton.wire.records import SendKvAccepted, SendKvDone
+from baton.wire.records import SendKvAccepted, SendKvDone, WorkerStats
 from decode_worker import kv_receiver
 from decode_worker.kv_receiver import KvReceiver, _Channel
 from decode_worker.server import DecodeWorkerService
@@ -201,7 +202,8 @@ def test_the_decode_worker_shares_its_cache_once_before_anything_steps(tmp_path,
             if num_exports:  # a channel offered later (the prefill worker refuses it)
                 channel = _Channel("prefill:1", 0, service.receiver.device)
                 with pytest.raises(TransportRefusedError):
-                    await service.receiver._open(Refusing(), channel, "ipc", None)
+                    await service.receiver._open(Refusing(), channel, "ipc", SimpleNamespace(request_id="r", kv_token="t" * 32),
+                                                 None)
                 channel.close()
             return at_start
         finally:
@@ -210,3 +212,63 @@ def test_the_decode_worker_shares_its_cache_once_before_anything_steps(tmp_path,
     at_start = asyncio.run(scenario())
     assert at_start == [("engine", 0)] * num_exports, "exported on the engine thread before its first step"
     assert exports == at_start, "a channel offered later reuses the export"
+
+
+class _Peers:
+    """The prefill worker's GetStats, as the receiver's client sees it."""
+
+    def __init__(self, endpoint: KvEndpoint | None) -> None:
+        self.endpoint = endpoint
+        self.polls = 0
+
+    async def get_stats(self, timeout: float):
+        self.polls += 1
+        if self.endpoint is None:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="down")
+        return WorkerStats(worker_id="prefill-0", role="prefill", serving=True, kv_endpoint=self.endpoint)
+
+
+class _DoneTally(_Tally):
+    class metrics:
+        class channel_refusals:
+            @staticmethod
+            def inc() -> None:
+                pass
+
+    def done(self, transport: str, num_bytes: int, seconds: float, verified: bool = False) -> None:
+        pass
+
+
+@pytest.mark.parametrize("own, pulled, reported", [
+    (HERE, "ipc", False),  # the handle lied: the prefill worker's own endpoint joins ours, and is used
+    (KvEndpoint("gpu-host", "boot-g/net:1", "cuda", "GPU-1"), None, True),  # it confirms the refusal
+    (None, None, False),  # it does not answer: refused, but nothing confirmed it
+])
+def test_a_handle_naming_an_endpoint_no_transport_joins_is_checked_with_its_prefill_worker(own, pulled, reported):
+    """Any caller of Decode could hand a decode worker a handle whose endpoint no transport
+    joins, and the refusal became the worker's state in `baton status`. The prefill worker's
+    own endpoint decides now: a forged one is pulled as the prefill worker's own says, and a
+    refusal is reported only when the prefill worker confirms it."""
+    fields = {name: value for name, value in vars(_Handle).items() if not name.startswith("_")}
+    forged = SimpleNamespace(**{**fields, "prefill_endpoint": KvEndpoint("elsewhere", "boot-x/net:1", "cuda",
+                                                                         "GPU-9")})
+
+    async def scenario():
+        receiver = _receiver(_DoneTally())
+        peer = receiver._peer("prefill:1")
+        peer.client = _Peers(own)
+        transports = []
+
+        async def pull(client, channel, transport, handle, block_ids, trace_metadata, first_block):
+            transports.append(transport)
+            return kv_receiver.ReceiveResult(True)
+
+        receiver._pull = pull
+        result = await receiver.receive(forged, [5, 6])
+        return result, transports, receiver.last_refusal, peer.client.polls
+
+    result, transports, refusal, polls = asyncio.run(scenario())
+    assert polls == 1
+    assert result.ok == (pulled is not None) and transports == ([pulled] if pulled else [])
+    assert bool(refusal) == reported, refusal

@@ -94,7 +94,7 @@ def test_status_names_the_largest_phase_of_the_second_token(system):
     """`baton status --json` after test above's requests: every phase over the gateway's
     latest requests, and the one that took most of the time from the first token to the
     second, with what shortens it; the text names it too."""
-    shown = json.loads(subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", system.gateway,
+    shown = json.loads(subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", system.admin,
                                        "--json"], capture_output=True, text=True, timeout=60, check=True,
                                       cwd=REPO_ROOT).stdout)
     latency_status = shown["status"]["latency"]

@@ -140,7 +140,7 @@ def starved(tmp_path_factory):
                     if decode.num_preemptions_swap >= 5 and decode.num_steps >= 60:
                         break
                     time.sleep(0.1)
-                command = [sys.executable, "-m", "baton.cli", "status", "--gateway", deployment.gateway,
+                command = [sys.executable, "-m", "baton.cli", "status", "--gateway", deployment.admin,
                            "--queue-slo-ms", "1"]
                 run["text"] = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
                 run["json"] = json.loads(subprocess.run(

@@ -143,11 +143,12 @@ def baton_up_streams_text(tmp_path, args: list[str], colocated: bool = True) -> 
     `baton up` and the processes it starts form a process group of their own: whatever of it
     is left when this returns or fails (a launcher that did not stop, a worker it left
     behind) is killed, so that nothing holds the GPU, the CPUs or a port into the next test."""
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     log_path = tmp_path / "baton-up.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--http-port", str(free_port()),
+             "--admin-port", str(admin_port),
              *(["--colocated"] if colocated else []),
              *args],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -168,8 +169,8 @@ def baton_up_streams_text(tmp_path, args: list[str], colocated: bool = True) -> 
         assert len(messages) > 1, "tokens are streamed one message at a time"
         assert "".join(m.text for m in messages), "the dummy tokenizer decodes every id"
         assert messages[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
-        status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", f"127.0.0.1:{port}"],
-                                capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway",
+                                 f"127.0.0.1:{admin_port}"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
         assert status.returncode == 0, status.stderr
     finally:
         process.send_signal(signal.SIGTERM)

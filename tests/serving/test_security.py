@@ -17,7 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.cli.local import free_port, start_deployment
-from baton.cli.main import main
+from baton.cli.main import build_parser, main
 from baton.runtime.security import ApiKeyInterceptor, TlsConfig, bearer_metadata
 from baton.runtime.server import GrpcServer, open_blocking_channel, open_channel
 from baton.runtime.settings import (
@@ -220,8 +220,31 @@ def test_the_command_line_reaches_a_secured_deployment(system, pki, capsys):
 
 
 # ---------------------------------------------------------------- no deployment
+def test_the_gateway_serves_gateway_admin_only_where_asked():
+    """GatewayAdmin lists every worker's address: by default it is not served at all
+    (anonymous callers of the public port got them), with --admin-listen ADDR apart from
+    the public port, with --admin-listen public on it."""
+    from gateway.server import _servers
+
+    async def services(*flags: str) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+        settings = from_args(GatewaySettings, build_parser().parse_args(
+            ["gateway", "--listen", f"127.0.0.1:{free_port()}", "--decode-workers", "127.0.0.1:2", *flags]))
+        public, admin = _servers(settings)
+        names = public.service_names, None if admin is None else admin.service_names
+        for server in {public, admin} - {None}:
+            await server.server.stop(None)
+        return names
+
+    generation, gateway_admin = "baton.v1.Generation", "baton.internal.v1.GatewayAdmin"
+    assert asyncio.run(services()) == ((generation,), None)
+    public, admin = asyncio.run(services("--admin-listen", f"127.0.0.1:{free_port()}"))
+    assert gateway_admin not in public and admin == (gateway_admin,)
+    public, admin = asyncio.run(services("--admin-listen", "public"))
+    assert gateway_admin in public and admin == public
+
+
 def test_gateway_admin_on_the_public_port_is_behind_the_key(pki):
-    """Without --admin-listen, GatewayAdmin shares the public port and its API key."""
+    """With --admin-listen public, GatewayAdmin shares the public port and its API key."""
     from gateway.admin import GatewayAdminService
     from gateway.workers import RoutingPolicy, WorkerPool
 

@@ -223,12 +223,12 @@ def extra_gateway(model_path: str, log_dir, *flags: str):
     yields a stub on it once it serves and every worker is marked up."""
     from baton.cli.local import Deployment, free_port, spawn, wait_in_rotation, wait_serving
 
-    address = f"127.0.0.1:{free_port()}"
-    args = ["gateway", "--listen", address, "--model", model_path, *flags]
-    gateway = Deployment(address, [spawn("gateway", args, log_dir, dict(os.environ))])
+    address, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    args = ["gateway", "--listen", address, "--admin-listen", admin, "--model", model_path, *flags]
+    gateway = Deployment(address, [spawn("gateway", args, log_dir, dict(os.environ))], admin=admin)
     try:
         wait_serving(address, gateway, 120)
-        wait_in_rotation(address, gateway, 120)
+        wait_in_rotation(admin, gateway, 120)
         with grpc.insecure_channel(address) as channel:
             yield generation_pb2_grpc.GenerationStub(channel)
     finally:

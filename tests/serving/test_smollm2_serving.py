@@ -23,11 +23,12 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def test_baton_up_answers_capital_of_france(tmp_path):
-    port, http_port = free_port(), free_port()
+    port, http_port, admin_port = free_port(), free_port(), free_port()
     log_path = tmp_path / "baton-up.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--http-port", str(http_port),
+             "--admin-port", str(admin_port),
              "--threads", "1",
              "--kv-cache-memory", "256M", "--verify-kv"],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
@@ -90,8 +91,12 @@ def test_baton_up_answers_capital_of_france(tmp_path):
         assert json.loads(chat.choices[0].message.content) == answer
         # On one CPU host `baton up` hands KV over ipc: the banner says so, and the workers did.
         assert "(disaggregated, KV over ipc)" in log_path.read_text()
-        status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", f"127.0.0.1:{port}"],
+        status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway",
+                                 f"127.0.0.1:{admin_port}"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        # GatewayAdmin (every worker's address) is not on the public port.
+        public = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--gateway", f"127.0.0.1:{port}"],
                                 capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert public.returncode != 0 and "--admin-listen" in public.stderr, public.stderr
         assert status.returncode == 0, status.stderr
         assert re.search(r"KV ipc +[1-9][0-9]* transfers, 0 failed", status.stdout), status.stdout
         assert "KV gloo" not in status.stdout and "KV channel refused" not in status.stdout

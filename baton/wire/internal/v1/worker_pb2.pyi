@@ -123,7 +123,7 @@ class ReleaseKvResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class OpenKvChannelRequest(_message.Message):
-    __slots__ = ("channel_id", "store_host", "store_port", "layout", "decode_worker_id", "timeout_seconds", "secret", "transport", "ipc_socket", "decode_endpoint")
+    __slots__ = ("channel_id", "store_host", "store_port", "layout", "decode_worker_id", "timeout_seconds", "secret", "transport", "ipc_socket", "decode_endpoint", "request_id", "kv_token")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,8 @@ class OpenKvChannelRequest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     IPC_SOCKET_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     store_host: str
     store_port: int
@@ -144,7 +146,9 @@ class OpenKvChannelRequest(_message.Message):
     transport: str
     ipc_socket: str
     decode_endpoint: KvEndpoint
-    def __init__(self, channel_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., secret: _Optional[bytes] = ..., transport: _Optional[str] = ..., ipc_socket: _Optional[str] = ..., decode_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ...) -> None: ...
+    request_id: str
+    kv_token: str
+    def __init__(self, channel_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., secret: _Optional[bytes] = ..., transport: _Optional[str] = ..., ipc_socket: _Optional[str] = ..., decode_endpoint: _Optional[_Union[KvEndpoint, _Mapping]] = ..., request_id: _Optional[str] = ..., kv_token: _Optional[str] = ...) -> None: ...
 
 class OpenKvChannelResponse(_message.Message):
     __slots__ = ("prefill_worker_id", "backend")
