@@ -302,8 +302,9 @@ class GatewayAdmission:
                 f"beside the {kept} admitted requests kept (those of higher priority, or admitted earlier)",
                 reason=SHED)
         self.stats.num_shed += len(shed)
-        logger.warning("admission: the deployment fell behind its forecast (decode steps %.1fx the workers' line): "
-                       "shed %d request(s), kept %d", self.observed_scale or 0.0, len(shed), kept)
+        logger.warning("admission: the deployment fell behind its forecast (decode steps %s the workers' line): "
+                       "shed %d request(s), kept %d",
+                       "?" if self.observed_scale is None else f"{self.observed_scale:.1f}x", len(shed), kept)
 
     def shed_error(self, request_id: str) -> RequestError | None:
         """The error a shed request ends with (None: it is not shed)."""

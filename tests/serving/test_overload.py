@@ -213,3 +213,23 @@ def test_the_overload_benchmark_at_tiny_scale(system):
     assert len(checks) == 14 and len({c["name"] for c in checks}) == 14
     overload.print_report({**report, "checks": checks})
     system.wait_idle()
+
+
+def test_the_cold_burst_benchmark_sorts_each_call_as_the_client_saw_it():
+    """benchmarks/cold_burst.py's figures: completed in time, admitted then ended by the
+    deadline (or shed: a token came first), refused before any token; goodput over the
+    burst's span against the warm capacity; and the targets it checks."""
+    from benchmarks.cold_burst import checks, figures, parse_args
+    from benchmarks.load import Outcome
+
+    outcomes = [Outcome("OK", 0.0, 20.0, 0.5, num_output_tokens=400, deadline_s=30.0),
+                Outcome("OK", 10.0, 45.0, 1.0, num_output_tokens=400, deadline_s=30.0),  # past its deadline
+                Outcome("DEADLINE_EXCEEDED", 0.0, 30.0, 0.4, num_output_tokens=120, deadline_s=30.0),
+                Outcome("RESOURCE_EXHAUSTED", 0.0, 0.3, refusal_seconds=(0.3,), deadline_s=30.0, is_refused=True)]
+    shown = figures(outcomes, 30.0, capacity_per_s=0.05)
+    assert (shown["completed_in_time"], shown["admitted_then_late"], shown["refused"]) == (1, 2, 1)
+    assert shown["late_share"] == pytest.approx(2 / 3) and shown["slowest_refusal_s"] == pytest.approx(0.3)
+    assert shown["goodput_per_s"] == pytest.approx(1 / 45.0)
+    rows = checks({"cases": {"one-thread": shown}})
+    assert [row["ok"] for row in rows] == [False, False, True]
+    assert parse_args(["--quick"]).cases == ("one-thread",) and parse_args([]).burst == 1500
