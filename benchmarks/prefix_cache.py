@@ -394,8 +394,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)  # the prompts' tokens come from the model's vocabulary
     shape = ChatShape(args.users, args.turns, args.system_tokens, args.message_tokens, args.answer_tokens, args.seed,
-                      args.history_tokens)
+                      args.history_tokens, vocab_size=len(tokenizer) if tokenizer is not None else 49152)
     systems = [s for s in args.systems.split(",") if s]
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(systems) - {"engine", "disaggregated"} | set(workloads) - {"shared", "unique", "fits"}

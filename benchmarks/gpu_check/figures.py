@@ -1,5 +1,5 @@
 """Phase 5 of the GPU check: the headline figures, measured by benchmarks/gpu.py's sections at
-its `--check` sizes (a dummy Llama-3.1-8B in bfloat16; on CPU, `--tiny` on dummy:smollm2-135m), each
+its `--check` sizes (a dummy Llama-3.1-8B in bfloat16; on CPU, `--tiny` on dummy:tiny), each
 section's targets written as checks the moment the section ends.
 
     bandwidth  copy bandwidth: what the decode figures are held to
@@ -35,7 +35,7 @@ SYSTEMS = ("baton-continuous", "baton-static")
 
 def benchmark_args(device: str, work: Path) -> list[str]:
     sizes = ["--model", "dummy:llama-3.1-8b", "--check"] if device == "cuda" else \
-        ["--model", "dummy:smollm2-135m", "--tiny"]
+        ["--model", "dummy:tiny", "--tiny"]
     return ["--device", device, *sizes, "--out", str(work / "figures"), "--sections", ",".join(SECTIONS),
             "--workloads", "mixed", "--systems", ",".join(SYSTEMS)]
 
