@@ -151,7 +151,7 @@ def recovery_section(args, deployment: Deployment) -> dict:
                            "tokens_equal": disturbed.tokens == undisturbed.tokens})
             if signum == signal.SIGSTOP:
                 os.kill(victim[0].popen.pid, signal.SIGCONT)
-                wait_in_rotation(deployment.gateway, deployment, 120)
+                wait_in_rotation(deployment.admin, deployment, 120)
             else:
                 deployment.restart(victim[0])
             rounds[-1]["idle_after"] = is_idle_within(deployment, 30)

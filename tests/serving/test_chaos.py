@@ -145,7 +145,7 @@ def test_streams_survive_a_worker_killed_or_frozen(cluster, undisturbed, role, s
     if signum == signal.SIGSTOP:
         os.kill(victim.popen.pid, signal.SIGCONT)
         from baton.cli.local import wait_in_rotation
-        wait_in_rotation(cluster.gateway, cluster, 60)
+        wait_in_rotation(cluster.admin, cluster, 60)
     else:
         cluster.restart(victim)
     cluster.wait_idle()
@@ -233,6 +233,7 @@ def test_two_gateways_front_the_same_workers(cluster, undisturbed, tmp_path):
     first = cluster.worker("gateway")
     args = list(first.popen.args)
     address = args[args.index("--listen") + 1] = f"127.0.0.1:{free_port()}"
+    args[args.index("--admin-listen") + 1] = f"127.0.0.1:{free_port()}"  # its own, as its public port
     log = open(tmp_path / "gateway-2.log", "w")
     second = Process("gateway", address, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                                           env=cluster._env), tmp_path / "gateway-2.log")

@@ -48,7 +48,7 @@ def test_a_restarted_prefill_worker_takes_handoffs_again(tmp_path):
                                                                       stderr=subprocess.STDOUT), log.name)
         deployment.processes[deployment.processes.index(old)] = restarted
         wait_serving(restarted.address, deployment, 300)
-        wait_in_rotation(deployment.gateway, deployment, 60)
+        wait_in_rotation(deployment.admin, deployment, 60)
 
         for _ in range(3):  # the first pull may still find the old channel; later ones must not
             assert generate(deployment.gateway, prompt) == expected
