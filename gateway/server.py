@@ -15,14 +15,14 @@ import logging
 from baton.runtime.metrics import GatewayMetrics, serve_metrics
 from baton.runtime.security import ApiKeyInterceptor
 from baton.runtime.server import GrpcServer, install_uvloop
-from baton.runtime.settings import GatewaySettings
+from baton.runtime.settings import ADMIN_ON_PUBLIC_PORT, GatewaySettings
 from baton.runtime.tracing import configure_tracing, shutdown_tracing
 from baton.wire.internal.v1 import admin_pb2
+from baton.wire.limits import MAX_REQUEST_BYTES
 from baton.wire.v1 import generation_pb2
 from engine.tokenizer import load_tokenizer
 from gateway.admin import GatewayAdminService
 from gateway.admission import GatewayAdmission, GatewayLimits
-from baton.wire.limits import MAX_REQUEST_BYTES
 from gateway.service import GenerationService
 from gateway.workers import POLL_INTERVAL_S, RoutingPolicy, WorkerPool
 
@@ -32,7 +32,6 @@ GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = GENERATION.full_name
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"]
 ADMIN_SERVICE_NAME = ADMIN.full_name
-ADMIN_ON_PUBLIC_PORT = "public"  # --admin-listen's value that serves GatewayAdmin on --listen
 
 
 async def run_gateway(settings: GatewaySettings) -> None:

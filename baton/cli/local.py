@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.runtime.clients import GatewayAdminClient, worker_stats
 from baton.runtime.security import TlsConfig
 from baton.runtime.server import open_blocking_channel
-from baton.runtime.settings import child_environment
+from baton.runtime.settings import ADMIN_ON_PUBLIC_PORT, child_environment
 from baton.runtime.values import format_cpu_list
 from baton.wire.records import WorkerStats
 
@@ -272,7 +272,7 @@ def start_deployment(
     metrics on a free port of its own (`Process.metrics_port`). `env`: extra environment
     variables of the processes, over ours (e.g. OTEL_EXPORTER_OTLP_ENDPOINT).
     `admin_address`: the gateway serves GatewayAdmin there (default "auto": a free port;
-    "public": on the gateway's public port).
+    "public", ADMIN_ON_PUBLIC_PORT: on the gateway's public port).
     `tls`, `api_key`: how we reach the processes, when the caller's args (the
     --tls-* flags to every role, --api-key-file or BATON_API_KEY to the gateway) secure them.
     The decode workers accept KV handles from the prefill workers only (the first one's
@@ -317,8 +317,8 @@ def start_deployment(
     gateway_address = gateway_address or f"127.0.0.1:{free_port()}"
     if admin_address == "auto":
         admin_address = f"127.0.0.1:{free_port()}"
-    deployment = Deployment(gateway_address, _env=env, admin="" if admin_address == "public" else admin_address,
-                            tls=tls, api_key=api_key)
+    admin = "" if admin_address == ADMIN_ON_PUBLIC_PORT else admin_address
+    deployment = Deployment(gateway_address, _env=env, admin=admin, tls=tls, api_key=api_key)
     gateway_args = ["gateway", "--listen", gateway_address, "--model", model,
                     "--decode-workers", ",".join(decode_addresses), *metrics_args(), "--admin-listen",
                     admin_address, *gateway_args]

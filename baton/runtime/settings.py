@@ -97,6 +97,7 @@ TLS_CA_HELP = ("PEM CA bundle (ca.crt): internal ports then require client certi
 TLS_SERVER_NAME_HELP = "name to expect in peers' server certificates, when they are dialled by an address it lacks"
 API_KEY_HELP = "clients must send 'authorization: Bearer <key>' (HTTP: checked before anything else is read)"
 API_KEY_FILE_HELP = "read the API key from this file (a mounted secret)"
+ADMIN_ON_PUBLIC_PORT = "public"  # --admin-listen's value that serves GatewayAdmin on --listen
 HEALTH_PORT_HELP = ("also serve grpc.health.v1 alone, in plaintext, on this port of the listen address "
                     "(Kubernetes' gRPC probes speak no TLS)")
 # --speculative: "none" is off (None), as the engine's SpeculativeConfig.method.
@@ -419,8 +420,8 @@ class GatewaySettings:
     # Security (baton/runtime/security.py).
     admin_listen: str | None = setting(None, "serve GatewayAdmin (baton status: every worker's address and "
                                              "load) here, with the workers' TLS (client certificates with "
-                                             "--tls-ca), apart from the public port; 'public': on --listen, "
-                                             "behind --api-key",
+                                             f"--tls-ca), apart from the public port; '{ADMIN_ON_PUBLIC_PORT}': "
+                                             "on --listen, behind --api-key",
                                        shown="off, so that no caller of the public port learns the workers")
     api_key: str | None = setting(None, API_KEY_HELP, shown="none, open", secret=True)
     api_key_file: str | None = setting(None, API_KEY_FILE_HELP)
@@ -452,7 +453,8 @@ class GatewaySettings:
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
         if self.admin_listen is not None and self.admin_listen == self.listen:
-            raise ValueError("--admin-listen must differ from --listen (to serve it there: --admin-listen public)")
+            raise ValueError(f"--admin-listen must differ from --listen (to serve it there: --admin-listen "
+                             f"{ADMIN_ON_PUBLIC_PORT})")
         object.__setattr__(self, "tls", load_tls(self))
         object.__setattr__(self, "bearer_key", load_api_key(self.api_key, self.api_key_file))
 

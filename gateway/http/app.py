@@ -29,11 +29,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from baton.wire.limits import MAX_REQUEST_BYTES
 from baton.wire.records import GenerateRequest, TextDelta
 from gateway.errors import RequestError
 from gateway.http import protocol as api
 from gateway.http import translate
-from baton.wire.limits import MAX_REQUEST_BYTES
 from gateway.service import REQUEST_ID_HEADER, GenerationService, header_request_id
 
 logger = logging.getLogger(__name__)

@@ -24,11 +24,11 @@ from baton.cli.launcher import UpSettings, start_up
 from baton.cli.local import free_port
 from baton.cli.main import build_parser
 from baton.runtime.settings import from_args
+from baton.wire.limits import MAX_REQUEST_BYTES
 from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.v1 import generation_pb2_grpc
 from engine.tokenizer import load_tokenizer
 from gateway.http.translate import param_name
-from baton.wire.limits import MAX_REQUEST_BYTES
 from tests.support.bad_requests import CASES
 from tests.serving.test_bursts import gateway_samples, total
 from tests.serving.test_serving import VOCAB_SIZE

@@ -8,8 +8,8 @@ import json
 
 import grpc
 
-from baton.wire.v1 import generation_pb2 as pb
 from baton.wire.limits import MAX_REQUEST_BYTES
+from baton.wire.v1 import generation_pb2 as pb
 from tests.serving.test_serving import VOCAB_SIZE
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
