@@ -289,9 +289,9 @@ class GatewayAdmission:
         if now - self._checked_at < SHED_INTERVAL_S:
             return
         self._checked_at = now
-        rates = self.rates
-        self.observed_scale = self.forecast.observed_scale(rates, now)
-        shed = [r for r in self.forecast.to_shed(rates, now) if r.request_id not in self.shed]
+        rates, step = self.rates, self.forecast.observed_step_s(now)
+        self.observed_scale = self.forecast.observed_scale(rates, step)
+        shed = [r for r in self.forecast.to_shed(rates, now, step) if r.request_id not in self.shed]
         if not shed:
             return
         kept = len(self.forecast.admitted) - len(self.shed) - len(shed)

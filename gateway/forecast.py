@@ -322,19 +322,18 @@ class Forecast:
                 samples.append((now - since) / decoded)
         return statistics.median(samples) if samples else None
 
-    def observed_scale(self, rates: Rates, now: float) -> float | None:
-        """The observed step over the workers' own line at the sequences admitted now
-        (None: nothing observed, or no line)."""
-        step = self.observed_step_s(now)
+    def observed_scale(self, rates: Rates, step: float | None) -> float | None:
+        """`step` (observed_step_s's) over the workers' own line at the sequences admitted
+        now (None: nothing observed, or no line)."""
         line = rates.unscaled.step_s(self.num_seqs)
         return step / line if step is not None and line > 0 else None
 
-    def to_shed(self, rates: Rates, now: float) -> list[Admitted]:
+    def to_shed(self, rates: Rates, now: float, step: float | None) -> list[Admitted]:
         """The fewest admitted requests to end now so that every other one with a deadline
-        finishes within it at the step the running requests show; [] while none is behind
-        (or nothing has been observed). After a shedding, the step is observed afresh
-        (the batch it was measured in is gone), so the next comes only once it has been."""
-        step = self.observed_step_s(now)
+        finishes within it at `step`, the step the running requests show (observed_step_s's
+        now); [] while none is behind (or nothing has been observed: `step` None). After a
+        shedding, the step is observed afresh (the batch it was measured in is gone), so
+        the next comes only once it has been."""
         if step is None:
             return []
         line_now = rates.unscaled.step_s(self.num_seqs)

@@ -278,7 +278,7 @@ def run_wrong_forecast(rates: Rates, truth: Rates, *, shed: bool, num_requests: 
                 outcome["in_time" if now <= deadline_s else "late"] += 1
         if shed and now >= next_check:
             next_check = now + 0.25
-            for request in forecast.to_shed(rates, now):
+            for request in forecast.to_shed(rates, now, forecast.observed_step_s(now)):
                 forecast.remove(request.request_id)
                 outcome["shed"] += 1
     return outcome
@@ -316,8 +316,8 @@ def test_shedding_keeps_the_higher_priority_and_never_a_request_without_a_deadli
         forecast.add(request)
         forecast.started(request.request_id)
         request.num_generated, request.decode_start_at, request.decode_start_tokens = 20, 1.0, 2
-    assert forecast.to_shed(line, 1.0) == []  # nothing observed yet: nothing shed
-    shed = forecast.to_shed(line, 2.0)  # 18 tokens in 1 s
+    assert forecast.to_shed(line, 1.0, forecast.observed_step_s(1.0)) == []  # nothing observed yet: nothing shed
+    shed = forecast.to_shed(line, 2.0, forecast.observed_step_s(2.0))  # 18 tokens in 1 s
     assert [r.request_id for r in shed] == [f"r{i}" for i in range(13, 39, 2)]
 
 
