@@ -132,24 +132,17 @@ class PrefillWorkerLeases(RuleBasedStateMachine):
         if self.table.release(request_id):
             del self.pinned[request_id]
 
-    @rule(request_id=requests)
-    def send(self, request_id: str) -> None:
-        """A decode worker's pull: begin_send, and end_send at once (the sender frees)."""
+    @rule(request_id=requests, released_meanwhile=st.booleans())
+    def send(self, request_id: str, released_meanwhile: bool) -> None:
+        """A decode worker's pull: begin_send, and end_send at once (the sender frees),
+        perhaps with the owner's release while it sends."""
         try:
             self.table.begin_send(request_id)
         except (KeyError, ValueError):
             return
-        self.table.end_send(request_id)
-        del self.pinned[request_id]
-
-    @rule(request_id=requests)
-    def send_with_a_release_during_it(self, request_id: str) -> None:
-        try:
-            self.table.begin_send(request_id)
-        except (KeyError, ValueError):
-            return
-        self.released.add(request_id)
-        assert self.table.release(request_id) is False and self.table.get(request_id).release_requested
+        if released_meanwhile:
+            self.released.add(request_id)
+            assert self.table.release(request_id) is False and self.table.get(request_id).release_requested
         self.table.end_send(request_id)
         del self.pinned[request_id]
 

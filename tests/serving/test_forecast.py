@@ -202,19 +202,28 @@ def test_expected_output_before_any_request_stopped():
 
 
 # ----------------------------------------------------------------- a simulated burst
+def admit_burst(forecast: Forecast, rates: Rates, num_requests: int, deadline_s: float, prompt: int, output: int,
+                max_num_seqs: int, max_queue_wait_s: float) -> list[Admitted]:
+    """Every request at 0 with the same deadline, judged by `rates`: those admitted (up to
+    `max_num_seqs`), added to `forecast`."""
+    admitted = []
+    for i in range(num_requests):
+        if len(admitted) >= max_num_seqs:
+            break
+        new = Admitted(f"r{i}", 0, deadline_s, 0.0, i, prompt, output, output)
+        if forecast.judge(new, rates, 0.0, max_queue_wait_s) is None:
+            forecast.add(new)
+            admitted.append(new)
+    return admitted
+
+
 def simulate_burst(num_requests: int, deadline_s: float, rates: Rates, prompt: int, output: int,
                    max_num_seqs: int) -> tuple[int, int, float]:
     """Every request arrives at 0 with the same deadline: admitted, completed in time, and the
     latest finish. One prefill worker (prompts one after another at the fitted rate) and one
     decode worker whose steps take exactly the fitted time; nobody retries."""
-    forecast, admitted = Forecast(), []
-    for i in range(num_requests):
-        if len(admitted) >= max_num_seqs:
-            break
-        new = Admitted(f"r{i}", 0, deadline_s, 0.0, i, prompt, output, output)
-        if forecast.judge(new, rates, 0.0, 30.0) is None:
-            forecast.add(new)
-            admitted.append(new)
+    forecast = Forecast()
+    admitted = admit_burst(forecast, rates, num_requests, deadline_s, prompt, output, max_num_seqs, 30.0)
     # Prefill in admission order (one deadline: arrival order), then every step decodes all started.
     ready = [rates.prefill_s(prompt * (i + 1)) for i in range(len(admitted))]
     now, left, finishes = 0.0, {i: output - 1 for i in range(len(admitted))}, []
@@ -249,14 +258,8 @@ def run_wrong_forecast(rates: Rates, truth: Rates, *, shed: bool, num_requests: 
     """A burst admitted on `rates` at 0, decoded at `truth`'s steps (prompts one after
     another, then every step decodes all prefilled), progress checked every 0.25 s as
     GatewayAdmission does, the requests `to_shed` names ended there (with `shed`)."""
-    forecast, admitted = Forecast(), []
-    for i in range(num_requests):
-        if len(admitted) >= max_num_seqs:
-            break
-        new = Admitted(f"r{i}", 0, deadline_s, 0.0, i, prompt, output, output)
-        if forecast.judge(new, rates, 0.0, 60.0) is None:
-            forecast.add(new)
-            admitted.append(new)
+    forecast = Forecast()
+    admitted = admit_burst(forecast, rates, num_requests, deadline_s, prompt, output, max_num_seqs, 60.0)
     ready = {r.request_id: truth.prefill_s(prompt * (i + 1)) for i, r in enumerate(admitted)}
     now, next_check, outcome = 0.0, 0.25, {"admitted": len(admitted), "in_time": 0, "late": 0, "shed": 0}
     while forecast.admitted:
