@@ -35,6 +35,8 @@ SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"]
 
 # How many prompts' first blocks _lands remembers.
 RECENT_PROMPTS = 4096
+# A stream pauses between its messages (--max-stream-messages-per-s) only if for longer than this.
+MIN_STREAM_PAUSE_S = 0.001
 
 
 class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
@@ -161,6 +163,12 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                     timed = True
                     moments = self._moments(request_id, timings, received_at if handed_off else None)
                 yield _token_event(output, moments)
+                if not output.finished:
+                    # Past the worker's message rate, the steps' outputs gather meanwhile and
+                    # the next get takes them as one (RequestStream.get).
+                    pause = self.engine.num_streams / self.settings.max_stream_messages_per_s
+                    if pause > MIN_STREAM_PAUSE_S:
+                        await asyncio.sleep(pause)
         except EngineDeadError:  # the gateway moves the request to another worker
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine failed")
         finally:

@@ -53,16 +53,29 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._failure: BaseException | None = None
         self.finished = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
     async def get(self) -> RequestOutput:
-        """The next output; raises EngineDeadError if the engine stopped first."""
+        """The next output: every one the engine put since the last get, as one (a reader
+        behind the engine, its client's stream slower than the steps, takes them in one
+        message, not one a step); raises EngineDeadError if the engine stopped first."""
+        if self._failure is not None:
+            raise self._failure
         item = await self._queue.get()
         if isinstance(item, BaseException):
             raise item
+        outputs = [item]
+        while not (outputs[-1].finished or outputs[-1].kv_block_ids is not None or self._queue.empty()):
+            following = self._queue.get_nowait()
+            if isinstance(following, BaseException):
+                self._failure = following  # raised by the next get, after these outputs
+                break
+            outputs.append(following)
+        item = RequestOutput.merged(outputs)
         if item.finished:
             self.finished = True
         return item

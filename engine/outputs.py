@@ -51,6 +51,32 @@ class RequestOutput:
     # Traced requests: timeline events since the last output.
     events: list[TimelineEvent] | None = None
 
+    @staticmethod
+    def merged(outputs: list[RequestOutput]) -> RequestOutput:
+        """Consecutive outputs of one request as one (RequestStream.get): tokens, logprobs
+        and events in order; what is set once (prompt logprobs, cached counts, the first
+        decode step's timings) from the output that set it; the rest from the last."""
+        if len(outputs) == 1:
+            return outputs[0]
+        first, last = outputs[0], outputs[-1]
+
+        def joined(name: str) -> list | None:
+            parts = [getattr(o, name) for o in outputs if getattr(o, name) is not None]
+            return [item for part in parts for item in part] if parts else None
+
+        def once(name: str):
+            return next((getattr(o, name) for o in outputs if getattr(o, name) is not None), None)
+
+        cached = next((o for o in outputs if o.num_cached_tokens is not None), first)
+        return RequestOutput(
+            last.request_id, [t for o in outputs for t in o.new_token_ids], last.finished, last.finish_reason,
+            last.stop_reason, last.num_prompt_tokens, last.num_output_tokens,
+            num_cached_tokens=cached.num_cached_tokens, num_host_cached_tokens=cached.num_host_cached_tokens,
+            text=last.text, new_logprobs=joined("new_logprobs"), prompt_logprobs=once("prompt_logprobs"),
+            kv_block_ids=last.kv_block_ids, timings=once("timings"), decode_timings=once("decode_timings"),
+            events=joined("events"),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class KvReceive:

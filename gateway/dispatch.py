@@ -252,12 +252,16 @@ class Dispatcher:
             if not call.done():
                 call.cancel()
 
-    async def _until_done_or_lost(self, worker: Worker, pending: asyncio.Future) -> bool:
+    async def _until_done_or_lost(self, worker: Worker, pending: asyncio.Future,
+                                  lost: asyncio.Future | None = None) -> bool:
         """Wait for `pending`, a call on `worker`; False if the worker is lost first: it is
         marked down (a failed poll, another call's failure), or `pending` has waited a
         stall timeout and the worker then fails a probe. A worker that answers the probe
-        is alive (the call may be queued there) and the wait goes on."""
-        lost = asyncio.ensure_future(worker.lost.wait())
+        is alive (the call may be queued there) and the wait goes on. `lost`: a wait on
+        worker.lost that the caller keeps across its waits (else one is made for this one)."""
+        own_lost = lost is None
+        if own_lost:
+            lost = asyncio.ensure_future(worker.lost.wait())
         try:
             while True:
                 done, _ = await asyncio.wait((pending, lost), timeout=worker.stall_timeout_s,
@@ -267,7 +271,8 @@ class Dispatcher:
                 if lost in done or not await self.pool.probe(worker):
                     return pending.done()
         finally:
-            lost.cancel()
+            if own_lost:
+                lost.cancel()
 
     async def _decode(self, worker: Worker, request: DecodeRequest, holder: Worker | None,
                       time_remaining: Callable[[], float | None], trace_metadata) -> AsyncIterator[TokenEvent]:
@@ -275,24 +280,17 @@ class Dispatcher:
         request's KV, if it was handed off. WorkerLost if the decode worker is lost."""
         # Colocated, the call carries the prompt to the worker that prefills it.
         sent = {latency.PREFILL_SENT: time.time_ns()} if request.kv_handle is None else {}
-        events = aiter(worker.client.decode(request, timeout=time_remaining(), metadata=trace_metadata))
+        reader = EventReader(worker.client.decode(request, timeout=time_remaining(), metadata=trace_metadata))
         done_calling = worker.in_flight.take()
+        lost = asyncio.ensure_future(worker.lost.wait())
         got_event = False
         try:
             while True:
-                next_event = asyncio.ensure_future(anext(events))
-                try:
-                    if not await self._until_done_or_lost(worker, next_event):
-                        raise WorkerLost(worker, "stalled: no token and no answer within "
-                                                 f"{worker.stall_timeout_s:.1f} s")
-                    event = next_event.result()
-                except StopAsyncIteration:
+                if not reader.ready() and not await self._until_done_or_lost(worker, reader.wait(), lost):
+                    raise WorkerLost(worker, f"stalled: no token and no answer within {worker.stall_timeout_s:.1f} s")
+                event = reader.take()
+                if event is None:
                     return
-                finally:
-                    if not next_event.done():
-                        next_event.cancel()  # the call ends: aborted on the worker, if it ever hears
-                        with contextlib.suppress(BaseException):
-                            await next_event  # done with `events` before it is closed below
                 if not got_event and sent:
                     event = replace(event, moments={**event.moments, **sent})
                 got_event = True
@@ -304,8 +302,9 @@ class Dispatcher:
                 raise WorkerLost(worker, f"{code.name}: {error.details()}") from None
             raise RequestError.from_worker(error, "decode failed") from None
         finally:
+            lost.cancel()
             done_calling()
-            await events.aclose()  # the client went away or a stop string matched: abort on the worker
+            await reader.aclose()  # the client went away or a stop string matched: abort on the worker
             if holder is not None and not got_event:
                 # The decode side may never have pulled the KV: drop the lease now, not at expiry.
                 self._release_later(holder, request.request, trace_metadata)
@@ -323,3 +322,64 @@ class Dispatcher:
             pass
         finally:
             detach()
+
+
+class EventReader:
+    """A worker's event stream, read ahead in a task of its own. What arrives while its
+    consumer is busy (a client slower than the worker, or a gateway behind its load) is
+    taken at once as one event (TokenEvent.merged): a hop that lags sends fewer, larger
+    messages instead of falling further behind, and the tokens reach the client as fast
+    as the workers make them. Waiting for the next event makes no task of its own."""
+
+    def __init__(self, events: AsyncIterator[TokenEvent]) -> None:
+        self._events = events
+        self._buffer: list[TokenEvent] = []
+        self._ended = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self._task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for event in self._events:
+                self._buffer.append(event)
+                self._wake()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # the call's: raised to the consumer after the events before it
+            self._error = error
+        finally:
+            self._ended = True
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def ready(self) -> bool:
+        """Whether `take` answers now: events arrived, or the stream ended."""
+        return bool(self._buffer) or self._ended
+
+    def wait(self) -> asyncio.Future:
+        """A future done once `ready`."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        if self.ready():
+            self._waiter.set_result(None)
+        return self._waiter
+
+    def take(self) -> TokenEvent | None:
+        """The events arrived since the last take, as one; None once the stream ended
+        (raising its error, if it failed)."""
+        if self._buffer:
+            events, self._buffer = self._buffer, []
+            return TokenEvent.merged(events)
+        if self._error is not None:
+            raise self._error
+        return None
+
+    async def aclose(self) -> None:
+        """Stop reading (a call still running is cancelled: aborted on the worker)."""
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
+        await self._events.aclose()

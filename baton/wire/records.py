@@ -192,6 +192,27 @@ class TokenEvent:
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first event, when asked
     moments: dict[str, int] = field(default_factory=dict)  # on the last event (baton/runtime/latency.py)
 
+    @staticmethod
+    def merged(events: list[TokenEvent]) -> TokenEvent:
+        """Consecutive events of one request as one: what a reader behind its worker takes
+        at once. Tokens and logprobs in order; the prompt's logprobs of the first; the
+        cache counts and the finish of the last that has them; the moments of all."""
+        if len(events) == 1:
+            return events[0]
+        last = events[-1]
+        cached = next((e for e in reversed(events) if e.num_cached_tokens is not None), None)
+        moments: dict[str, int] = {}
+        for event in events:
+            moments.update(event.moments)
+        return TokenEvent(
+            [token for event in events for token in event.token_ids],
+            [logprob for event in events for logprob in event.logprobs],
+            last.finish_reason, last.stop_token_id,
+            num_cached_tokens=None if cached is None else cached.num_cached_tokens,
+            num_host_cached_tokens=0 if cached is None else cached.num_host_cached_tokens,
+            prompt_logprobs=events[0].prompt_logprobs, moments=moments,
+        )
+
 
 # ------------------------------------------------------- the KV handoff's control
 @dataclass(frozen=True, slots=True)
