@@ -52,6 +52,7 @@ from gateway.forecast import (
     QUEUE_WAIT,
     SHED,
     Admitted,
+    DecodeProgress,
     DecodeScale,
     Forecast,
     OutputLengths,
@@ -155,8 +156,9 @@ class GatewayAdmission:
         self._fronts: dict[str, str] = {}
         self._num_in_flight: Counter[str] = Counter()
         # Requests shed, by id, with the error they end with; and the step scale the
-        # running requests show (None: nothing observed), as of the last check.
+        # running requests show (None: nothing observed), as of the last check that saw one.
         self.shed: dict[str, RequestError] = {}
+        self.progress = DecodeProgress(clock())
         self.observed_scale: float | None = None
         self._checked_at = float("-inf")
 
@@ -267,10 +269,13 @@ class GatewayAdmission:
         request = self.forecast.admitted.get(request_id)
         if request is None:
             return
-        if request.num_generated and request.decode_start_at is None:  # its first decode step's
+        if request.decode_start_at is not None:
+            self.progress.decoded(num_tokens)
+        elif request.num_generated:  # its first decode step's
             request.decode_start_at = self._clock()
             request.admitted_area_at_decode_start = self._advance()
             request.decode_start_tokens = request.num_generated + num_tokens
+            self.progress.started(request.num_seqs, request.decode_start_at)
         request.num_generated += num_tokens
         self._check_progress()
 
@@ -289,11 +294,15 @@ class GatewayAdmission:
         if now - self._checked_at < SHED_INTERVAL_S:
             return
         self._checked_at = now
-        rates, step = self.rates, self.forecast.observed_step_s(now)
-        self.observed_scale = self.forecast.observed_scale(rates, step)
-        shed = [r for r in self.forecast.to_shed(rates, now, step) if r.request_id not in self.shed]
+        rates, observed = self.rates, self.progress.sample(now)
+        if observed is not None:
+            self.observed_scale = observed.scale(rates)
+        elif not self.progress.num_decoding:
+            self.observed_scale = None  # kept while a fresh window fills, forgotten once none decodes
+        shed = [r for r in self.forecast.to_shed(rates, now, observed) if r.request_id not in self.shed]
         if not shed:
             return
+        self.progress.restart(now)  # the batch it was measured in is gone
         kept = len(self.forecast.admitted) - len(self.shed) - len(shed)
         for request in shed:
             self.shed[request.request_id] = RequestError(
@@ -320,6 +329,8 @@ class GatewayAdmission:
             return
         area = self._advance()
         request = self.forecast.remove(request_id)
+        if request.decode_start_at is not None:
+            self.progress.ended(request.num_seqs, self._clock())
         if outcome == "stop":
             self.outputs.add(request.num_generated)
         if outcome in ("stop", "length"):

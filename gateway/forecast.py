@@ -27,20 +27,19 @@ kept to be compared with what happened (GatewayAdmission's stats).
 
 A forecast can still be wrong: a cold deployment's first burst decodes in batches its
 workers' line never saw. So while requests run, `to_shed` compares their progress with
-their deadlines. The step their decoding shows (the median over those that decoded
-MIN_OBSERVED_TOKENS or more) is the line scaled by what it shows; if at that step an
-admitted request would finish past its deadline, the fewest requests are shed so that
-the rest finish in time: hopeless ones first, then the lowest priority, then the
-latest admitted (requests without a deadline are never shed). The scale it observed
-also corrects the forecast of what is admitted next (`observed_scale`), before any
-request has finished to teach DecodeScale.
+their deadlines. The step their decoding shows (DecodeProgress: pooled over every
+decoding request, over the last OBSERVE_WINDOW_S) is the line scaled by what it shows;
+if at that step an admitted request would finish past its deadline, the fewest requests
+are shed so that the rest finish in time: hopeless ones first, then the lowest
+priority, then the latest admitted (requests without a deadline are never shed). The
+scale it observed also corrects the forecast of what is admitted next
+(`Observed.scale`), before any request has finished to teach DecodeScale.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -58,9 +57,12 @@ DEFAULT_OUTPUT = 128  # expected output before any request has finished on its o
 # Why admission refuses (baton_requests_refused's reasons, beside a worker's own), and
 # why a request admitted is shed.
 CONCURRENCY, QUEUE_WAIT, DEADLINE, SHED = "concurrency", "queue_wait", "deadline", "shed"
-# A running request's decode shows the deployment's step once it has this many tokens
-# past its first decode step.
-MIN_OBSERVED_TOKENS = 8
+# The decode step the running requests show is measured over the last OBSERVE_WINDOW_S,
+# once that spans MIN_OBSERVE_S and MIN_OBSERVED_TOKENS tokens (a worker's streams send
+# tokens in gathers, so a shorter window reads the gathers, not the steps).
+OBSERVE_WINDOW_S = 2.0
+MIN_OBSERVE_S = 1.0
+MIN_OBSERVED_TOKENS = 32
 # A request is behind when its projected last token falls within this share of its time
 # of its deadline (the projection's own margin for error).
 SHED_MARGIN = 0.05
@@ -88,9 +90,6 @@ class Admitted:
     decode_start_at: float | None = None
     decode_start_tokens: int = 0
     admitted_area_at_decode_start: float = 0.0
-    # Where its observed step is measured from (Forecast.observed_step_s): its first decode
-    # step, or the last shedding (the batch it decoded in changed then).
-    observed_from: tuple[float, int] | None = None
 
     @property
     def key(self) -> tuple:
@@ -201,6 +200,80 @@ class OutputLengths:
         return max(1, min(max_tokens, math.ceil(mean)))
 
 
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """The decode step the running requests show (DecodeProgress.sample)."""
+
+    step_s: float  # seconds between a decoding request's tokens, on average over its tokens
+    batch: float  # the sequences decoding as each of those tokens came, on average (the line
+    # at that batch is the line's mean step over those tokens: the two compare)
+
+    def scale(self, rates: Rates) -> float | None:
+        """The step over the workers' own line at that batch (None: no line)."""
+        line = rates.unscaled.line_s(self.batch)
+        return self.step_s / line if line > 0 else None
+
+
+class DecodeProgress:
+    """The decode step the running requests show, pooled over a sliding window: the time
+    requests spent decoding (from their first decode step to their end) over the tokens
+    they got meanwhile, over the last OBSERVE_WINDOW_S. Pooled over every decoding request
+    and over seconds, it reads the steps, not one stream's gathers or one request's start."""
+
+    def __init__(self, now: float) -> None:
+        self._requests = 0  # decoding now
+        self._seqs = 0  # their sequences (n choices each)
+        self._area = 0.0  # the integral of requests decoding over time, to `_at`
+        self._at = now
+        self._tokens = 0  # tokens they got (one choice's: a request's step is its choices' too)
+        self._token_seqs = 0  # the sequences decoding as each came, summed
+        self._samples: deque[tuple[float, float, int, int]] = deque()  # (time, area, tokens, token seqs)
+
+    def _advance(self, now: float) -> None:
+        self._area += self._requests * max(0.0, now - self._at)
+        self._at = max(self._at, now)
+
+    def started(self, num_seqs: int, now: float) -> None:
+        """A request's first decode step came."""
+        self._advance(now)
+        self._requests += 1
+        self._seqs += num_seqs
+
+    def ended(self, num_seqs: int, now: float) -> None:
+        """A request that had started decoding ended."""
+        self._advance(now)
+        self._requests -= 1
+        self._seqs -= num_seqs
+
+    @property
+    def num_decoding(self) -> int:
+        return self._requests
+
+    def decoded(self, num_tokens: int) -> None:
+        """A decoding request got `num_tokens` more."""
+        self._tokens += num_tokens
+        self._token_seqs += num_tokens * self._seqs
+
+    def sample(self, now: float) -> Observed | None:
+        """The step over the window to now (None: it spans too little yet)."""
+        self._advance(now)
+        samples = self._samples
+        samples.append((now, self._area, self._tokens, self._token_seqs))
+        while len(samples) > 2 and samples[1][0] <= now - OBSERVE_WINDOW_S:
+            samples.popleft()
+        since, area, tokens, token_seqs = samples[0]
+        num_tokens = self._tokens - tokens
+        if now - since < MIN_OBSERVE_S or num_tokens < MIN_OBSERVED_TOKENS:
+            return None
+        return Observed((self._area - area) / num_tokens, (self._token_seqs - token_seqs) / num_tokens)
+
+    def restart(self, now: float) -> None:
+        """Observe afresh from now (the batch changed: requests were shed)."""
+        self._advance(now)
+        self._samples.clear()
+        self._samples.append((now, self._area, self._tokens, self._token_seqs))
+
+
 @dataclass
 class Forecast:
     """The admitted requests, and what admitting another would do to their times."""
@@ -308,40 +381,19 @@ class Forecast:
         return int(on_track and start_after + remaining * step_after > limit)
 
     # ------------------------------------------------------------- shedding
-    def observed_step_s(self, now: float) -> float | None:
-        """The decode step the running requests show: the median over those that decoded
-        MIN_OBSERVED_TOKENS or more of their seconds per token since their first decode
-        step (None: none has yet)."""
-        samples = []
-        for r in self.admitted.values():
-            if r.decode_start_at is None:
-                continue
-            since, tokens = r.observed_from or (r.decode_start_at, r.decode_start_tokens)
-            decoded = r.num_generated - tokens
-            if decoded >= MIN_OBSERVED_TOKENS and now > since:
-                samples.append((now - since) / decoded)
-        return statistics.median(samples) if samples else None
-
-    def observed_scale(self, rates: Rates, step: float | None) -> float | None:
-        """`step` (observed_step_s's) over the workers' own line at the sequences admitted
-        now (None: nothing observed, or no line)."""
-        line = rates.unscaled.step_s(self.num_seqs)
-        return step / line if step is not None and line > 0 else None
-
-    def to_shed(self, rates: Rates, now: float, step: float | None) -> list[Admitted]:
+    def to_shed(self, rates: Rates, now: float, observed: Observed | None) -> list[Admitted]:
         """The fewest admitted requests to end now so that every other one with a deadline
-        finishes within it at `step`, the step the running requests show (observed_step_s's
-        now); [] while none is behind (or nothing has been observed: `step` None). After a
-        shedding, the step is observed afresh (the batch it was measured in is gone), so
-        the next comes only once it has been."""
-        if step is None:
+        finishes within it at the step the running requests show (`observed`, DecodeProgress's,
+        scaled along the workers' line to each batch); [] while none is behind, or nothing
+        has been observed."""
+        if observed is None:
             return []
-        line_now = rates.unscaled.step_s(self.num_seqs)
+        anchor = rates.unscaled.line_s(observed.batch)
 
         def step_at(num_seqs: int) -> float:  # the observed step, scaled along the line (or in proportion)
-            if line_now > 0:
-                return step * rates.unscaled.step_s(num_seqs) / line_now
-            return step * num_seqs / max(1, self.num_seqs)
+            if anchor > 0:
+                return observed.step_s * rates.unscaled.line_s(num_seqs) / anchor
+            return observed.step_s * num_seqs / max(1.0, observed.batch)
 
         free = [r for r in self.admitted.values() if r.deadline is None]  # never shed
         base_seqs = sum(r.num_seqs for r in free)
@@ -361,11 +413,7 @@ class Forecast:
                 low = k
             else:
                 high = k - 1
-        shed = hopeless + keepable[low:]
-        for request in self.admitted.values():
-            if request.decode_start_at is not None:
-                request.observed_from = (now, request.num_generated)
-        return shed
+        return hopeless + keepable[low:]
 
     @staticmethod
     def _all_on_time(requests: list[Admitted], num_seqs: int, step_at, rates: Rates, now: float) -> bool:

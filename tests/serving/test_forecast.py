@@ -16,7 +16,17 @@ from engine.sampling_params import SamplingParams
 from engine.statistics import RecentStats
 from gateway.admission import GatewayAdmission, GatewayLimits, pooled_rates
 from gateway.errors import RequestError
-from gateway.forecast import DEADLINE, DEADLINE_SHARE, DEFAULT_OUTPUT, QUEUE_WAIT, Admitted, Forecast, Rates
+from gateway.forecast import (
+    DEADLINE,
+    DEADLINE_SHARE,
+    DEFAULT_OUTPUT,
+    QUEUE_WAIT,
+    Admitted,
+    DecodeProgress,
+    Forecast,
+    Observed,
+    Rates,
+)
 from gateway.workers import STALL_STEPS, RoutingPolicy, WorkerPool
 
 # A prefill worker at 1 ms a prompt token; decode steps of 10 ms + 1 ms a sequence.
@@ -258,7 +268,7 @@ def run_wrong_forecast(rates: Rates, truth: Rates, *, shed: bool, num_requests: 
     """A burst admitted on `rates` at 0, decoded at `truth`'s steps (prompts one after
     another, then every step decodes all prefilled), progress checked every 0.25 s as
     GatewayAdmission does, the requests `to_shed` names ended there (with `shed`)."""
-    forecast = Forecast()
+    forecast, progress = Forecast(), DecodeProgress(0.0)
     admitted = admit_burst(forecast, rates, num_requests, deadline_s, prompt, output, max_num_seqs, 60.0)
     ready = {r.request_id: truth.prefill_s(prompt * (i + 1)) for i, r in enumerate(admitted)}
     now, next_check, outcome = 0.0, 0.25, {"admitted": len(admitted), "in_time": 0, "late": 0, "shed": 0}
@@ -275,15 +285,24 @@ def run_wrong_forecast(rates: Rates, truth: Rates, *, shed: bool, num_requests: 
         for request in running:
             if request.decode_start_at is None:
                 request.decode_start_at, request.decode_start_tokens = now, request.num_generated + 1
+                progress.started(1, now)
+            else:
+                progress.decoded(1)
             request.num_generated += 1
             if request.num_generated >= output:
                 forecast.remove(request.request_id)
+                progress.ended(1, now)
                 outcome["in_time" if now <= deadline_s else "late"] += 1
         if shed and now >= next_check:
             next_check = now + 0.25
-            for request in forecast.to_shed(rates, now, forecast.observed_step_s(now)):
+            to_shed = forecast.to_shed(rates, now, progress.sample(now))
+            for request in to_shed:
                 forecast.remove(request.request_id)
+                if request.decode_start_at is not None:
+                    progress.ended(1, now)
                 outcome["shed"] += 1
+            if to_shed:
+                progress.restart(now)
     return outcome
 
 
@@ -319,8 +338,8 @@ def test_shedding_keeps_the_higher_priority_and_never_a_request_without_a_deadli
         forecast.add(request)
         forecast.started(request.request_id)
         request.num_generated, request.decode_start_at, request.decode_start_tokens = 20, 1.0, 2
-    assert forecast.to_shed(line, 1.0, forecast.observed_step_s(1.0)) == []  # nothing observed yet: nothing shed
-    shed = forecast.to_shed(line, 2.0, forecast.observed_step_s(2.0))  # 18 tokens in 1 s
+    assert forecast.to_shed(line, 1.0, None) == []  # nothing observed yet: nothing shed
+    shed = forecast.to_shed(line, 2.0, Observed(1 / 18, 40))  # 18 tokens in 1 s each
     assert [r.request_id for r in shed] == [f"r{i}" for i in range(13, 39, 2)]
 
 
@@ -429,3 +448,31 @@ def test_a_request_is_forecast_to_end_at_the_models_context_not_past_it():
     admission.admit("unbounded")
     with pytest.raises(RequestError):
         admission.queue_tokens("unbounded", 100, params, deadline=6.0, arrival=0.0)
+
+
+def test_the_step_the_running_requests_show_is_read_through_their_streams_gathers():
+    """A hundred requests decode at 40 ms a step; their worker sends each stream's tokens
+    three at a time, the streams staggered. Pooled over the requests and the last 2 s,
+    the step read is the steps' (not a gather's 120 ms, nor a gap's 0), at a batch of 100;
+    a window restarted less than MIN_OBSERVE_S ago says nothing."""
+    progress = DecodeProgress(0.0)
+    for _ in range(100):
+        progress.started(1, 0.0)
+    observed, step = None, 0
+    while step < 100:
+        step += 1
+        now = 0.04 * step
+        for i in range(100):
+            if (step + i) % 3 == 0:
+                progress.decoded(3)
+        if step % 6 == 0:
+            observed = progress.sample(now)
+    assert observed is not None
+    assert observed.step_s == pytest.approx(0.04, rel=0.05) and observed.batch == pytest.approx(100)
+    assert observed.scale(Rates(2e-4, 0.02, 2e-4, 1)) == pytest.approx(1.0, rel=0.05)  # the line's 40 ms at 100
+    progress.restart(now)
+    for _ in range(5):
+        now += 0.12
+        for i in range(100):
+            progress.decoded(3)
+        assert progress.sample(now) is None  # 0.6 s since the restart
