@@ -39,17 +39,26 @@ class Attempt:
     message: str = ""  # a failure's
 
     @property
+    def is_shed(self) -> bool:
+        """Admitted, then ended by the gateway when the deployment fell behind (its
+        DEADLINE_EXCEEDED says "shed"), before its deadline, with or without a token."""
+        return self.status == "DEADLINE_EXCEEDED" and self.message.startswith("shed")
+
+    @property
     def is_refusal(self) -> bool:
         """Refused before any work: RESOURCE_EXHAUSTED, or a DEADLINE_EXCEEDED that the
-        server sent before its deadline passed (a deadline the gateway could not meet)."""
+        server sent before its deadline passed (a deadline the gateway could not meet;
+        not a shedding: that request was admitted)."""
         return self.status == "RESOURCE_EXHAUSTED" or (
-            self.status == "DEADLINE_EXCEEDED" and self.ttft is None and self.message != DEADLINE_PASSED)
+            self.status == "DEADLINE_EXCEEDED" and self.ttft is None and self.message != DEADLINE_PASSED
+            and not self.is_shed)
 
     @property
     def is_unanswered(self) -> bool:
         """Its deadline passed with neither a refusal nor a token: refused too late, or
         admitted and never started (the client cannot tell which; either fails a target)."""
-        return self.status == "DEADLINE_EXCEEDED" and self.ttft is None and not self.is_refusal
+        return self.status == "DEADLINE_EXCEEDED" and self.ttft is None and not self.is_refusal \
+            and not self.is_shed
 
     def missed_by_s(self, max_tokens: int) -> float | None:
         """A call cut off by its deadline after its first token (so admitted): how much later
@@ -76,6 +85,7 @@ class Outcome:
     is_refused: bool = False  # its last attempt was refused: never admitted
     is_unanswered: bool = False  # its last attempt: Attempt.is_unanswered
     missed_by_s: float | None = None  # started, then cut off by its deadline: Attempt.missed_by_s
+    message: str = ""  # its last attempt's failure's
 
     @property
     def is_within_deadline(self) -> bool:
@@ -153,7 +163,8 @@ class Client:
         refused = attempt.is_refusal
         return Outcome(attempt.status, sent, sent + attempt.seconds, attempt.ttft,
                        (attempt.seconds,) if refused else (), attempt.retry_after_s, attempt.num_tokens,
-                       timeout, refused, attempt.is_unanswered, attempt.missed_by_s(request.max_tokens))
+                       timeout, refused, attempt.is_unanswered, attempt.missed_by_s(request.max_tokens),
+                       attempt.message)
 
     async def until_served(self, request: BenchRequest, base: float, deadline_s: float,
                            answered: Callable[[bool], None] = lambda first: None) -> Outcome:

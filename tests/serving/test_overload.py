@@ -233,3 +233,18 @@ def test_the_cold_burst_benchmark_sorts_each_call_as_the_client_saw_it():
     rows = checks({"cases": {"one-thread": shown}})
     assert [row["ok"] for row in rows] == [False, False, True]
     assert parse_args(["--quick"]).cases == ("one-thread",) and parse_args([]).burst == 1500
+    # Where the client shares the cores, a refusal is held to 2x a do-nothing server's p99 (if over 1 s).
+    assert figures(outcomes, 30.0, 0.05, pings=[0.01] * 99 + [0.8], own_core=False)["refusal_target_s"] == 1.0
+    shared = figures(outcomes, 30.0, 0.05, pings=[0.9] * 100, own_core=False)
+    assert shared["refusal_target_s"] == pytest.approx(1.8) and shared["do_nothing_p99_s"] == pytest.approx(0.9)
+
+
+def test_a_request_shed_before_its_first_token_was_admitted_not_refused():
+    """The gateway sheds with DEADLINE_EXCEEDED "shed: ..." before the deadline, a token
+    come or not: the client counts it admitted (then late), not refused nor unanswered."""
+    from benchmarks.load import Attempt
+
+    shed = Attempt("DEADLINE_EXCEEDED", 12.0, None, 0, None, 30.0, "shed: the deployment fell behind its forecast")
+    assert shed.is_shed and not shed.is_refusal and not shed.is_unanswered
+    refused = Attempt("DEADLINE_EXCEEDED", 0.01, None, 0, None, 30.0, "refused: its deadline cannot be met")
+    assert refused.is_refusal and not refused.is_shed
