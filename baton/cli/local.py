@@ -37,24 +37,33 @@ _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 now, at random below the ephemeral range (the
-    kernel's choice when that range starts too low to leave room)."""
+    kernel's choice when that range starts too low to leave room), and not one this
+    process was given before: the ports of a deployment are picked before any is bound,
+    so two picks of one port would start a process that cannot listen (a gateway whose
+    --admin-listen was its --listen refused to start)."""
     try:
         ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
-    if ephemeral_low - LOWEST_PORT >= 1000:
-        pick = random.SystemRandom()
-        for _ in range(100):
+    pick = random.SystemRandom()
+    for _ in range(100):
+        if ephemeral_low - LOWEST_PORT >= 1000:
             port = pick.randrange(LOWEST_PORT, ephemeral_low)
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
+        else:
+            port = 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = sock.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
             return port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1 in 100 tries")
+
+
+_GIVEN_PORTS: set[int] = set()
 
 
 @dataclass

@@ -389,3 +389,13 @@ def test_baton_version(capsys, monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     assert main.version() == pyproject["project"]["version"]
+
+
+def test_the_ports_picked_for_a_deployment_are_all_different():
+    """A deployment's ports are picked before any process binds one: no two picks in a
+    process may be the same port (a gateway given one port for --listen and --admin-listen
+    refused to start)."""
+    from baton.cli.local import LOWEST_PORT, free_port
+
+    ports = [free_port() for _ in range(3000)]
+    assert len(set(ports)) == len(ports) and min(ports) >= LOWEST_PORT
