@@ -327,9 +327,10 @@ class Dispatcher:
 class EventReader:
     """A worker's event stream, read ahead in a task of its own. What arrives while its
     consumer is busy (a client slower than the worker, or a gateway behind its load) is
-    taken at once as one event (TokenEvent.merged): a hop that lags sends fewer, larger
-    messages instead of falling further behind, and the tokens reach the client as fast
-    as the workers make them. Waiting for the next event makes no task of its own."""
+    taken at once as one event (TokenEvent.merged), so a client slower than its worker
+    gets fewer, larger messages. Waiting for the next event makes no task of its own
+    (the loop it replaced made two a message). A gateway behind its whole load seldom
+    finds two events waiting: the decode workers' message bound is what gathers those."""
 
     def __init__(self, events: AsyncIterator[TokenEvent]) -> None:
         self._events = events
@@ -344,8 +345,6 @@ class EventReader:
             async for event in self._events:
                 self._buffer.append(event)
                 self._wake()
-        except asyncio.CancelledError:
-            raise
         except Exception as error:  # the call's: raised to the consumer after the events before it
             self._error = error
         finally:
