@@ -100,10 +100,11 @@ def test_the_requests_of_a_failed_engine_move_to_another_worker(tmp_path):
         dispatcher = Dispatcher(pool)
         prepared = lambda rid: PreparedRequest(rid, list(range(10, 30)), params, priority=0, max_model_len=2048)  # noqa: E731
         undisturbed = [t async for e in dispatcher.run(prepared("calm"), lambda: 60.0) for t in e.token_ids]
-        tokens = []
+        tokens, victim = [], None
         async for event in dispatcher.run(prepared("doomed"), lambda: 60.0):
             tokens.extend(event.token_ids)
-            if len(tokens) == 5:  # fail the engine the request runs on
+            # Fail the engine the request runs on, once, at 5 tokens or the first gather past them.
+            if victim is None and len(tokens) >= 5:
                 (victim,) = [s for s in services.values() if s.engine.num_streams]
 
                 def fail_every_step() -> None:
