@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -146,6 +147,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
 
         finished = timed = False
         handed_off = message.HasField("kv_handle")
+        rate = min(self.settings.max_stream_messages_per_s, request.max_messages_per_s or math.inf)
         try:
             async for output in stream:
                 self.admission.started(request_id)  # prefilled or received: no longer queued
@@ -166,7 +168,7 @@ class DecodeWorkerService(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 if not output.finished:
                     # Past the worker's message rate, the steps' outputs gather meanwhile and
                     # the next get takes them as one (RequestStream.get).
-                    pause = self.engine.num_streams / self.settings.max_stream_messages_per_s
+                    pause = self.engine.num_streams / rate
                     if pause > MIN_STREAM_PAUSE_S:
                         await asyncio.sleep(pause)
         except EngineDeadError:  # the gateway moves the request to another worker

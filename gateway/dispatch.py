@@ -35,6 +35,7 @@ from dataclasses import replace
 import grpc
 
 from baton.runtime import latency, tracing
+from baton.runtime.settings import DEFAULT_GATEWAY_MESSAGES_PER_S
 from baton.runtime.tasks import BackgroundTasks
 from baton.wire.records import DecodeRequest, PrefillResult, ReleaseKv, TokenEvent, WorkRequest
 from engine.sampling_params import length_limit
@@ -76,10 +77,12 @@ class Dispatcher:
     it to other workers when one is lost."""
 
     def __init__(self, pool: WorkerPool, max_migrations: int = DEFAULT_MAX_MIGRATIONS,
-                 on_migration: Callable[[], None] = lambda: None) -> None:
+                 on_migration: Callable[[], None] = lambda: None,
+                 max_messages_per_s: float = DEFAULT_GATEWAY_MESSAGES_PER_S) -> None:
         self.pool = pool
         self.max_migrations = max_migrations
         self.on_migration = on_migration  # each move (for the metrics)
+        self.max_messages_per_s = max_messages_per_s  # relayed, all streams together
         self._background = BackgroundTasks()
 
     async def run(self, prepared: PreparedRequest,
@@ -280,6 +283,9 @@ class Dispatcher:
         request's KV, if it was handed off. WorkerLost if the decode worker is lost."""
         # Colocated, the call carries the prompt to the worker that prefills it.
         sent = {latency.PREFILL_SENT: time.time_ns()} if request.kv_handle is None else {}
+        # The messages this gateway relays are shared among the decode workers it routes to.
+        num_routable = sum(w.routable for w in self.pool.decode)
+        request = replace(request, max_messages_per_s=self.max_messages_per_s / max(1, num_routable))
         reader = EventReader(worker.client.decode(request, timeout=time_remaining(), metadata=trace_metadata))
         done_calling = worker.in_flight.take()
         lost = asyncio.ensure_future(worker.lost.wait())

@@ -39,7 +39,8 @@ async def run_gateway(settings: GatewaySettings) -> None:
                       RoutingPolicy.from_settings(settings), settings.tls, settings.stall_timeout_s,
                       settings.discovery_interval_s)
     admission = GatewayAdmission(pool, GatewayLimits.from_settings(settings))
-    service = GenerationService(pool, max_migrations=settings.max_migrations, admission=admission)
+    service = GenerationService(pool, max_migrations=settings.max_migrations, admission=admission,
+                                max_messages_per_s=settings.max_stream_messages_per_s)
     admin = GatewayAdminService(pool, admission, service.latency)
     server, admin_server = _servers(settings)
     server.add_service(service, GENERATION)

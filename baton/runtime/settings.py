@@ -23,6 +23,7 @@ own few live in engine/envs.py.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import typing
 import uuid
@@ -336,6 +337,13 @@ class PrefillWorkerSettings(WorkerSettings):
 # worker done at 21 s, the gateway at a core relaying the rest), 16 s at 1,000, 12 s at
 # 2,000, 23 s at 4,000 (one run each).
 DEFAULT_STREAM_MESSAGES_PER_S = 2000.0
+# A gateway's, shared among its decode workers (each DecodeRequest carries the worker's
+# share). Its one event loop also takes every new call, a few turns of the loop each: 1,500
+# calls of 400 tokens through 256 callers to 1 prefill + 2 decode workers, one thread
+# each, on 2 shared cores (benchmarks/cold_burst.py, one run each), were refused up to
+# 12-18 s after the call with the workers at 2,000 each; at 500 each, 5 s; at 1,000 in
+# all with DecodeProgress reading delivered spans, all 1,500 completed in time.
+DEFAULT_GATEWAY_MESSAGES_PER_S = 1000.0
 
 
 @dataclass(frozen=True)
@@ -419,6 +427,13 @@ class GatewaySettings:
     stall_timeout_s: float = setting(1.0, "a worker silent this long (or 50 of its recent steps, if longer) "
                                           "and then failing a probe is lost: its requests move")
     max_migrations: int = setting(3, "a request moves to another worker at most this many times")
+    # Relaying (gateway/dispatch.py): what one gateway process relays, in and out.
+    max_stream_messages_per_s: float = setting(
+        DEFAULT_GATEWAY_MESSAGES_PER_S, "token messages a second this gateway relays, all its streams together, "
+                                        "shared among its decode workers (each gets its share with every stream "
+                                        "and sends no more): past it, each stream's tokens gather into fewer, "
+                                        "larger messages, so that the gateway's loop keeps up with its load and "
+                                        "answers new calls at once")
     # Admission control (gateway/admission.py): beyond these, or when a request's gRPC
     # deadline cannot be met, requests are refused at once with RESOURCE_EXHAUSTED and a
     # retry hint.
@@ -467,6 +482,8 @@ class GatewaySettings:
             raise ValueError("max_concurrent_requests and max_queued_tokens must be >= 0 (0: derived)")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
+        if not 0 < self.max_stream_messages_per_s < math.inf:
+            raise ValueError(f"--max-stream-messages-per-s must be > 0 and finite, got {self.max_stream_messages_per_s}")
         if self.admin_listen is not None and self.admin_listen == self.listen:
             raise ValueError(f"--admin-listen must differ from --listen (to serve it there: --admin-listen "
                              f"{ADMIN_ON_PUBLIC_PORT})")

@@ -12,6 +12,7 @@ layout raises KvLayoutMismatchError (a ValueError too).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 from baton.wire.internal.v1 import worker_pb2
@@ -358,6 +359,8 @@ def decode_request_to_pb(request: DecodeRequest) -> worker_pb2.DecodeRequest:
         message.kv_handle.CopyFrom(kv_handle_to_pb(request.kv_handle))
     if request.first_token_id is not None:
         message.first_token_id = request.first_token_id
+    if request.max_messages_per_s is not None:
+        message.max_messages_per_s = request.max_messages_per_s
     return message
 
 
@@ -366,8 +369,13 @@ def decode_request_from_pb(message: worker_pb2.DecodeRequest) -> DecodeRequest:
     token, for another request, or covering other than the whole prompt in as many
     blocks as it takes); KvLayoutMismatchError for a malformed layout."""
     work = work_request_from_pb(message.request)
+    rate = None
+    if message.HasField("max_messages_per_s"):
+        rate = message.max_messages_per_s
+        if not 0 < rate < math.inf:
+            raise FieldError("max_messages_per_s", f"max_messages_per_s must be > 0 and finite, got {rate}")
     if not message.HasField("kv_handle"):
-        return DecodeRequest(work)
+        return DecodeRequest(work, max_messages_per_s=rate)
     if not message.HasField("first_token_id"):
         raise FieldError("first_token_id", "a KV handle needs first_token_id")
     handle = kv_handle_from_pb(message.kv_handle)
@@ -385,7 +393,7 @@ def decode_request_from_pb(message: worker_pb2.DecodeRequest) -> DecodeRequest:
     if handle.prefill_endpoint is None:
         raise FieldError("kv_handle.prefill_endpoint", "the KV handle does not say where its KV lives")
     check_kv_token(handle.kv_token, "kv_handle.kv_token")
-    return DecodeRequest(work, message.first_token_id, handle)
+    return DecodeRequest(work, message.first_token_id, handle, rate)
 
 
 def token_event_to_pb(event: TokenEvent) -> worker_pb2.DecodeEvent:

@@ -175,6 +175,8 @@ class DecodeRequest:
     request: WorkRequest
     first_token_id: int | None = None
     kv_handle: KvHandle | None = None
+    # The gateway's share of the messages a second it relays (None: the worker's own bound).
+    max_messages_per_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

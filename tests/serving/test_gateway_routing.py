@@ -213,11 +213,11 @@ class _FakePool:
     """One decode and one prefill worker, always chosen."""
 
     def __init__(self, prefill_client) -> None:
-        self.decode = Worker("127.0.0.1:2", "decode", client=None, is_up=True)
+        self.decode = [Worker("127.0.0.1:2", "decode", client=None, is_up=True)]  # as WorkerPool's
         self.prefill = Worker("127.0.0.1:1", "prefill", client=prefill_client, is_up=True)
 
     def pick_decode(self, num_tokens, avoid=frozenset(), prompt=None):
-        return self.decode
+        return self.decode[0]
 
     def pick_prefill(self, num_tokens, decode, prompt=None):
         return self.prefill
@@ -382,7 +382,7 @@ def test_a_prompt_that_runs_colocated_after_a_lost_prefill_worker_is_moved_work(
 
     async def scenario():
         pool = Pool(Failing())
-        pool.decode.client = decode = _FakeDecodeClient([100, 101, 102, 103])
+        pool.decode[0].client = decode = _FakeDecodeClient([100, 101, 102, 103])
         tokens = await _collect(Dispatcher(pool), _prepared("r"))
         return tokens, decode.requests
 

@@ -205,14 +205,16 @@ class SendKvDone(_message.Message):
     def __init__(self, block_checksums: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request", "first_token_id", "kv_handle")
+    __slots__ = ("request", "first_token_id", "kv_handle", "max_messages_per_s")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGES_PER_S_FIELD_NUMBER: _ClassVar[int]
     request: WorkRequest
     first_token_id: int
     kv_handle: KvHandle
-    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
+    max_messages_per_s: float
+    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., max_messages_per_s: _Optional[float] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "num_host_cached_tokens", "prompt_logprobs", "moments_ns")
