@@ -85,11 +85,10 @@ class RequestPreparer:
         if not prompt_token_ids:
             raise RequestError(_INVALID, "the prompt is empty", field=prompt_field)
         vocab_size = self.info.vocab_size
-        for index, token_id in enumerate(prompt_token_ids):
-            if token_id >= vocab_size:
-                raise RequestError(_INVALID, f"token id {token_id} is outside the vocabulary [0, {vocab_size})",
-                                   field=f"{prompt_field}[{index}]" if prompt_field == "token_ids.ids"
-                                   else prompt_field)
+        if max(prompt_token_ids) >= vocab_size:  # max at C speed: a long prompt is checked on the event loop
+            index, token_id = next((i, t) for i, t in enumerate(prompt_token_ids) if t >= vocab_size)
+            raise RequestError(_INVALID, f"token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                               field=f"{prompt_field}[{index}]" if prompt_field == "token_ids.ids" else prompt_field)
         max_len = self.info.max_context_length
         if len(prompt_token_ids) >= max_len:
             raise RequestError(grpc.StatusCode.OUT_OF_RANGE,

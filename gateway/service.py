@@ -9,6 +9,7 @@ client's stream and aborts the request on its workers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -20,6 +21,7 @@ import grpc
 
 from baton.runtime import latency, logs, tracing
 from baton.runtime.metrics import GatewayMetrics
+from baton.runtime.settings import DEFAULT_GATEWAY_MESSAGES_PER_S
 from baton.wire import convert, status
 from baton.wire.records import GenerateRequest, ModelInfo, TextDelta
 from baton.wire.v1 import generation_pb2 as pb
@@ -59,8 +61,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     """baton.v1.Generation over a pool of prefill and decode workers."""
 
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics | None = None, *,
-                 max_migrations: int = DEFAULT_MAX_MIGRATIONS, admission: GatewayAdmission | None = None) -> None:
-        self.dispatcher = Dispatcher(pool, max_migrations, self._count_migration)
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS, admission: GatewayAdmission | None = None,
+                 max_messages_per_s: float = DEFAULT_GATEWAY_MESSAGES_PER_S) -> None:
+        self.dispatcher = Dispatcher(pool, max_migrations, self._count_migration, max_messages_per_s)
         self.admission = admission or GatewayAdmission(pool)
         self.metrics = metrics  # None: not recorded
         self.latency = latency.RecentLatency()  # the latest requests' phases, for `baton status`
@@ -187,6 +190,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     self._record_deadline(prepared)
                 self._end_span(span, failure)
 
+    async def _tokenized(self, preparer: RequestPreparer, request: GenerateRequest, request_id: str, span,
+                         queue: Callable[[int], float | None]) -> tuple[PreparedRequest, float | None]:
+        """The request prepared, and `queue(its prompt tokens)`: admission's forecast first
+        token (RequestError if it refuses). A prompt of token ids is queued first (refused
+        now if it must be) and, with nothing to tokenize, checked here, not two hops away on
+        the tokenizer thread, whose hops and hold on the GIL slow the loop taking new calls."""
+        if request.prompt_kind == "token_ids":
+            forecast = queue(len(request.prompt))
+            return preparer.prepare(request, request_id, span), forecast
+        prepared = await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_executor, preparer.prepare, request, request_id, span)
+        return prepared, queue(len(prepared.prompt_token_ids))
+
     async def _prepare(self, read: Callable[[], GenerateRequest], span, time_remaining: float | None,
                        front: str, header_id: str) -> PreparedRequest:
         """Read, validate, admit and tokenize; raises RequestError. The request is then in
@@ -212,18 +228,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.admission.admit(request_id, front, request.params.n)
         self._in_flight.add(request_id)  # now, so that a twin arriving while this one tokenizes is refused
         try:
-            known_length = request.prompt_kind == "token_ids"
-            if known_length:  # refused now if it must be, not after waiting for the tokenizer thread
-                forecast = self.admission.queue_tokens(request_id, len(request.prompt), request.params,
-                                                       request.priority, deadline, arrival,
-                                                       preparer.info.max_context_length, request.params.n)
-            prepared = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_executor, preparer.prepare, request, request_id, span
-            )
-            if not known_length:
-                forecast = self.admission.queue_tokens(request_id, len(prepared.prompt_token_ids), prepared.params,
-                                                       prepared.priority, deadline, arrival,
-                                                       preparer.info.max_context_length, prepared.params.n)
+            prepared, forecast = await self._tokenized(preparer, request, request_id, span, functools.partial(
+                self.admission.queue_tokens, request_id, params=request.params, priority=request.priority,
+                deadline=deadline, arrival=arrival, max_context=preparer.info.max_context_length,
+                num_seqs=request.params.n))
             prepared.arrival, prepared.deadline = arrival, deadline
             if forecast is not None and self.metrics is not None:
                 self.metrics.forecast_ttft.observe(forecast)
