@@ -270,12 +270,14 @@ class GatewayAdmission:
         if request is None:
             return
         if request.decode_start_at is not None:
-            self.progress.decoded(num_tokens)
+            now = self._clock()
+            self.progress.decoded(num_tokens, now - request.last_event_at)
+            request.last_event_at = now
         elif request.num_generated:  # its first decode step's
-            request.decode_start_at = self._clock()
+            request.decode_start_at = request.last_event_at = self._clock()
             request.admitted_area_at_decode_start = self._advance()
             request.decode_start_tokens = request.num_generated + num_tokens
-            self.progress.started(request.num_seqs, request.decode_start_at)
+            self.progress.started(request.num_seqs)
         request.num_generated += num_tokens
         self._check_progress()
 
@@ -330,7 +332,7 @@ class GatewayAdmission:
         area = self._advance()
         request = self.forecast.remove(request_id)
         if request.decode_start_at is not None:
-            self.progress.ended(request.num_seqs, self._clock())
+            self.progress.ended(request.num_seqs)
         if outcome == "stop":
             self.outputs.add(request.num_generated)
         if outcome in ("stop", "length"):

@@ -90,6 +90,7 @@ class Admitted:
     decode_start_at: float | None = None
     decode_start_tokens: int = 0
     admitted_area_at_decode_start: float = 0.0
+    last_event_at: float | None = None  # its latest decode event's arrival
 
     @property
     def key(self) -> tuple:
@@ -215,33 +216,31 @@ class Observed:
 
 
 class DecodeProgress:
-    """The decode step the running requests show, pooled over a sliding window: the time
-    requests spent decoding (from their first decode step to their end) over the tokens
-    they got meanwhile, over the last OBSERVE_WINDOW_S. Pooled over every decoding request
-    and over seconds, it reads the steps, not one stream's gathers or one request's start."""
+    """The decode step the running requests show, pooled over a sliding window: for each
+    event of a decoding request, the time since its previous event, over the tokens the
+    event brought, summed over every decoding request over the last OBSERVE_WINDOW_S.
+    Only delivered spans count: a stream whose tokens gather (a decode worker past its
+    message rate pauses it) reads the steps its gathers held, not the lag of the gather
+    still to come, which is most of what a request that started a moment ago has had
+    (reading time decoding over tokens delivered, a cold burst's first second read 2x
+    its steps and shed the whole first wave). Pooled over requests and seconds, it reads
+    the steps, not one stream's gathers or one request's start."""
 
     def __init__(self, now: float) -> None:
         self._requests = 0  # decoding now
         self._seqs = 0  # their sequences (n choices each)
-        self._area = 0.0  # the integral of requests decoding over time, to `_at`
-        self._at = now
-        self._tokens = 0  # tokens they got (one choice's: a request's step is its choices' too)
+        self._seconds = 0.0  # summed over events: the time since the same request's previous event
+        self._tokens = 0  # tokens the events brought (one choice's: a request's step is its choices' too)
         self._token_seqs = 0  # the sequences decoding as each came, summed
-        self._samples: deque[tuple[float, float, int, int]] = deque()  # (time, area, tokens, token seqs)
+        self._samples: deque[tuple[float, float, int, int]] = deque([(now, 0.0, 0, 0)])  # (time, seconds, tokens, token seqs)
 
-    def _advance(self, now: float) -> None:
-        self._area += self._requests * max(0.0, now - self._at)
-        self._at = max(self._at, now)
-
-    def started(self, num_seqs: int, now: float) -> None:
+    def started(self, num_seqs: int) -> None:
         """A request's first decode step came."""
-        self._advance(now)
         self._requests += 1
         self._seqs += num_seqs
 
-    def ended(self, num_seqs: int, now: float) -> None:
+    def ended(self, num_seqs: int) -> None:
         """A request that had started decoding ended."""
-        self._advance(now)
         self._requests -= 1
         self._seqs -= num_seqs
 
@@ -249,29 +248,28 @@ class DecodeProgress:
     def num_decoding(self) -> int:
         return self._requests
 
-    def decoded(self, num_tokens: int) -> None:
-        """A decoding request got `num_tokens` more."""
+    def decoded(self, num_tokens: int, seconds: float) -> None:
+        """A decoding request's event brought `num_tokens` more, `seconds` after its previous one."""
+        self._seconds += max(0.0, seconds)
         self._tokens += num_tokens
         self._token_seqs += num_tokens * self._seqs
 
     def sample(self, now: float) -> Observed | None:
         """The step over the window to now (None: it spans too little yet)."""
-        self._advance(now)
         samples = self._samples
-        samples.append((now, self._area, self._tokens, self._token_seqs))
+        samples.append((now, self._seconds, self._tokens, self._token_seqs))
         while len(samples) > 2 and samples[1][0] <= now - OBSERVE_WINDOW_S:
             samples.popleft()
-        since, area, tokens, token_seqs = samples[0]
+        since, seconds, tokens, token_seqs = samples[0]
         num_tokens = self._tokens - tokens
         if now - since < MIN_OBSERVE_S or num_tokens < MIN_OBSERVED_TOKENS:
             return None
-        return Observed((self._area - area) / num_tokens, (self._token_seqs - token_seqs) / num_tokens)
+        return Observed((self._seconds - seconds) / num_tokens, (self._token_seqs - token_seqs) / num_tokens)
 
     def restart(self, now: float) -> None:
         """Observe afresh from now (the batch changed: requests were shed)."""
-        self._advance(now)
         self._samples.clear()
-        self._samples.append((now, self._area, self._tokens, self._token_seqs))
+        self._samples.append((now, self._seconds, self._tokens, self._token_seqs))
 
 
 @dataclass
