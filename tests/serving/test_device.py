@@ -143,11 +143,11 @@ def baton_up_streams_text(tmp_path, args: list[str], colocated: bool = True) -> 
     `baton up` and the processes it starts form a process group of their own: whatever of it
     is left when this returns or fails (a launcher that did not stop, a worker it left
     behind) is killed, so that nothing holds the GPU, the CPUs or a port into the next test."""
-    port, admin_port = free_port(), free_port()
+    port, http_port, admin_port = free_port(), free_port(), free_port()
     log_path = tmp_path / "baton-up.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--http-port", str(free_port()),
+            [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--http-port", str(http_port),
              "--admin-port", str(admin_port),
              *(["--colocated"] if colocated else []),
              *args],
@@ -160,6 +160,15 @@ def baton_up_streams_text(tmp_path, args: list[str], colocated: bool = True) -> 
             assert process.poll() is None, log_path.read_text()[-5000:]
             assert time.monotonic() < deadline, log_path.read_text()[-5000:]
             time.sleep(0.5)
+        # What it prints: how it serves, and where each client sends its requests.
+        while "Ctrl-C stops it." not in log_path.read_text():  # the banner's last line
+            assert time.monotonic() < deadline, log_path.read_text()[-5000:]
+            time.sleep(0.1)
+        banner = log_path.read_text()
+        assert ("(colocated)" if colocated else "(disaggregated, KV over ipc)") in banner, banner
+        assert f"baton generate --gateway 127.0.0.1:{port}" in banner, banner
+        assert f"base_url http://127.0.0.1:{http_port}/v1" in banner, banner
+        assert f"baton status --gateway 127.0.0.1:{admin_port}" in banner, banner
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             request = pb.GenerateRequest(
