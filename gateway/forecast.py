@@ -222,7 +222,7 @@ class DecodeProgress:
     Only delivered spans count: a stream whose tokens gather (a decode worker past its
     message rate pauses it) reads the steps its gathers held, not the lag of the gather
     still to come, which is most of what a request that started a moment ago has had
-    (reading time decoding over tokens delivered, a cold burst's first second read 2x
+    (reading time decoding over tokens delivered, a cold burst's first second read 2.3x
     its steps and shed the whole first wave). Pooled over requests and seconds, it reads
     the steps, not one stream's gathers or one request's start."""
 
