@@ -1,6 +1,7 @@
 """Calibrating the step-time model (engine/runner/step_time.py) on an idle engine before it
-serves: decode steps at two batch sizes and one prefill step, through the engine itself,
-so that the first requests (a burst arriving at once) are admitted on a measured model."""
+serves: decode steps at two batch sizes, one prefill step, and decode steps at long
+contexts, through the engine itself, so that the first requests (a burst arriving at
+once) are admitted on a measured model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.kv.manager import cdiv
-from engine.runner.step_time import MIN_PREFILL_SAMPLE_TOKENS
+from engine.runner.step_time import MIN_PREFILL_SAMPLE_TOKENS, StepSample, fit_line
 from engine.sampling_params import SamplingParams
 from engine.scheduler.stats import SchedulerCounters
 
@@ -19,22 +20,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Calibration: the larger decode batch, the decode steps taken at each batch size (at
-# least MIN, more up to MAX while within the phase's budget), and the longest prefill.
-CALIBRATION_BATCH = 32
+# Calibration: the larger decode batch, the decode steps taken in each phase (at least
+# MIN, more up to MAX while within the phase's budget), the longest prefill, and the
+# longest context of the long-context phase (its prompts' prefill within its budget).
+CALIBRATION_BATCH = 256
 MIN_CALIBRATION_STEPS = 2
 MAX_CALIBRATION_STEPS = 8
 MAX_CALIBRATION_PREFILL = 512
+MAX_CALIBRATION_CONTEXT = 512
 DECODE_PHASE_BUDGET_S = 0.1
 PREFILL_BUDGET_S = 0.15
+CONTEXT_PREFILL_BUDGET_S = 0.2
 _REQUEST_ID = "step-time-calibration"
 
 
 def calibrate_step_time(engine: LLMEngine) -> float:
     """Measure the step-time model on an idle engine, through the engine itself: decode
-    steps at batch 1 and at min(max_num_seqs, CALIBRATION_BATCH) (the fit's prior), then
-    one prefill step (the prefill rate). Short random prompts, greedy, sized to fit the
-    KV cache and bounded in time (a few tenths of a second on a CPU).
+    steps at batch 1 and at min(max_num_seqs, CALIBRATION_BATCH), one prefill step (the
+    prefill rate), then decode steps with contexts of up to MAX_CALIBRATION_CONTEXT
+    tokens each: the fastest step of each shape makes the fit's prior (`_measure_shapes`). Random prompts, greedy, sized to fit the KV cache and
+    bounded in time (about half a second on a CPU).
 
     Leaves no trace but the model: every request is ended and its blocks freed (the free
     list back in a fresh pool's order), the prefix cache is not fed, and the scheduler's
@@ -50,43 +55,83 @@ def calibrate_step_time(engine: LLMEngine) -> float:
     speculator, engine.speculator = engine.speculator, None
     rng = random.Random(0)
     try:
-        config = scheduler.config
-        _measure_decode(engine, 1, rng)
-        batch = min(config.max_num_seqs, CALIBRATION_BATCH)
-        if batch > 1:
-            _measure_decode(engine, batch, rng)
-        line = engine.step_time.decode.adopt_samples_as_prior()
-        _measure_prefill(engine, line.seconds(batch) / batch, rng)
+        line = engine.step_time.decode.adopt_prior(_measure_shapes(engine, rng))
     finally:
         engine.speculator = speculator
         scheduler.counters = counters
         kv.enable_prefix_caching = prefix_caching
         kv.pool.sort_free()
     seconds = time.perf_counter() - started
-    logger.info("step-time model calibrated in %.2f s: decode step %.2f ms + %.3f ms per sequence, "
-                "prefill %.1f us per token", seconds, line.base_s * 1e3, line.per_seq_s * 1e3,
+    logger.info("step-time model calibrated in %.2f s: decode step %.2f ms + %.3f ms per sequence "
+                "+ %.2f us per context token, prefill %.1f us per token", seconds, line.base_s * 1e3,
+                line.per_seq_s * 1e3, line.per_token_s * 1e6,
                 engine.cost_model.measured_prefill_seconds_per_token * 1e6)
     return seconds
 
 
-def _measure_decode(engine: LLMEngine, num_seqs: int, rng: random.Random) -> None:
-    """Decode steps of `num_seqs` sequences into the decode fit's window, as many as
-    MAX_CALIBRATION_STEPS or DECODE_PHASE_BUDGET_S allow."""
+def _measure_shapes(engine: LLMEngine, rng: random.Random) -> list[StepSample]:
+    """The fastest decode step of each shape calibration measures (batch 1, the larger
+    batch, and long contexts at as large a batch as CONTEXT_PREFILL_BUDGET_S prefills),
+    and the prefill rate between them. A step is
+    only ever slowed by the moments its process waited for a core (a worker calibrates as
+    the deployment's other processes start), so the fastest is the shape's cost; and if
+    the long contexts ran no slower than the short ones, which attention over them
+    forbids, the two were measured at moments unlike each other: they are measured again."""
+    config = engine.scheduler.config
+    fastest: dict[tuple[int, int], StepSample] = {}
+
+    def measure(num_seqs: int, prompt_len: int) -> None:
+        sample = _measure_decode(engine, num_seqs, prompt_len, rng)
+        key = (num_seqs, prompt_len)
+        if sample is not None and (key not in fastest or sample.seconds < fastest[key].seconds):
+            fastest[key] = sample
+
+    measure(1, 1)
+    batch = min(config.max_num_seqs, CALIBRATION_BATCH)
+    if batch > 1:
+        measure(batch, 1)
+    short = fastest.get((batch, 1))
+    _measure_prefill(engine, short.seconds / batch if short is not None else 0.0, rng)
+    prefill_rate = engine.cost_model.measured_prefill_seconds_per_token
+    if prefill_rate <= 0 or batch == 1:
+        return list(fastest.values())
+    # Long contexts before a large batch: attention over a few dozen tokens a sequence
+    # hides in a step's other costs (dummy:tiny on a CPU: 256 rows of 64 tokens step as
+    # fast as of 8), so the slope shows at hundreds.
+    context = min(MAX_CALIBRATION_CONTEXT, engine.max_model_len - 2 * MAX_CALIBRATION_STEPS - 2)
+    long_batch = max(1, min(batch, int(CONTEXT_PREFILL_BUDGET_S / (prefill_rate * context))))
+    context = min(context, int(CONTEXT_PREFILL_BUDGET_S / (prefill_rate * long_batch)))
+    if context > 1:
+        measure(long_batch, context)
+        if fit_line(list(fastest.values())).per_token_s == 0:
+            measure(batch, 1)
+            measure(long_batch, context)
+    return list(fastest.values())
+
+
+def _measure_decode(engine: LLMEngine, num_seqs: int, prompt_len: int, rng: random.Random) -> StepSample | None:
+    """Decode steps of `num_seqs` sequences of `prompt_len`-token prompts into the decode
+    fit's window (a prompt of one token: its first step is a decode step as well), as
+    many as MAX_CALIBRATION_STEPS or DECODE_PHASE_BUDGET_S allow once the prompts are in;
+    returns the fastest (None: none ran)."""
     kv = engine.kv_manager
-    # One-token prompts: their first step is a decode step as well (no prefill token).
-    prompt_len = 1
-    blocks_each = cdiv(prompt_len + MAX_CALIBRATION_STEPS + 1, kv.block_size) + 1
+    # Room for the steps after the first prompts are in, while the last are prefilled.
+    max_tokens = 2 * MAX_CALIBRATION_STEPS + 1
+    blocks_each = cdiv(prompt_len + max_tokens, kv.block_size) + 1
     num_seqs = min(num_seqs, kv.num_free_blocks // blocks_each)
     if num_seqs == 0:
         return  # a cache too small to calibrate in: the model is learned as the engine serves
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_CALIBRATION_STEPS + 1, ignore_eos=True)
-    request_ids = [f"{_REQUEST_ID}-decode-{num_seqs}-{i}" for i in range(num_seqs)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    request_ids = [f"{_REQUEST_ID}-decode-{num_seqs}x{prompt_len}-{i}" for i in range(num_seqs)]
     for request_id in request_ids:
         engine.add_request(_random_prompt(engine, prompt_len, rng), params, request_id=request_id)
     fit = engine.step_time.decode
-    started = time.perf_counter()
+    before = len(fit.samples)
+    started = None
     while engine.has_unfinished_requests():
-        taken = sum(1 for size, _ in fit.samples if size == num_seqs)
+        taken = sum(1 for sample in list(fit.samples)[before:] if sample.num_seqs == num_seqs)
+        if taken and started is None:
+            started = time.perf_counter()  # the prompts are in: the phase's budget runs from here
         if taken >= MAX_CALIBRATION_STEPS or (
                 taken >= MIN_CALIBRATION_STEPS and time.perf_counter() - started > DECODE_PHASE_BUDGET_S):
             break
@@ -95,6 +140,13 @@ def _measure_decode(engine: LLMEngine, num_seqs: int, rng: random.Random) -> Non
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
+    # The phase's steps only: not those of part of its batch (as it ended, or as the first
+    # prompts in decoded while the last were prefilled alone).
+    phase = [sample for sample in list(fit.samples)[before:] if sample.num_seqs == num_seqs]
+    while len(fit.samples) > before:
+        fit.samples.pop()
+    fit.samples.extend(phase)
+    return min(phase, key=lambda sample: sample.seconds, default=None)
 
 
 def _measure_prefill(engine: LLMEngine, seconds_per_token_guess: float, rng: random.Random) -> None:

@@ -76,7 +76,7 @@ class LLMEngine:
         self.cost_model = PreemptionCostModel(self.kv_layout.bytes_per_block)
         self.step_time = StepTimeModel(self.cost_model)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.cost_model, self.max_model_len)
-        self.scheduler.decode_step_s = lambda num_seqs: self.step_time.decode.line().seconds(num_seqs)
+        self.scheduler.decode_step_s = lambda n, context: self.step_time.decode.line().seconds(n, context)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.kv_manager, num_heads=arch.num_heads,
                                   seed=config.seed)
         self.graph_capture = self._capture_graphs() if graph_sizes else None

@@ -221,10 +221,13 @@ class EngineStats:
                               "baton_kv_landed")
     # The step-time model (engine/runner/step_time.py), measured at start and refitted as it
     # serves; the gateway predicts waits with it. 0.0: not measured yet.
-    decode_step_base_s: float = stat(GAUGE, "A decode step of n sequences takes decode_step_base_s + "
-                                     "decode_step_per_seq_s * n seconds (least squares over the recent decode-only "
-                                     "steps): its fixed part.", 42, "baton_decode_step_base_seconds")
+    decode_step_base_s: float = stat(GAUGE, "A decode step of n sequences of c context tokens in all takes "
+                                     "decode_step_base_s + decode_step_per_seq_s * n + "
+                                     "decode_step_per_context_token_s * c seconds (least squares over the recent "
+                                     "decode-only steps): its fixed part.", 42, "baton_decode_step_base_seconds")
     decode_step_per_seq_s: float = stat(GAUGE, "Its part per sequence.", 43, "baton_decode_step_per_seq_seconds")
+    decode_step_per_context_token_s: float = stat(GAUGE, "Its part per context token.", 65,
+                                                  "baton_decode_step_per_context_token_seconds")
     prefill_s_per_token: float = stat(GAUGE, "Seconds a prompt token takes to prefill (moving average over steps "
                                       "that are mostly prefill).", 44, "baton_prefill_seconds_per_token")
     # Speculative decoding (engine/spec_decode; off: all zero, the per-position counts

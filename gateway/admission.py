@@ -101,7 +101,9 @@ def pooled_rates(prefill: list[Worker], decode: list[Worker]) -> Rates:
     """The serving workers' published models, pooled: prefill workers prefill together
     (the decode workers, when no prefill worker serves); a decode step's model is the
     decode workers' mean."""
-    decoders = [w for w in decode if w.is_up and w.stats.decode_step_base_s > 0]
+    # A worker has a model once any of its coefficients is known (a line fitted through
+    # the origin has no base: taking it for none let a burst in on the concurrency bound alone).
+    decoders = [w for w in decode if w.is_up and w.stats.decode_step_s(1) is not None]
     prefillers = [w for w in prefill if w.is_up and w.stats.prefill_s_per_token > 0] or \
         [w for w in decoders if w.stats.prefill_s_per_token > 0]
     per_second = sum(1.0 / w.stats.prefill_s_per_token for w in prefillers)
@@ -110,6 +112,8 @@ def pooled_rates(prefill: list[Worker], decode: list[Worker]) -> Rates:
         decode_base_s=sum(w.stats.decode_step_base_s for w in decoders) / len(decoders) if decoders else None,
         decode_per_seq_s=sum(w.stats.decode_step_per_seq_s for w in decoders) / len(decoders) if decoders else 0.0,
         num_decode_workers=len(decoders),
+        decode_per_token_s=(sum(w.stats.decode_step_per_context_token_s for w in decoders) / len(decoders)
+                            if decoders else 0.0),
     )
 
 
@@ -149,8 +153,9 @@ class GatewayAdmission:
         self._orders = itertools.count()
         self._derived_at = float("-inf")
         self._rates = Rates(None, None, 0.0, 0)
-        # The integral of the sequences admitted over time, to when it was last advanced.
-        self._admitted_area = 0.0
+        # The integrals over time of the sequences admitted and of the decoding requests'
+        # context tokens (DecodeScale's), to when they were last advanced.
+        self._areas = (0.0, 0.0)
         self._area_at = clock()
         # The requests in flight (self.queue's) by the front end each came by, for the gauge.
         self._fronts: dict[str, str] = {}
@@ -181,12 +186,15 @@ class GatewayAdmission:
                                   decode_scale=self.decode_scale.value)
             self._derived_at = now
 
-    def _advance(self) -> float:
-        """The integral of requests admitted over time, brought to now (call before the count changes)."""
+    def _advance(self) -> tuple[float, float]:
+        """The integrals of the sequences admitted and of the decoding requests' context
+        tokens over time, brought to now (call before either changes)."""
         now = self._clock()
-        self._admitted_area += self.forecast.num_seqs * (now - self._area_at)
+        admitted, context = self._areas
+        elapsed = now - self._area_at
+        self._areas = (admitted + self.forecast.num_seqs * elapsed, context + self.progress.context_tokens * elapsed)
         self._area_at = now
-        return self._admitted_area
+        return self._areas
 
     def check_room(self, num_seqs: int, field: str = "sampling.n") -> None:
         """RequestError RESOURCE_EXHAUSTED if `num_seqs` more sequences (a batch's, all its
@@ -271,13 +279,15 @@ class GatewayAdmission:
             return
         if request.decode_start_at is not None:
             now = self._clock()
-            self.progress.decoded(num_tokens, now - request.last_event_at)
+            self._advance()
+            self.progress.decoded(num_tokens, now - request.last_event_at, request.num_seqs)
             request.last_event_at = now
         elif request.num_generated:  # its first decode step's
             request.decode_start_at = request.last_event_at = self._clock()
-            request.admitted_area_at_decode_start = self._advance()
+            request.areas_at_decode_start = self._advance()
             request.decode_start_tokens = request.num_generated + num_tokens
-            self.progress.started(request.num_seqs)
+            self.progress.started(request.num_seqs, request.num_seqs * (request.num_prompt_tokens
+                                                                        + request.decode_start_tokens))
         request.num_generated += num_tokens
         self._check_progress()
 
@@ -313,9 +323,12 @@ class GatewayAdmission:
                 f"beside the {kept} admitted requests kept (those of higher priority, or admitted earlier)",
                 reason=SHED)
         self.stats.num_shed += len(shed)
-        logger.warning("admission: the deployment fell behind its forecast (decode steps %s the workers' line): "
+        logger.warning("admission: the deployment fell behind its forecast (decode steps %s the workers' line%s): "
                        "shed %d request(s), kept %d",
-                       "?" if self.observed_scale is None else f"{self.observed_scale:.1f}x", len(shed), kept)
+                       "?" if self.observed_scale is None else f"{self.observed_scale:.1f}x",
+                       "" if observed is None else f": {observed.step_s * 1e3:.1f} ms at a batch of "
+                       f"{observed.batch:.0f}, {observed.context / max(1.0, observed.batch):.0f} tokens each",
+                       len(shed), kept)
 
     def shed_error(self, request_id: str) -> RequestError | None:
         """The error a shed request ends with (None: it is not shed)."""
@@ -329,14 +342,15 @@ class GatewayAdmission:
         self.shed.pop(request_id, None)
         if request_id not in self.forecast.admitted:
             return
-        area = self._advance()
+        areas = self._advance()
         request = self.forecast.remove(request_id)
         if request.decode_start_at is not None:
-            self.progress.ended(request.num_seqs)
+            self.progress.ended(request.num_seqs, request.num_seqs * (request.num_prompt_tokens
+                                                                      + request.num_generated))
         if outcome == "stop":
             self.outputs.add(request.num_generated)
         if outcome in ("stop", "length"):
-            self.decode_scale.add(request, self._clock(), area, self.rates)
+            self.decode_scale.add(request, self._clock(), areas, self.rates)
         if outcome == DEADLINE:
             self.stats.num_deadline_misses += 1
         elif request.deadline is not None and outcome in ("stop", "length"):
@@ -357,6 +371,7 @@ class GatewayAdmission:
             mean_forecast_ttft_s=forecast or 0.0, mean_observed_ttft_s=observed or 0.0,
             decode_scale=self.decode_scale.value, decode_step_base_s=self.rates.decode_base_s or 0.0,
             decode_step_per_seq_s=self.rates.decode_per_seq_s,
+            decode_step_per_context_token_s=self.rates.decode_per_token_s,
         )
 
     def forecast_wait_s(self) -> float | None:

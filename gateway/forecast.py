@@ -1,7 +1,8 @@
 """What admitting one more request would do to time: the gateway's forecast of each
 request's first token and last token, from the work admitted before it and the step-time
 models its workers publish (WorkerStats.prefill_s_per_token, decode_step_base_s,
-decode_step_per_seq_s: fitted on each worker's own steps, calibrated at its start).
+decode_step_per_seq_s, decode_step_per_context_token_s: fitted on each worker's own steps,
+calibrated at its start).
 
     first token   the prompt tokens queued ahead of it (admitted, not yet prefilled, served
                   before it: priority first, then earliest deadline, then arrival, the
@@ -9,7 +10,9 @@ decode_step_per_seq_s: fitted on each worker's own steps, calibrated at its star
                   prefill workers' pooled rate
     last token    its first token, then its expected output at the step time of the decode
                   batch it joins: every admitted request's sequences (n choices: n), spread
-                  over the decode workers,
+                  over the decode workers, and their contexts as they are now (a batch
+                  that requests join as others leave holds requests at every stage of
+                  their decode: its contexts now are what it holds on average),
                   scaled by what finished requests' steps took against their forecasts
 
 A request's expected output is its max_tokens when it ignores EOS; otherwise the smaller of
@@ -28,7 +31,8 @@ kept to be compared with what happened (GatewayAdmission's stats).
 A forecast can still be wrong: a cold deployment's first burst decodes in batches its
 workers' line never saw. So while requests run, `to_shed` compares their progress with
 their deadlines. The step their decoding shows (DecodeProgress: pooled over every
-decoding request, over the last OBSERVE_WINDOW_S) is the line scaled by what it shows;
+decoding request, over the last OBSERVE_WINDOW_S) is the line scaled by what it shows,
+at the contexts the kept requests will have as they decode;
 if at that step an admitted request would finish past its deadline, the fewest requests
 are shed so that the rest finish in time: hopeless ones first, then the lowest
 priority, then the latest admitted (requests without a deadline are never shed). The
@@ -85,11 +89,11 @@ class Admitted:
     num_generated: int = 0
     forecast_ttft_s: float | None = None  # at admission, from arrival
     # Its first decode step's tokens (the first after the prefill's, past the handoff):
-    # when they came, how many it had then, and GatewayAdmission's integral of requests
-    # admitted over time then.
+    # when they came, how many it had then, and GatewayAdmission's integrals over time of
+    # the sequences admitted and of the decoding requests' context tokens then.
     decode_start_at: float | None = None
     decode_start_tokens: int = 0
-    admitted_area_at_decode_start: float = 0.0
+    areas_at_decode_start: tuple[float, float] = (0.0, 0.0)  # GatewayAdmission's integrals then
     last_event_at: float | None = None  # its latest decode event's arrival
 
     @property
@@ -100,35 +104,51 @@ class Admitted:
     def remaining_tokens(self) -> int:
         return max(1, min(self.max_tokens, max(self.expected_output, self.num_generated + 1)) - self.num_generated)
 
+    def context_tokens(self) -> int:
+        """Its sequences' context tokens now."""
+        return self.num_seqs * (self.num_prompt_tokens + self.num_generated)
+
+    def mean_context_tokens(self) -> float:
+        """Its sequences' context tokens halfway through what it has left to decode: what it
+        adds to a decode step, on average, from now to its end."""
+        return self.num_seqs * (self.num_prompt_tokens + self.num_generated + self.remaining_tokens() / 2)
+
 
 @dataclass(frozen=True, slots=True)
 class Rates:
     """The workers' models, pooled. None: not known (no worker has published one yet)."""
 
     prefill_s_per_token: float | None  # one prompt token, all prefill workers working together
-    decode_base_s: float | None  # a decode step: base + per_seq x its batch
+    decode_base_s: float | None  # a decode step: base + per_seq x its batch + per_token x its contexts
     decode_per_seq_s: float
     num_decode_workers: int
     # What the decode steps of finished requests took, over what was forecast for them
-    # (DecodeScale): the workers' line is fitted on steps whose contexts were whatever
-    # they were, and the gateway's streams take a little longer than a step.
+    # (DecodeScale): the gateway's streams take a little longer than a step, and a
+    # line fitted on some steps misses on others.
     decode_scale: float = 1.0
+    decode_per_token_s: float = 0.0
 
     def prefill_s(self, num_tokens: int) -> float:
         return num_tokens * (self.prefill_s_per_token or 0.0)
 
-    def step_s(self, num_requests: int) -> float:
-        """A decode step when `num_requests` are admitted, spread evenly over the decode workers."""
+    def step_s(self, num_requests: int, num_context_tokens: float = 0.0) -> float:
+        """A decode step when `num_requests` are admitted, their contexts `num_context_tokens`
+        in all, spread evenly over the decode workers."""
         if self.decode_base_s is None:
             return 0.0
-        batch = -(-num_requests // max(1, self.num_decode_workers))
-        return (self.decode_base_s + self.decode_per_seq_s * batch) * self.decode_scale
+        workers = max(1, self.num_decode_workers)
+        batch = -(-num_requests // workers)
+        return (self.decode_base_s + self.decode_per_seq_s * batch
+                + self.decode_per_token_s * num_context_tokens / workers) * self.decode_scale
 
-    def line_s(self, mean_requests: float) -> float:
-        """The workers' own line (unscaled) at a mean of `mean_requests` admitted."""
+    def line_s(self, mean_requests: float, mean_context_tokens: float = 0.0) -> float:
+        """The workers' own line (unscaled) at a mean of `mean_requests` admitted and of
+        `mean_context_tokens` in their contexts."""
         if self.decode_base_s is None:
             return 0.0
-        return self.decode_base_s + self.decode_per_seq_s * mean_requests / max(1, self.num_decode_workers)
+        workers = max(1, self.num_decode_workers)
+        return (self.decode_base_s + self.decode_per_seq_s * mean_requests / workers
+                + self.decode_per_token_s * mean_context_tokens / workers)
 
     @property
     def known(self) -> bool:
@@ -154,7 +174,8 @@ class Verdict:
 class DecodeScale:
     """The time between a finished request's decoded tokens (from its first decode step
     on: the handoff before it is not a step) over the workers' line at the mean number of
-    requests admitted while it decoded (not the batch it joined: others came and went):
+    requests admitted while it decoded (not the batch it joined: others came and went),
+    and at the decoding requests' mean contexts then:
     their mean over the last SCALE_WINDOW requests of MIN_SCALE_TOKENS or more, within
     [1, MAX_DECODE_SCALE] (a forecast is corrected up, never below the workers' own
     line, which learns on its own)."""
@@ -162,15 +183,17 @@ class DecodeScale:
     def __init__(self) -> None:
         self._ratios: deque[float] = deque(maxlen=SCALE_WINDOW)
 
-    def add(self, request: Admitted, ended_at: float, admitted_area: float, rates: Rates) -> None:
-        """`admitted_area`: the integral of requests admitted over time, now."""
+    def add(self, request: Admitted, ended_at: float, areas: tuple[float, float], rates: Rates) -> None:
+        """`areas`: the integrals over time of the sequences admitted and of the decoding
+        requests' context tokens, now."""
         decoded = request.num_generated - request.decode_start_tokens
         if request.decode_start_at is None or decoded < MIN_SCALE_TOKENS or not rates.known:
             return
         seconds = ended_at - request.decode_start_at
         if seconds <= 0:
             return
-        expected = rates.line_s((admitted_area - request.admitted_area_at_decode_start) / seconds)
+        (admitted, context), (admitted_then, context_then) = areas, request.areas_at_decode_start
+        expected = rates.line_s((admitted - admitted_then) / seconds, (context - context_then) / seconds)
         if expected > 0:
             self._ratios.append(seconds / decoded / expected)
 
@@ -208,10 +231,11 @@ class Observed:
     step_s: float  # seconds between a decoding request's tokens, on average over its tokens
     batch: float  # the sequences decoding as each of those tokens came, on average (the line
     # at that batch is the line's mean step over those tokens: the two compare)
+    context: float  # their context tokens in all then, on average
 
     def scale(self, rates: Rates) -> float | None:
-        """The step over the workers' own line at that batch (None: no line)."""
-        line = rates.unscaled.line_s(self.batch)
+        """The step over the workers' own line at that batch and context (None: no line)."""
+        line = rates.unscaled.line_s(self.batch, self.context)
         return self.step_s / line if line > 0 else None
 
 
@@ -229,47 +253,56 @@ class DecodeProgress:
     def __init__(self, now: float) -> None:
         self._requests = 0  # decoding now
         self._seqs = 0  # their sequences (n choices each)
-        self._seconds = 0.0  # summed over events: the time since the same request's previous event
-        self._tokens = 0  # tokens the events brought (one choice's: a request's step is its choices' too)
-        self._token_seqs = 0  # the sequences decoding as each came, summed
-        self._samples: deque[tuple[float, float, int, int]] = deque([(now, 0.0, 0, 0)])  # (time, seconds, tokens, token seqs)
+        self.context_tokens = 0  # their sequences' context tokens, in all
+        # Summed over events: the time since the same request's previous event, the tokens the
+        # events brought (one choice's: a request's step is its choices' too), and the
+        # sequences decoding and their context tokens as each came.
+        self._sums = (0.0, 0, 0, 0)  # (seconds, tokens, token seqs, token contexts)
+        self._samples: deque[tuple[float, tuple]] = deque([(now, self._sums)])  # (time, sums then)
 
-    def started(self, num_seqs: int) -> None:
-        """A request's first decode step came."""
+    def started(self, num_seqs: int, num_context_tokens: int) -> None:
+        """A request's first decode step came: its `num_seqs` sequences now hold
+        `num_context_tokens` in all."""
         self._requests += 1
         self._seqs += num_seqs
+        self.context_tokens += num_context_tokens
 
-    def ended(self, num_seqs: int) -> None:
-        """A request that had started decoding ended."""
+    def ended(self, num_seqs: int, num_context_tokens: int) -> None:
+        """A request that had started decoding ended, its sequences `num_context_tokens` long in all."""
         self._requests -= 1
         self._seqs -= num_seqs
+        self.context_tokens -= num_context_tokens
 
     @property
     def num_decoding(self) -> int:
         return self._requests
 
-    def decoded(self, num_tokens: int, seconds: float) -> None:
-        """A decoding request's event brought `num_tokens` more, `seconds` after its previous one."""
-        self._seconds += max(0.0, seconds)
-        self._tokens += num_tokens
-        self._token_seqs += num_tokens * self._seqs
+    def decoded(self, num_tokens: int, seconds: float, num_seqs: int = 1) -> None:
+        """A decoding request's event brought `num_tokens` more to each of its `num_seqs`
+        sequences, `seconds` after its previous one."""
+        self.context_tokens += num_tokens * num_seqs
+        total_seconds, tokens, token_seqs, token_contexts = self._sums
+        self._sums = (total_seconds + max(0.0, seconds), tokens + num_tokens, token_seqs + num_tokens * self._seqs,
+                      token_contexts + num_tokens * self.context_tokens)
 
     def sample(self, now: float) -> Observed | None:
         """The step over the window to now (None: it spans too little yet)."""
         samples = self._samples
-        samples.append((now, self._seconds, self._tokens, self._token_seqs))
+        samples.append((now, self._sums))
         while len(samples) > 2 and samples[1][0] <= now - OBSERVE_WINDOW_S:
             samples.popleft()
-        since, seconds, tokens, token_seqs = samples[0]
-        num_tokens = self._tokens - tokens
+        since, (seconds, tokens, token_seqs, token_contexts) = samples[0]
+        total_seconds, total_tokens, total_seqs, total_contexts = self._sums
+        num_tokens = total_tokens - tokens
         if now - since < MIN_OBSERVE_S or num_tokens < MIN_OBSERVED_TOKENS:
             return None
-        return Observed((self._seconds - seconds) / num_tokens, (self._token_seqs - token_seqs) / num_tokens)
+        return Observed((total_seconds - seconds) / num_tokens, (total_seqs - token_seqs) / num_tokens,
+                        (total_contexts - token_contexts) / num_tokens)
 
     def restart(self, now: float) -> None:
         """Observe afresh from now (the batch changed: requests were shed)."""
         self._samples.clear()
-        self._samples.append((now, self._seconds, self._tokens, self._token_seqs))
+        self._samples.append((now, self._sums))
 
 
 @dataclass
@@ -309,6 +342,10 @@ class Forecast:
             del self._waiting_keys[index]
         self._waiting.pop(request.key, None)
 
+    def context_tokens(self) -> float:
+        """The admitted requests' context tokens now."""
+        return sum(request.context_tokens() for request in self.admitted.values())
+
     def tokens_ahead(self, key: tuple) -> int:
         """Prompt tokens of the waiting requests served before `key`."""
         return sum(self._waiting[k].num_prompt_tokens for k in self._waiting_keys[: bisect.bisect_left(self._waiting_keys, key)])
@@ -330,10 +367,14 @@ class Forecast:
         own_ttft = rates.prefill_s(request.num_prompt_tokens)
         ttft = self.ttft_s(request, rates)
         batch = self.num_seqs + request.num_seqs
-        step_after = rates.step_s(batch)
+        context = self.context_tokens()
+        own_context = request.context_tokens()
+        step_after = rates.step_s(batch, context + own_context)
         if request.deadline is not None:
             share = DEADLINE_SHARE * (request.deadline - now)
-            alone = own_ttft + request.remaining_tokens() * rates.unscaled.step_s(1)
+            # Alone, its steps are at its own contexts as they grow.
+            alone_context = request.mean_context_tokens() / request.num_seqs
+            alone = own_ttft + request.remaining_tokens() * rates.unscaled.step_s(1, alone_context)
             if alone > share:
                 return Verdict(DEADLINE, f"its deadline cannot be met: it has {request.deadline - now:.2f} s and "
                                          f"needs {alone:.2f} s on an idle deployment", 0.0, hopeless=True)
@@ -345,17 +386,17 @@ class Forecast:
         if ttft > max_queue_wait_s:
             return Verdict(QUEUE_WAIT, f"first token forecast in {ttft:.1f} s (queue wait limit "
                                        f"{max_queue_wait_s:g} s)", ttft - max_queue_wait_s)
-        late = self._pushed_past_deadline(request, rates, now, self.num_seqs, batch)
+        late = self._pushed_past_deadline(request, rates, now, rates.step_s(self.num_seqs, context), step_after)
         if late:
             return Verdict(DEADLINE, f"admitting it would make {late} admitted request(s) miss their deadlines",
                            self._next_finish_s(rates, now))
         request.forecast_ttft_s = (now - request.arrival) + ttft
         return None
 
-    def _pushed_past_deadline(self, new: Admitted, rates: Rates, now: float, batch_now: int, batch_after: int
+    def _pushed_past_deadline(self, new: Admitted, rates: Rates, now: float, step_now: float, step_after: float
                               ) -> int:
-        """How many admitted requests on track for their deadlines would not be with `new` in."""
-        step_now, step_after = rates.step_s(batch_now), rates.step_s(batch_after)
+        """How many admitted requests on track for their deadlines (at a decode step of
+        `step_now`) would not be with `new` in (at `step_after`)."""
         new_prefill = rates.prefill_s(new.num_prompt_tokens)
         late = 0
         queued = 0  # prompt tokens of waiting requests before this one
@@ -386,20 +427,20 @@ class Forecast:
         has been observed."""
         if observed is None:
             return []
-        anchor = rates.unscaled.line_s(observed.batch)
+        anchor = rates.unscaled.line_s(observed.batch, observed.context)
 
-        def step_at(num_seqs: int) -> float:  # the observed step, scaled along the line (or in proportion)
+        def step_at(num_seqs: int, context: float) -> float:  # the observed step, scaled along the line
             if anchor > 0:
-                return observed.step_s * rates.unscaled.line_s(num_seqs) / anchor
-            return observed.step_s * num_seqs / max(1.0, observed.batch)
+                return observed.step_s * rates.unscaled.line_s(num_seqs, context) / anchor
+            return observed.step_s * num_seqs / max(1.0, observed.batch)  # no line: in proportion
 
         free = [r for r in self.admitted.values() if r.deadline is None]  # never shed
-        base_seqs = sum(r.num_seqs for r in free)
+        base = (sum(r.num_seqs for r in free), sum(r.mean_context_tokens() for r in free))
         timed = sorted((r for r in self.admitted.values() if r.deadline is not None), key=lambda r: (r.priority,
                                                                                                      r.order))
-        if self._all_on_time(timed, base_seqs + sum(r.num_seqs for r in timed), step_at, rates, now):
+        if self._all_on_time(timed, base, step_at, rates, now):
             return []
-        hopeless = [r for r in timed if not self._all_on_time([r], base_seqs + r.num_seqs, step_at, rates, now)]
+        hopeless = [r for r in timed if not self._all_on_time([r], base, step_at, rates, now)]
         hopeless_ids = {r.request_id for r in hopeless}
         keepable = [r for r in timed if r.request_id not in hopeless_ids]
         # The longest prefix (highest priority, earliest admitted first) that finishes in time.
@@ -407,18 +448,23 @@ class Forecast:
         while low < high:
             k = (low + high + 1) // 2
             kept = keepable[:k]
-            if self._all_on_time(kept, base_seqs + sum(r.num_seqs for r in kept), step_at, rates, now):
+            if self._all_on_time(kept, base, step_at, rates, now):
                 low = k
             else:
                 high = k - 1
         return hopeless + keepable[low:]
 
     @staticmethod
-    def _all_on_time(requests: list[Admitted], num_seqs: int, step_at, rates: Rates, now: float) -> bool:
+    def _all_on_time(requests: list[Admitted], base: tuple[int, float], step_at, rates: Rates, now: float) -> bool:
         """Whether each of `requests` (with deadlines) finishes in time in a decode batch of
-        `num_seqs`: the started ones decoding from now, the waiting ones after the prompts
-        of those among them before them in prefill order."""
-        step = step_at(num_seqs)
+        them beside `base` (the sequences and context tokens of the requests never shed):
+        the started ones decoding from now, the waiting ones after the prompts of those
+        among them before them in prefill order. The batch is these requests to their
+        ends, nothing joining them that admission has not judged against their
+        deadlines: their contexts grow as they decode, so its steps are at their
+        contexts halfway through what each has left."""
+        step = step_at(base[0] + sum(r.num_seqs for r in requests),
+                       base[1] + sum(r.mean_context_tokens() for r in requests))
         queued = 0
         for request in sorted((r for r in requests if not r.started), key=lambda r: r.key):
             queued += request.num_prompt_tokens
@@ -429,7 +475,7 @@ class Forecast:
 
     def _next_finish_s(self, rates: Rates, now: float) -> float:
         """Seconds until the first admitted request is forecast to finish: a retry hint."""
-        step = rates.step_s(self.num_seqs)
+        step = rates.step_s(self.num_seqs, self.context_tokens())
         started = [r.remaining_tokens() * step for r in self.admitted.values() if r.started]
         return min(started, default=rates.prefill_s(self.tokens_ahead((math.inf,))) + step)
 

@@ -232,7 +232,8 @@ def _render_admission(admission: AdmissionStatus) -> list[str]:
                      f"{admission.mean_observed_ttft_s:.2f} s observed (mean)")
         lines.append(line)
         lines.append(f"  decode      {admission.decode_step_base_s * 1e3:.1f} ms + "
-                     f"{admission.decode_step_per_seq_s * 1e3:.2f} ms a sequence a step, "
+                     f"{admission.decode_step_per_seq_s * 1e3:.2f} ms a sequence + "
+                     f"{admission.decode_step_per_context_token_s * 1e6:.2f} us a context token a step, "
                      f"x{admission.decode_scale:.2f} as finished requests ran")
     return lines
 

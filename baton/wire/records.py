@@ -302,11 +302,13 @@ class WorkerStats(EngineStats):
     kv_endpoint: KvEndpoint | None = None  # where its KV cache lives (routing pairs same-host workers)
     recent: RecentStats | None = None  # the scheduler's last minute of steps
 
-    def decode_step_s(self, num_seqs: int) -> float | None:
-        """Predicted seconds of a decode step of `num_seqs` sequences (None: no model)."""
-        if self.decode_step_base_s <= 0 and self.decode_step_per_seq_s <= 0:
+    def decode_step_s(self, num_seqs: int, num_context_tokens: int = 0) -> float | None:
+        """Predicted seconds of a decode step of `num_seqs` sequences of `num_context_tokens`
+        context tokens in all (None: no model)."""
+        if max(self.decode_step_base_s, self.decode_step_per_seq_s, self.decode_step_per_context_token_s) <= 0:
             return None
-        return self.decode_step_base_s + self.decode_step_per_seq_s * num_seqs
+        return (self.decode_step_base_s + self.decode_step_per_seq_s * num_seqs
+                + self.decode_step_per_context_token_s * num_context_tokens)
 
     def prefill_s(self, num_tokens: int) -> float | None:
         """Predicted seconds to prefill `num_tokens` prompt tokens (None: no rate measured)."""
@@ -358,6 +360,7 @@ class AdmissionStatus:
     decode_scale: float = 1.0  # finished requests' decode steps over the workers' line
     decode_step_base_s: float = 0.0  # the pooled line a forecast uses now
     decode_step_per_seq_s: float = 0.0
+    decode_step_per_context_token_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

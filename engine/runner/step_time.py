@@ -1,17 +1,21 @@
 """The engine's step-time model: what a step costs, so that a gateway can predict waits.
 
-- decode: a decode-only step (no prefill token) of n sequences takes about
-  `base_s + per_seq_s * n` seconds. `DecodeStepFit` fits the line by least squares
-  over the last DECODE_WINDOW such steps, its slope ridged toward a prior (what
-  calibration measured): a window where every step ran the same batch says nothing
-  about the slope, so it keeps the prior's and moves only the level. Both
-  coefficients are clamped at zero.
+- decode: a decode-only step (no prefill token) of n sequences whose contexts hold c
+  tokens in all takes about `base_s + per_seq_s * n + per_token_s * c` seconds: the
+  weights once, each row's share of them (sampling, the rows' activations), and
+  attention over every row's keys. `DecodeStepFit` fits it by least squares over the
+  last DECODE_WINDOW such steps, its slopes ridged toward a prior (what calibration
+  measured): a window where every step ran the same batch says nothing about the
+  per-sequence slope, so it keeps the prior's, and one whose contexts did not vary
+  keeps the prior's per-token slope. Every coefficient is clamped at zero. Without the
+  context term a line fitted on short contexts read a step of 256 rows of 464 tokens
+  (dummy:tiny, one CPU thread) at 6.7 ms; it took 24.5.
 - prefill: seconds per prompt token, the preemption cost model's moving average over
   steps that are mostly prefill (engine/scheduler/preemption.py).
 - decode entries (speculative decoding): a decode step of e entries, a decoding row's one
   token each and one more per proposal it checks (engine/runner/forward_batch.py `decode_rows`),
   takes about `base_s + per_seq_s * e`: the same least squares over every decode-only
-  step, proposals or not. Its slope is what one more proposal costs. Until the entries
+  step, proposals or not, contexts left out. Its slope is what one more proposal costs. Until the entries
   vary (and so give a slope) the decode line stands in for it.
 
 A prefill step's seconds are those the engine times it by (ModelRunnerOutput.seconds:
@@ -20,14 +24,13 @@ on CUDA the device's time; on CPU the host's). A decode step's are the whole
 between tokens), or the device's time if longer (overlapped, the host may return early).
 
 `engine.calibration.calibrate_step_time` measures both on an idle engine before it
-serves, so that the first requests (a burst arriving at once) are admitted on a
-measured model.
+serves (decode steps at two batch sizes, and at long contexts), so that the first
+requests (a burst arriving at once) are admitted on a measured model.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -45,36 +48,79 @@ MIN_PREFILL_SAMPLE_TOKENS = 64
 
 
 class StepLine(NamedTuple):
-    """Seconds of a decode step of n sequences: base_s + per_seq_s * n."""
+    """Seconds of a decode step of n sequences of c context tokens in all:
+    base_s + per_seq_s * n + per_token_s * c."""
 
     base_s: float
     per_seq_s: float
+    per_token_s: float = 0.0
 
-    def seconds(self, num_seqs: int) -> float:
-        return self.base_s + self.per_seq_s * num_seqs
+    def seconds(self, num_seqs: int, num_context_tokens: int = 0) -> float:
+        return self.base_s + self.per_seq_s * num_seqs + self.per_token_s * num_context_tokens
 
 
-def fit_line(samples: list[tuple[int, float]], prior: StepLine | None = None, prior_weight: float = 0.0) -> StepLine:
-    """Least squares line through (num_seqs, seconds) samples, its slope ridged toward
-    `prior`'s with `prior_weight` (in units of sum((x - mean x)^2) of the samples), both
-    coefficients clamped at zero. No sample: the prior, else a zero line."""
-    n = len(samples)
-    if n == 0:
+class StepSample(NamedTuple):
+    """One decode step: its sequences, their context tokens in all, its seconds."""
+
+    num_seqs: int
+    num_context_tokens: int
+    seconds: float
+
+
+def fit_line(samples: list[StepSample], prior: StepLine | None = None,
+             prior_weights: tuple[float, float] = (0.0, 0.0)) -> StepLine:
+    """Least squares through the samples, the slopes ridged toward `prior`'s, each with its
+    weight in `prior_weights` (per sequence, per token: in units of the samples' sum of
+    squared deviations of that variable), every coefficient clamped at zero: a slope the
+    samples would make negative, or cannot tell apart from the other, is held at the
+    prior's (else at zero) and the rest refitted; a fit whose intercept falls below zero
+    is refitted through the origin. No sample: the prior, else a zero line."""
+    if not samples:
         return prior if prior is not None else StepLine(0.0, 0.0)
-    prior_slope, weight = (prior.per_seq_s, prior_weight) if prior is not None else (0.0, 0.0)
-    mean_x = sum(x for x, _ in samples) / n
-    mean_y = sum(y for _, y in samples) / n
-    sxx = sum((x - mean_x) ** 2 for x, _ in samples)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in samples)
-    slope = (sxy + weight * prior_slope) / (sxx + weight) if sxx + weight > 0 else 0.0
-    base = mean_y - slope * mean_x
-    if slope < 0:
-        return StepLine(mean_y, 0.0)
-    if base < 0:  # the best line through the origin instead
-        sxx0 = sum(x * x for x, _ in samples)
-        sxy0 = sum(x * y for x, y in samples)
-        return StepLine(0.0, max((sxy0 + weight * prior_slope) / (sxx0 + weight), 0.0))
-    return StepLine(base, slope)
+    priors = (prior.per_seq_s, prior.per_token_s) if prior is not None else (0.0, 0.0)
+    weights = prior_weights if prior is not None else (0.0, 0.0)
+    columns = ([float(s.num_seqs) for s in samples], [float(s.num_context_tokens) for s in samples])
+    seconds = [s.seconds for s in samples]
+    # (the slopes fitted, the others' held values), the most fitted first.
+    candidates = [((0, 1), (0.0, 0.0))] + [
+        (free, held) for held in (priors, (0.0, 0.0)) for free in ((0,), (1,), ())]
+    for free, held in candidates:
+        fitted = _ridge(columns, seconds, free, held, priors, weights, intercept=True)
+        if fitted is not None and fitted.base_s < 0:
+            fitted = _ridge(columns, seconds, free, held, priors, weights, intercept=False)
+        if fitted is not None:
+            return fitted
+    raise AssertionError("a line of zero slopes always fits")
+
+
+def _ridge(columns: tuple[list[float], list[float]], seconds: list[float], free: tuple[int, ...],
+           held: tuple[float, float], priors: tuple[float, float], weights: tuple[float, float],
+           intercept: bool) -> StepLine | None:
+    """The ridge fit of the `free` slopes, the others at their `held` values; None where a
+    slope is negative or the free variables cannot be told apart."""
+    n = len(seconds)
+    slopes = [0.0 if i in free else held[i] for i in (0, 1)]
+    residual = [y - slopes[0] * x - slopes[1] * z for y, x, z in zip(seconds, *columns)]
+    mean_y = sum(residual) / n if intercept else 0.0
+    means = [sum(c) / n if intercept else 0.0 for c in columns]
+    dev = [[x - means[i] for x in columns[i]] for i in free]
+    dev_y = [y - mean_y for y in residual]
+    # Normal equations: (X'X + W) b = X'y + W b_prior.
+    a = [[sum(p * q for p, q in zip(dev[j], dev[k])) + (weights[free[j]] if j == k else 0.0)
+          for k in range(len(free))] for j in range(len(free))]
+    b = [sum(p * q for p, q in zip(dev[j], dev_y)) + weights[free[j]] * priors[free[j]] for j in range(len(free))]
+    if len(free) == 2:
+        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
+        if det <= 1e-9 * a[0][0] * a[1][1]:
+            return None  # the two variables moved together: their slopes are not known apart
+        slopes = [(b[0] * a[1][1] - b[1] * a[0][1]) / det, (a[0][0] * b[1] - a[1][0] * b[0]) / det]
+    elif free:
+        if a[0][0] <= 0:
+            return None  # the variable did not move, and no prior holds its slope
+        slopes[free[0]] = b[0] / a[0][0]
+    if min(slopes) < 0:
+        return None
+    return StepLine(mean_y - sum(slopes[i] * means[i] for i in free), *slopes)
 
 
 class StepTimeEstimate(NamedTuple):
@@ -82,6 +128,7 @@ class StepTimeEstimate(NamedTuple):
 
     decode_step_base_s: float
     decode_step_per_seq_s: float
+    decode_step_per_context_token_s: float
     prefill_s_per_token: float
 
 
@@ -105,7 +152,8 @@ class StepTimeModel:
         elif num_prefill == 0 and scheduled.requests:
             seconds = max(seconds, wall_s - output.swap_seconds)
             if not output.num_spec_tokens:
-                self.decode.observe(len(scheduled.requests), seconds)
+                context = sum(request.num_computed_tokens for request in scheduled.requests)
+                self.decode.observe(len(scheduled.requests), seconds, context)
             self.entries.observe(len(scheduled.requests) + output.num_spec_tokens, seconds)
 
     def entry_line(self) -> StepLine:
@@ -116,44 +164,47 @@ class StepTimeModel:
 
     def estimate(self) -> StepTimeEstimate:
         line = self.decode.line()
-        return StepTimeEstimate(line.base_s, line.per_seq_s, self.cost_model.measured_prefill_seconds_per_token)
+        return StepTimeEstimate(line.base_s, line.per_seq_s, line.per_token_s,
+                                self.cost_model.measured_prefill_seconds_per_token)
 
 
 class DecodeStepFit:
     """The decode line over the last `window` decode-only steps (see the module's docstring)."""
 
     def __init__(self, window: int = DECODE_WINDOW) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)  # (num_seqs, seconds)
+        self.samples: deque[StepSample] = deque(maxlen=window)
         self.prior: StepLine | None = None
-        self.prior_weight = 0.0  # how much the prior's slope counts against the window's spread
+        # How much the prior's slopes count against the window's spread (per sequence, per token).
+        self.prior_weights = (0.0, 0.0)
         self._line: StepLine | None = None  # the fit, until the next sample
 
-    def observe(self, num_seqs: int, seconds: float) -> None:
+    def observe(self, num_seqs: int, seconds: float, num_context_tokens: int = 0) -> None:
         if num_seqs > 0 and seconds > 0:
-            self.samples.append((num_seqs, seconds))
+            self.samples.append(StepSample(num_seqs, num_context_tokens, seconds))
             self._line = None
 
-    def set_prior(self, prior: StepLine, weight: float) -> None:
-        self.prior, self.prior_weight = prior, weight
+    def set_prior(self, prior: StepLine, weights: tuple[float, float]) -> None:
+        self.prior, self.prior_weights = prior, weights
         self._line = None
 
     def line(self) -> StepLine:
         """The fit now (a zero line: no decode step seen and no prior)."""
         if self._line is None:
-            self._line = fit_line(list(self.samples), self.prior, self.prior_weight)
+            self._line = fit_line(list(self.samples), self.prior, self.prior_weights)
         return self._line
 
-    def adopt_samples_as_prior(self) -> StepLine:
-        """Make the window's samples the prior, and start the window over (calibration's
-        end). The prior is the line through the median seconds at each batch size (the
-        lower of two middle ones: a step slowed by a moment descheduled counts less), and
-        counts as much as those samples' spread in batch size."""
+    def adopt_prior(self, points: list[StepSample]) -> StepLine:
+        """Make the fit through `points` (calibration's: the fastest step of each shape it
+        ran) the prior, and start the window over. Its slopes count as much as the
+        window's samples (calibration's steps) spread in batch size and in context."""
         samples = list(self.samples)
-        by_size: dict[int, list[float]] = {}
-        for num_seqs, seconds in samples:
-            by_size.setdefault(num_seqs, []).append(seconds)
-        medians = [(num_seqs, statistics.median_low(times)) for num_seqs, times in sorted(by_size.items())]
-        mean_x = sum(x for x, _ in samples) / len(samples) if samples else 0.0
-        self.set_prior(fit_line(medians), sum((x - mean_x) ** 2 for x, _ in samples))
+        self.set_prior(fit_line(points), (_spread([s.num_seqs for s in samples]),
+                                          _spread([s.num_context_tokens for s in samples])))
         self.samples.clear()
         return self.line()
+
+
+def _spread(values: list[float]) -> float:
+    """The sum of squared deviations from the mean."""
+    mean = sum(values) / len(values) if values else 0.0
+    return sum((v - mean) ** 2 for v in values)

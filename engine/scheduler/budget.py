@@ -9,7 +9,7 @@ token came over a second after their first (docs/observability.md, "Latency by p
 
 So once a handed-off request has reached an engine, a step with decoding rows takes at
 most `max_decode_stretch` decode steps' time of prompt tokens, by the engine's step-time
-model (engine/runner/step_time.py): the decode line at that many rows, and the prefill rate. A
+model (engine/runner/step_time.py): the decode line at those rows and contexts, and the prefill rate. A
 step with no decoding row, or on an engine that never received one (a prefill worker, a
 colocated decode worker), has the token budget alone. And a step that carries a
 handed-off request's first decode step (the one that samples its second token) takes no
@@ -31,7 +31,7 @@ def prefill_limit(
     stretch: float,
     running: Iterable[Request],
     num_waiting: int,
-    decode_step_s: Callable[[int], float],
+    decode_step_s: Callable[[int, int], float],
     prefill_s_per_token: float,
     floor: int,
     may_hold: bool = True,
@@ -44,17 +44,18 @@ def prefill_limit(
     moves on however slow the prefill rate measured)."""
     if stretch <= 0 or prefill_s_per_token <= 0:
         return UNLIMITED
-    num_decoding = num_prefilling = 0
+    num_decoding = num_prefilling = num_context_tokens = 0
     first_decode = False
     for request in running:
         if request.is_prefilling:
             num_prefilling += 1
         else:
             num_decoding += 1
+            num_context_tokens += request.num_computed_tokens
             first_decode |= request.kv_ready_time is not None and request.first_decode_time is None
     if num_decoding == 0 or (num_prefilling == 0 and num_waiting == 0):
         return UNLIMITED
-    seconds = decode_step_s(num_decoding)
+    seconds = decode_step_s(num_decoding, num_context_tokens)
     if seconds <= 0:  # no decode step measured yet, nor calibrated
         return UNLIMITED
     if first_decode and may_hold:

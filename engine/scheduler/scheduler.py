@@ -85,7 +85,7 @@ class Scheduler:
         # Once a handed-off request arrived, decoding rows limit a step's prompt tokens
         # (budget.py) by the decode line the engine sets here: seconds of n rows' step.
         self.serves_handoffs = False
-        self.decode_step_s: Callable[[int], float] | None = None
+        self.decode_step_s: Callable[[int, int], float] | None = None
         self._held_prompts = False  # the last step took no prompt tokens, for a handoff's first decode step
 
     # ------------------------------------------------------------- requests

@@ -220,7 +220,7 @@ def test_decoding_rows_limit_the_prompt_tokens_of_an_engine_that_serves_handoffs
     model, model_dir = tiny
     prefill_engine = make_engine(model_dir)
     decode_engine = make_engine(model_dir, max_num_batched_tokens=64, max_decode_stretch=1.0)
-    decode_engine.scheduler.decode_step_s = lambda num_seqs: 0.02
+    decode_engine.scheduler.decode_step_s = lambda num_seqs, num_context_tokens: 0.02
     decode_engine.cost_model.prefill_seconds_per_token = 0.001
     decode_engine.cost_model.num_prefill_observations = 1  # as measured
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from baton.wire import stats_convert
 from baton.wire.records import WorkerStats
 from engine.calibration import calibrate_step_time
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.runner.step_time import DECODE_WINDOW, DecodeStepFit, StepLine, fit_line
+from engine.runner.step_time import DECODE_WINDOW, DecodeStepFit, StepLine, StepSample, fit_line
 from engine.sampling_params import SamplingParams
 from engine.scheduler.preemption import PreemptionCostModel
 from prefill_worker.server import PrefillWorkerService
@@ -24,69 +25,109 @@ from tests.support.tiny_models import make_tiny_model
 
 
 # ------------------------------------------------------------------------ the fit
-def line_samples(line: StepLine, sizes: list[int]) -> list[tuple[int, float]]:
-    return [(n, line.seconds(n)) for n in sizes]
+def line_samples(line: StepLine, shapes: list[tuple[int, int]]) -> list[StepSample]:
+    return [StepSample(n, context, line.seconds(n, context)) for n, context in shapes]
+
+
+def random_shapes(rng: random.Random, count: int) -> list[tuple[int, int]]:
+    """Batch sizes of 1-64, each sequence 1-500 tokens long."""
+    shapes = []
+    for _ in range(count):
+        n = rng.randint(1, 64)
+        shapes.append((n, n * rng.randint(1, 500)))
+    return shapes
 
 
 def test_an_exact_line_is_recovered():
-    truth = StepLine(0.004, 0.0003)
+    truth = StepLine(0.004, 0.0003, 2e-7)
     rng = random.Random(0)
-    sizes = [rng.randint(1, 64) for _ in range(DECODE_WINDOW)]
-    base, per_seq = fit_line(line_samples(truth, sizes))
-    assert base == pytest.approx(truth.base_s, rel=1e-9) and per_seq == pytest.approx(truth.per_seq_s, rel=1e-9)
-    # A prior off by half weighs little against a window spread over many batch sizes
-    # (as much as calibration's two steps at batch 1 and two at batch 32).
+    shapes = random_shapes(rng, DECODE_WINDOW)
+    fitted = fit_line(line_samples(truth, shapes))
+    assert fitted == pytest.approx(truth, rel=1e-6)
+    # A prior off by half weighs little against a window spread over many shapes (as much
+    # as calibration's steps at batch 1, at batch 32 and at long contexts).
     fit = DecodeStepFit()
-    fit.set_prior(StepLine(0.002, 0.00015), weight=31**2)
-    for n, seconds in line_samples(truth, sizes):
-        fit.observe(n, seconds)
+    fit.set_prior(StepLine(0.002, 0.00015, 1e-7), weights=(31**2, 8192**2))
+    for sample in line_samples(truth, shapes):
+        fit.observe(sample.num_seqs, sample.seconds, sample.num_context_tokens)
     assert fit.line().per_seq_s == pytest.approx(truth.per_seq_s, rel=0.02)
-    for n in (1, 16, 64):
-        assert fit.line().seconds(n) == pytest.approx(truth.seconds(n), rel=0.02)
+    assert fit.line().per_token_s == pytest.approx(truth.per_token_s, rel=0.02)
+    for n, context in ((1, 1), (16, 2000), (64, 30000)):
+        assert fit.line().seconds(n, context) == pytest.approx(truth.seconds(n, context), rel=0.02)
 
 
 def test_a_window_of_one_batch_size_keeps_the_prior_slope_and_moves_the_level():
     fit = DecodeStepFit()
     assert fit.line() == StepLine(0.0, 0.0)  # nothing known
-    fit.set_prior(StepLine(0.002, 0.0005), weight=100.0)
-    assert fit.line() == StepLine(0.002, 0.0005)  # the prior alone, before any step
+    prior = StepLine(0.002, 0.0005, 1e-6)
+    fit.set_prior(prior, weights=(100.0, 1e4))
+    assert fit.line() == prior  # the prior alone, before any step
     for _ in range(50):
-        fit.observe(8, 0.010)  # slower than the prior says (0.006)
-    base, per_seq = fit.line()
-    assert per_seq == pytest.approx(0.0005)
-    assert base + per_seq * 8 == pytest.approx(0.010)
+        fit.observe(8, 0.010, 80)  # slower than the prior says (0.00608)
+    base, per_seq, per_token = fit.line()
+    assert (per_seq, per_token) == pytest.approx((0.0005, 1e-6))
+    assert fit.line().seconds(8, 80) == pytest.approx(0.010)
     # Without a prior, such a window gives a flat line at its level.
-    assert fit_line([(8, 0.010)] * 5) == pytest.approx(StepLine(0.010, 0.0))
+    assert fit_line([StepSample(8, 80, 0.010)] * 5) == pytest.approx(StepLine(0.010, 0.0, 0.0))
+
+
+def test_a_batch_that_grows_its_contexts_teaches_the_per_token_cost():
+    # A cold burst: 256 sequences decode together, each a token longer every step. The batch
+    # does not move, so the per-sequence slope stays the prior's; the contexts do.
+    truth = StepLine(0.001, 2e-5, 1.5e-7)
+    fit = DecodeStepFit()
+    fit.set_prior(StepLine(0.001, 2e-5, 0.0), weights=(31**2, 100.0**2))  # calibrated at short contexts only
+    for step in range(DECODE_WINDOW):
+        context = 256 * (64 + step)
+        fit.observe(256, truth.seconds(256, context), context)
+    assert fit.line() == pytest.approx(truth, rel=0.01)
+    assert fit.line().seconds(256, 256 * 464) == pytest.approx(truth.seconds(256, 256 * 464), rel=0.01)
 
 
 def test_negative_coefficients_are_clamped():
     # Steps faster at larger batches (noise): no slope, the mean level.
-    falling = [(1, 0.010), (16, 0.008), (32, 0.006)]
-    assert fit_line(falling) == pytest.approx(StepLine(0.008, 0.0))
+    falling = [StepSample(1, 0, 0.010), StepSample(16, 0, 0.008), StepSample(32, 0, 0.006)]
+    assert fit_line(falling) == pytest.approx(StepLine(0.008, 0.0, 0.0))
     # A steep line whose intercept falls below zero: the best line through the origin.
-    steep = [(10, 0.001), (20, 0.012), (30, 0.023)]
-    base, per_seq = fit_line(steep)
+    steep = [StepSample(10, 0, 0.001), StepSample(20, 0, 0.012), StepSample(30, 0, 0.023)]
+    base, per_seq, _ = fit_line(steep)
     assert base == 0.0 and per_seq > 0
-    assert per_seq == pytest.approx(sum(x * y for x, y in steep) / sum(x * x for x, _ in steep))
+    assert per_seq == pytest.approx(sum(s.num_seqs * s.seconds for s in steep) / sum(s.num_seqs**2 for s in steep))
+    # Longer contexts faster (noise): the per-token slope is dropped, the batch's kept.
+    odd = [StepSample(1, 10, 0.002), StepSample(32, 320, 0.010), StepSample(32, 8000, 0.009)]
+    _, per_seq, per_token = fit_line(odd)
+    assert per_token == 0.0 and per_seq > 0
+    # Batch and context in proportion, no prior: the batch takes the slope.
+    together = [StepSample(n, 10 * n, 0.001 + 0.0002 * n) for n in (1, 8, 32)]
+    assert fit_line(together) == pytest.approx(StepLine(0.001, 0.0002, 0.0))
+    # A full batch's noise says its sequences cost less the more there are: that slope is
+    # held at the prior's, not dropped to zero (a flat line would forecast a batch of 8 as
+    # slow as one of 256), and the per-token slope is fitted beside it.
+    prior = StepLine(0.001, 2e-5, 1.5e-7)
+    noisy = [StepSample(n, 256 * 300 + 500 * step, prior.seconds(n, 256 * 300 + 500 * step) - 1e-3 * (n - 253))
+             for step, n in enumerate([250, 256, 256, 250] * 8)]
+    held = fit_line(noisy, prior, (31**2, 1e4))
+    assert held.per_seq_s == pytest.approx(2e-5) and held.per_token_s == pytest.approx(1.5e-7, rel=0.05)
 
 
-def test_the_window_keeps_the_last_steps_and_calibration_adopts_its_medians():
+def test_the_window_keeps_the_last_steps_and_calibration_sets_the_prior():
     fit = DecodeStepFit(window=4)
     for seconds in (1.0, 1.0, 0.002, 0.002, 0.002, 0.002):
         fit.observe(1, seconds)
-    assert fit.line() == pytest.approx(StepLine(0.002, 0.0))  # the first two slid out
+    assert fit.line() == pytest.approx(StepLine(0.002, 0.0, 0.0))  # the first two slid out
     fit.observe(0, 1.0)  # an empty step: nothing to learn
-    assert len(fit.samples) == 4 and fit.samples[-1] == (1, 0.002)
+    assert len(fit.samples) == 4 and fit.samples[-1] == StepSample(1, 0, 0.002)
 
+    # Calibration's shapes: batch 1, batch 32, batch 32 at long contexts, the fastest step of each.
     fit = DecodeStepFit()
-    for seconds in (0.010, 0.011, 0.5):  # an outlier does not move the median
-        fit.observe(1, seconds)
-    for seconds in (0.041, 0.042):
-        fit.observe(32, seconds)
-    prior = fit.adopt_samples_as_prior()
+    for n, context in ((1, 2), (32, 32), (32, 32 * 258)):
+        fit.observe(n, 0.1, context)  # the steps calibration ran: the prior's weights
+    prior = fit.adopt_prior([StepSample(1, 2, 0.010), StepSample(32, 32, 0.041), StepSample(32, 32 * 258, 0.071)])
     assert not fit.samples and fit.prior == prior
-    assert prior.seconds(1) == pytest.approx(0.011) and prior.seconds(32) == pytest.approx(0.041)
-    assert fit.prior_weight > 0
+    assert prior.seconds(1, 2) == pytest.approx(0.010)
+    assert prior.seconds(32, 32) == pytest.approx(0.041)
+    assert prior.seconds(32, 32 * 258) == pytest.approx(0.071)
+    assert prior.per_token_s > 0 and fit.prior_weights[0] > 0 and fit.prior_weights[1] > 0
 
 
 def test_decode_steps_with_proposals_give_a_proposals_cost():
@@ -95,7 +136,8 @@ def test_decode_steps_with_proposals_give_a_proposals_cost():
     from engine.scheduler import SchedulerOutput
 
     model = StepTimeModel(PreemptionCostModel(bytes_per_block=1))
-    one_row = SchedulerOutput(requests=[object()], num_scheduled_tokens=[1], total_num_scheduled_tokens=1)
+    row = SimpleNamespace(num_computed_tokens=10)
+    one_row = SchedulerOutput(requests=[row], num_scheduled_tokens=[1], total_num_scheduled_tokens=1)
     # Batch 1 only: the decode line has no slope, so a proposal's cost is unknown (0) ...
     for _ in range(4):
         model.observe(ModelRunnerOutput([], [], None, seconds=0.020), one_row, 0.020)
@@ -162,10 +204,13 @@ def counts(engine) -> dict:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_calibration_measures_the_model_and_leaves_no_trace(tiny, overlap):
-    plain = build_engine(config(tiny, calibrate=False, overlap=overlap))
-    calibrated = build_engine(config(tiny, overlap=overlap))
+    # A cache with room for calibration's long contexts (32 sequences of up to 512 tokens).
+    large = CacheConfig(block_size=4, num_kv_blocks=4400, num_swap_blocks=8)
+    plain = build_engine(replace(config(tiny, calibrate=False, overlap=overlap), cache=large))
+    calibrated = build_engine(replace(config(tiny, overlap=overlap), cache=large))
     stats = calibrated.get_metrics()
     assert stats.decode_step_base_s + stats.decode_step_per_seq_s > 0 and stats.prefill_s_per_token > 0
+    assert calibrated.step_time.decode.prior_weights[1] > 0  # its steps ran contexts of more than one length
     assert counts(calibrated) == counts(plain)
     assert plain.get_metrics().prefill_s_per_token == 0.0  # the warm-up prefills too little to learn from
     calibrated.check_integrity()

@@ -167,7 +167,7 @@ def test_a_handoffs_first_decode_step_takes_no_prompt_tokens_but_never_two_steps
     engine = make_engine(model_dir, max_decode_stretch=1.0)
     scheduler = engine.scheduler
     scheduler.serves_handoffs = True
-    scheduler.decode_step_s = lambda num_seqs: 0.02
+    scheduler.decode_step_s = lambda num_seqs, num_context_tokens: 0.02
     engine.cost_model.prefill_seconds_per_token = 0.001
     engine.cost_model.num_prefill_observations = 1  # as measured
     engine.add_request(list(range(40, 50)), GREEDY, request_id="decoding")

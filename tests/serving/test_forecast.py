@@ -171,6 +171,14 @@ def test_the_workers_models_pool():
     pool = _pool([1e-3], [(0.01, 1e-3)])
     pool.prefill[0].set_up(False)  # a prefill worker down: the decode workers prefill
     assert pooled_rates(pool.prefill, pool.decode).prefill_s_per_token == 0.5
+    # The per-token part pools too; a line through the origin (no base) is a model still:
+    # taken for none, it left a burst to the concurrency bound alone.
+    pool = _pool([1e-3], [(0.0, 2e-3), (0.01, 0.0)])
+    pool.decode[0].stats = replace(pool.decode[0].stats, decode_step_per_context_token_s=2e-7)
+    rates = pooled_rates(pool.prefill, pool.decode)
+    assert rates.known and rates.num_decode_workers == 2
+    assert (rates.decode_base_s, rates.decode_per_seq_s, rates.decode_per_token_s) == pytest.approx((5e-3, 1e-3, 1e-7))
+    assert rates.step_s(4, 4000) == pytest.approx(5e-3 + 1e-3 * 2 + 1e-7 * 2000)  # per worker: 2 rows, 2000 tokens
 
 
 def test_the_gateway_refuses_by_forecast_and_counts_why():
@@ -281,19 +289,19 @@ def run_wrong_forecast(rates: Rates, truth: Rates, *, shed: bool, num_requests: 
         if not running:
             now = min(ready[r.request_id] for r in forecast.admitted.values())
             continue
-        now += truth.step_s(len(running))
+        now += truth.step_s(len(running), sum(prompt + r.num_generated for r in running))
         for request in running:
             if request.decode_start_at is None:
                 request.decode_start_at, request.decode_start_tokens = now, request.num_generated + 1
                 request.last_event_at = now
-                progress.started(1)
+                progress.started(1, prompt + request.num_generated + 1)
             else:
                 progress.decoded(1, now - request.last_event_at)
                 request.last_event_at = now
             request.num_generated += 1
             if request.num_generated >= output:
                 forecast.remove(request.request_id)
-                progress.ended(1)
+                progress.ended(1, prompt + request.num_generated)
                 outcome["in_time" if now <= deadline_s else "late"] += 1
         if shed and now >= next_check:
             next_check = now + 0.25
@@ -301,7 +309,7 @@ def run_wrong_forecast(rates: Rates, truth: Rates, *, shed: bool, num_requests: 
             for request in to_shed:
                 forecast.remove(request.request_id)
                 if request.decode_start_at is not None:
-                    progress.ended(1)
+                    progress.ended(1, prompt + request.num_generated)
                 outcome["shed"] += 1
             if to_shed:
                 progress.restart(now)
@@ -325,8 +333,29 @@ def test_a_burst_admitted_on_a_wrong_forecast_sheds_the_fewest_and_the_rest_fini
 
 
 def output_finish(rates: Rates, batch: int, prompt: int = 64, output: int = 400) -> float:
-    """When the last of `batch` requests admitted at 0 finishes, prefilled one after another."""
-    return rates.prefill_s(prompt * batch) + (output - 1) * rates.step_s(batch)
+    """When the last of `batch` requests admitted at 0 finishes, prefilled one after another
+    (their decode steps at the contexts halfway through)."""
+    return rates.prefill_s(prompt * batch) + (output - 1) * rates.step_s(batch, batch * (prompt + output / 2))
+
+
+def test_shedding_projects_the_steps_of_contexts_that_grow():
+    """A cold burst's 256 requests decode together, their contexts growing from 64 tokens to
+    464, and so their steps (on a CPU, 6.7 ms at the first, 24.5 ms at the last: issue
+    51's collapse). Admitted on the contexts they have (a batch at every stage, as a warm
+    one is), too many come in. Shedding projects the kept to their ends: on a line
+    without its per-token part the projection stays at the steps it sees, and as each
+    window shows slower steps than the last it sheds again, a third of what could have
+    finished; with it, the steps grow as the contexts will, and it keeps nearly as many
+    as could have finished, every one of them in time."""
+    truth = Rates(prefill_s_per_token=2e-5, decode_base_s=0.001, decode_per_seq_s=2e-5, num_decode_workers=1,
+                  decode_per_token_s=1.5e-7)
+    flat = replace(truth, decode_per_token_s=0.0, decode_per_seq_s=2e-5 + 64 * 1.5e-7)  # fitted at 64-token contexts
+    best = max(b for b in range(1, 257) if output_finish(truth, b) <= 6.0)
+    blind = run_wrong_forecast(flat, truth, shed=True, deadline_s=6.0)
+    assert blind["late"] == 0 and blind["in_time"] < 0.7 * best, (blind, best)
+    outcome = run_wrong_forecast(truth, truth, shed=True, deadline_s=6.0)
+    assert outcome["late"] == 0 and outcome["shed"] > 0, outcome
+    assert outcome["in_time"] >= 0.8 * best, (outcome, best)
 
 
 def test_shedding_keeps_the_higher_priority_and_never_a_request_without_a_deadline():
@@ -341,7 +370,7 @@ def test_shedding_keeps_the_higher_priority_and_never_a_request_without_a_deadli
         forecast.started(request.request_id)
         request.num_generated, request.decode_start_at, request.decode_start_tokens = 20, 1.0, 2
     assert forecast.to_shed(line, 1.0, None) == []  # nothing observed yet: nothing shed
-    shed = forecast.to_shed(line, 2.0, Observed(1 / 18, 40))  # 18 tokens in 1 s each
+    shed = forecast.to_shed(line, 2.0, Observed(1 / 18, 40, 40 * 84))  # 18 tokens in 1 s each
     assert [r.request_id for r in shed] == [f"r{i}" for i in range(13, 39, 2)]
 
 
@@ -459,7 +488,7 @@ def test_the_step_the_running_requests_show_is_read_through_their_streams_gather
     a window restarted less than MIN_OBSERVE_S ago says nothing."""
     progress = DecodeProgress(0.0)
     for _ in range(100):
-        progress.started(1)
+        progress.started(1, 64)
     observed, step, last = None, 0, [0.0] * 100
     while step < 100:
         step += 1
@@ -473,6 +502,10 @@ def test_the_step_the_running_requests_show_is_read_through_their_streams_gather
     assert observed is not None
     assert observed.step_s == pytest.approx(0.04, rel=0.05) and observed.batch == pytest.approx(100)
     assert observed.scale(Rates(2e-4, 0.02, 2e-4, 1)) == pytest.approx(1.0, rel=0.05)  # the line's 40 ms at 100
+    # Their contexts as the window's tokens came: 64 tokens each, then one more a step (the
+    # window's last 2 s: steps 50-96, each stream up to 3 tokens behind its steps).
+    assert 100 * (64 + 50) < observed.context < 100 * (64 + 96)
+    assert progress.context_tokens == 100 * 64 + sum(round(s / 0.04) for s in last)
     progress.restart(now)
     for _ in range(5):
         now += 0.12
@@ -494,7 +527,7 @@ def test_requests_joining_a_paused_stream_at_a_time_read_the_steps_not_their_lag
     for step in range(1, 51):
         now = 0.04 * step
         joined[step] = last[step] = now  # its first decode event
-        progress.started(1)
+        progress.started(1, 65)
         for i in list(last):
             if i != step and now - last[i] >= 0.25 - 1e-9:
                 progress.decoded(round((now - last[i]) / 0.04), now - last[i])

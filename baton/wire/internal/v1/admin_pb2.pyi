@@ -72,7 +72,7 @@ class PhaseLatency(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., p50_s: _Optional[float] = ..., p90_s: _Optional[float] = ..., mean_s: _Optional[float] = ...) -> None: ...
 
 class AdmissionStatus(_message.Message):
-    __slots__ = ("max_concurrent_requests", "max_queue_wait_s", "num_in_flight", "num_admitted", "num_refused_concurrency", "num_refused_queue_wait", "num_refused_deadline", "num_deadline_misses", "num_met_deadlines", "forecast_known", "forecast_queue_wait_s", "mean_forecast_ttft_s", "mean_observed_ttft_s", "decode_scale", "decode_step_base_s", "decode_step_per_seq_s")
+    __slots__ = ("max_concurrent_requests", "max_queue_wait_s", "num_in_flight", "num_admitted", "num_refused_concurrency", "num_refused_queue_wait", "num_refused_deadline", "num_deadline_misses", "num_met_deadlines", "forecast_known", "forecast_queue_wait_s", "mean_forecast_ttft_s", "mean_observed_ttft_s", "decode_scale", "decode_step_base_s", "decode_step_per_seq_s", "decode_step_per_context_token_s")
     MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class AdmissionStatus(_message.Message):
     DECODE_SCALE_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_BASE_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_PER_SEQ_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_PER_CONTEXT_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     max_concurrent_requests: int
     max_queue_wait_s: float
     num_in_flight: int
@@ -105,4 +106,5 @@ class AdmissionStatus(_message.Message):
     decode_scale: float
     decode_step_base_s: float
     decode_step_per_seq_s: float
-    def __init__(self, max_concurrent_requests: _Optional[int] = ..., max_queue_wait_s: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., num_admitted: _Optional[int] = ..., num_refused_concurrency: _Optional[int] = ..., num_refused_queue_wait: _Optional[int] = ..., num_refused_deadline: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., num_met_deadlines: _Optional[int] = ..., forecast_known: _Optional[bool] = ..., forecast_queue_wait_s: _Optional[float] = ..., mean_forecast_ttft_s: _Optional[float] = ..., mean_observed_ttft_s: _Optional[float] = ..., decode_scale: _Optional[float] = ..., decode_step_base_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ...) -> None: ...
+    decode_step_per_context_token_s: float
+    def __init__(self, max_concurrent_requests: _Optional[int] = ..., max_queue_wait_s: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., num_admitted: _Optional[int] = ..., num_refused_concurrency: _Optional[int] = ..., num_refused_queue_wait: _Optional[int] = ..., num_refused_deadline: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., num_met_deadlines: _Optional[int] = ..., forecast_known: _Optional[bool] = ..., forecast_queue_wait_s: _Optional[float] = ..., mean_forecast_ttft_s: _Optional[float] = ..., mean_observed_ttft_s: _Optional[float] = ..., decode_scale: _Optional[float] = ..., decode_step_base_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., decode_step_per_context_token_s: _Optional[float] = ...) -> None: ...
