@@ -20,17 +20,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Calibration: the larger decode batch, the decode steps taken in each phase (at least
-# MIN, more up to MAX while within the phase's budget), the longest prefill, and the
-# longest context of the long-context phase (its prompts' prefill within its budget).
-CALIBRATION_BATCH = 256
+# Calibration: the larger decode batch (at 256 on SmolLM2, six workers calibrating on two
+# cores took 8-12 s each), the decode steps taken in each phase (at least MIN, more up to
+# MAX while within the phase's budget), the longest prefill, and the contexts of the
+# long-context phase (its prompts' prefill within its budget; shorter than MIN, it is
+# skipped: attention over them hides in a step's other costs).
+CALIBRATION_BATCH = 32
 MIN_CALIBRATION_STEPS = 2
 MAX_CALIBRATION_STEPS = 8
 MAX_CALIBRATION_PREFILL = 512
 MAX_CALIBRATION_CONTEXT = 512
+MIN_CALIBRATION_CONTEXT = 128
 DECODE_PHASE_BUDGET_S = 0.1
 PREFILL_BUDGET_S = 0.15
-CONTEXT_PREFILL_BUDGET_S = 0.2
+CONTEXT_PREFILL_BUDGET_S = 0.15
 _REQUEST_ID = "step-time-calibration"
 
 
@@ -39,7 +42,7 @@ def calibrate_step_time(engine: LLMEngine) -> float:
     steps at batch 1 and at min(max_num_seqs, CALIBRATION_BATCH), one prefill step (the
     prefill rate), then decode steps with contexts of up to MAX_CALIBRATION_CONTEXT
     tokens each: the fastest step of each shape makes the fit's prior (`_measure_shapes`). Random prompts, greedy, sized to fit the KV cache and
-    bounded in time (about half a second on a CPU).
+    bounded in time (a few tenths of a second on a CPU).
 
     Leaves no trace but the model: every request is ended and its blocks freed (the free
     list back in a fresh pool's order), the prefix cache is not fed, and the scheduler's
@@ -95,13 +98,13 @@ def _measure_shapes(engine: LLMEngine, rng: random.Random) -> list[StepSample]:
     prefill_rate = engine.cost_model.measured_prefill_seconds_per_token
     if prefill_rate <= 0 or batch == 1:
         return list(fastest.values())
-    # Long contexts before a large batch: attention over a few dozen tokens a sequence
+    # Long contexts before many sequences: attention over a few dozen tokens a sequence
     # hides in a step's other costs (dummy:tiny on a CPU: 256 rows of 64 tokens step as
     # fast as of 8), so the slope shows at hundreds.
     context = min(MAX_CALIBRATION_CONTEXT, engine.max_model_len - 2 * MAX_CALIBRATION_STEPS - 2)
     long_batch = max(1, min(batch, int(CONTEXT_PREFILL_BUDGET_S / (prefill_rate * context))))
     context = min(context, int(CONTEXT_PREFILL_BUDGET_S / (prefill_rate * long_batch)))
-    if context > 1:
+    if context >= MIN_CALIBRATION_CONTEXT:
         measure(long_batch, context)
         if fit_line(list(fastest.values())).per_token_s == 0:
             measure(batch, 1)
