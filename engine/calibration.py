@@ -41,8 +41,9 @@ def calibrate_step_time(engine: LLMEngine) -> float:
     """Measure the step-time model on an idle engine, through the engine itself: decode
     steps at batch 1 and at min(max_num_seqs, CALIBRATION_BATCH), one prefill step (the
     prefill rate), then decode steps with contexts of up to MAX_CALIBRATION_CONTEXT
-    tokens each: the fastest step of each shape makes the fit's prior (`_measure_shapes`). Random prompts, greedy, sized to fit the KV cache and
-    bounded in time (a few tenths of a second on a CPU).
+    tokens each: the fastest step of each shape makes the fit's prior (`_measure_shapes`).
+    Random prompts, greedy, sized to fit the KV cache and bounded in time (a few tenths of
+    a second on a CPU).
 
     Leaves no trace but the model: every request is ended and its blocks freed (the free
     list back in a fresh pool's order), the prefix cache is not fed, and the scheduler's

@@ -79,36 +79,55 @@ def fit_line(samples: list[StepSample], prior: StepLine | None = None,
         return prior if prior is not None else StepLine(0.0, 0.0)
     priors = (prior.per_seq_s, prior.per_token_s) if prior is not None else (0.0, 0.0)
     weights = prior_weights if prior is not None else (0.0, 0.0)
-    columns = ([float(s.num_seqs) for s in samples], [float(s.num_context_tokens) for s in samples])
-    seconds = [s.seconds for s in samples]
+    moments = _Moments.of(samples)
     # (the slopes fitted, the others' held values), the most fitted first.
     candidates = [((0, 1), (0.0, 0.0))] + [
         (free, held) for held in (priors, (0.0, 0.0)) for free in ((0,), (1,), ())]
     for free, held in candidates:
-        fitted = _ridge(columns, seconds, free, held, priors, weights, intercept=True)
+        fitted = _ridge(moments[0], free, held, priors, weights)
         if fitted is not None and fitted.base_s < 0:
-            fitted = _ridge(columns, seconds, free, held, priors, weights, intercept=False)
+            fitted = _ridge(moments[1], free, held, priors, weights)
         if fitted is not None:
             return fitted
     raise AssertionError("a line of zero slopes always fits")
 
 
-def _ridge(columns: tuple[list[float], list[float]], seconds: list[float], free: tuple[int, ...],
-           held: tuple[float, float], priors: tuple[float, float], weights: tuple[float, float],
-           intercept: bool) -> StepLine | None:
+class _Moments(NamedTuple):
+    """What least squares reads of the samples: the means of batch size, context and
+    seconds, and their cross sums of deviations from those means (about zero, for a
+    line through the origin). Computed once, however many fits are then tried."""
+
+    means: tuple[float, float]  # of batch size, of context
+    mean_y: float
+    cross: tuple[tuple[float, float], tuple[float, float]]  # [i][j]: sum of dev_i * dev_j
+    with_y: tuple[float, float]  # [i]: sum of dev_i * dev_y
+
+    @classmethod
+    def of(cls, samples: list[StepSample]) -> tuple[_Moments, _Moments]:
+        """About the means (a line with an intercept), and about zero (through the origin)."""
+        n = len(samples)
+        xs = [float(s.num_seqs) for s in samples]
+        zs = [float(s.num_context_tokens) for s in samples]
+        ys = [s.seconds for s in samples]
+        sx, sz, sy = sum(xs), sum(zs), sum(ys)
+        sxx, sxz, szz = sum(x * x for x in xs), sum(x * z for x, z in zip(xs, zs)), sum(z * z for z in zs)
+        sxy, szy = sum(x * y for x, y in zip(xs, ys)), sum(z * y for z, y in zip(zs, ys))
+
+        def about(mx: float, mz: float, my: float) -> _Moments:
+            return cls((mx, mz), my, ((sxx - n * mx * mx, sxz - n * mx * mz), (sxz - n * mx * mz, szz - n * mz * mz)),
+                       (sxy - n * mx * my, szy - n * mz * my))
+
+        return about(sx / n, sz / n, sy / n), about(0.0, 0.0, 0.0)
+
+
+def _ridge(m: _Moments, free: tuple[int, ...], held: tuple[float, float], priors: tuple[float, float],
+           weights: tuple[float, float]) -> StepLine | None:
     """The ridge fit of the `free` slopes, the others at their `held` values; None where a
     slope is negative or the free variables cannot be told apart."""
-    n = len(seconds)
     slopes = [0.0 if i in free else held[i] for i in (0, 1)]
-    residual = [y - slopes[0] * x - slopes[1] * z for y, x, z in zip(seconds, *columns)]
-    mean_y = sum(residual) / n if intercept else 0.0
-    means = [sum(c) / n if intercept else 0.0 for c in columns]
-    dev = [[x - means[i] for x in columns[i]] for i in free]
-    dev_y = [y - mean_y for y in residual]
-    # Normal equations: (X'X + W) b = X'y + W b_prior.
-    a = [[sum(p * q for p, q in zip(dev[j], dev[k])) + (weights[free[j]] if j == k else 0.0)
-          for k in range(len(free))] for j in range(len(free))]
-    b = [sum(p * q for p, q in zip(dev[j], dev_y)) + weights[free[j]] * priors[free[j]] for j in range(len(free))]
+    # Normal equations of the residual (seconds less the held slopes' part): (X'X + W) b = X'r + W b_prior.
+    a = [[m.cross[i][j] + (weights[i] if i == j else 0.0) for j in free] for i in free]
+    b = [m.with_y[i] - sum(slopes[j] * m.cross[i][j] for j in (0, 1)) + weights[i] * priors[i] for i in free]
     if len(free) == 2:
         det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
         if det <= 1e-9 * a[0][0] * a[1][1]:
@@ -120,7 +139,7 @@ def _ridge(columns: tuple[list[float], list[float]], seconds: list[float], free:
         slopes[free[0]] = b[0] / a[0][0]
     if min(slopes) < 0:
         return None
-    return StepLine(mean_y - sum(slopes[i] * means[i] for i in free), *slopes)
+    return StepLine(m.mean_y - slopes[0] * m.means[0] - slopes[1] * m.means[1], *slopes)
 
 
 class StepTimeEstimate(NamedTuple):
