@@ -52,6 +52,7 @@ from gateway.forecast import (
     QUEUE_WAIT,
     SHED,
     Admitted,
+    Behind,
     DecodeProgress,
     DecodeScale,
     Forecast,
@@ -166,6 +167,7 @@ class GatewayAdmission:
         self.progress = DecodeProgress(clock())
         self.observed_scale: float | None = None
         self._checked_at = float("-inf")
+        self.behind = Behind()
 
     @property
     def limits(self) -> AdmissionLimits:
@@ -312,7 +314,7 @@ class GatewayAdmission:
         elif not self.progress.num_decoding:
             self.observed_scale = None  # kept while a fresh window fills, forgotten once none decodes
         shed = [r for r in self.forecast.to_shed(rates, now, observed) if r.request_id not in self.shed]
-        if not shed:
+        if not self.behind.confirmed(now, bool(shed), self.forecast.admitted.values()):
             return
         self.progress.restart(now)  # the batch it was measured in is gone
         kept = len(self.forecast.admitted) - len(self.shed) - len(shed)

@@ -33,8 +33,8 @@ workers' line never saw. So while requests run, `to_shed` compares their progres
 their deadlines. The step their decoding shows (DecodeProgress: pooled over every
 decoding request, over the last OBSERVE_WINDOW_S) is the line scaled by what it shows,
 at the contexts the kept requests will have as they decode;
-if at that step an admitted request would finish past its deadline, the fewest requests
-are shed so that the rest finish in time: hopeless ones first, then the lowest
+if at that step an admitted request would finish past its deadline (at every check for
+a while: `Behind`), the fewest requests are shed so that the rest finish in time: hopeless ones first, then the lowest
 priority, then the latest admitted (requests without a deadline are never shed). The
 scale it observed also corrects the forecast of what is admitted next
 (`Observed.scale`), before any request has finished to teach DecodeScale.
@@ -70,6 +70,12 @@ MIN_OBSERVED_TOKENS = 32
 # A request is behind when its projected last token falls within this share of its time
 # of its deadline (the projection's own margin for error).
 SHED_MARGIN = 0.05
+# Falling behind is confirmed, not read once: requests are shed only when every check over
+# CONFIRM_SHARE of the shortest deadline among the admitted (at most OBSERVE_WINDOW_S, a
+# window of its own) found some behind. A burst's first second slows the steps it shows (its
+# calls arriving, its prompts prefilling beside the first decodes): one reading there shed
+# 85 of a cold burst's first 147, and the steps that followed were faster (issue 51).
+CONFIRM_SHARE = 0.1
 
 
 @dataclass(slots=True)
@@ -478,6 +484,28 @@ class Forecast:
         step = rates.step_s(self.num_seqs, self.context_tokens())
         started = [r.remaining_tokens() * step for r in self.admitted.values() if r.started]
         return min(started, default=rates.prefill_s(self.tokens_ahead((math.inf,))) + step)
+
+
+class Behind:
+    """Since when the checks have found admitted requests behind their deadlines."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def confirmed(self, now: float, behind: bool, admitted) -> bool:
+        """Whether falling behind is confirmed at `now`: this check found some of `admitted`
+        behind (`behind`), and so did every one since the first that did, for long enough.
+        A confirmation starts the next one afresh."""
+        if not behind:
+            self.since = None
+            return False
+        if self.since is None:
+            self.since = now
+        span = min((r.deadline - r.arrival for r in admitted if r.deadline is not None), default=0.0)
+        if now - self.since < min(OBSERVE_WINDOW_S, CONFIRM_SHARE * span):
+            return False
+        self.since = None
+        return True
 
 
 def _behind(request: Admitted, finish: float) -> bool:
